@@ -1,0 +1,29 @@
+"""thunder_overlap: FSDP for Lightning Thunder whose communication overlaps compute.
+
+    import thunder_overlap
+    model = thunder_overlap.fsdp(model, sharding_strategy="zero3")
+
+Data flows one way: model -> Thunder's FSDP transform -> execution traces -> ``classify``
+(annotated trace) -> ``scheduling`` (decisions) -> executed trace -> ``schedule_view`` (report).
+"""
+
+from thunder_overlap.api import fsdp, fsdp_transforms
+from thunder_overlap.config import OverlapConfig
+from thunder_overlap.plugin import FSDPOverlap, register as _register_plugin
+from thunder_overlap.schedule_view import ScheduleStats, schedule_picture, schedule_stats
+from thunder_overlap.transforms import OverlapScheduleTransform, Zero3Transform
+
+__all__ = [
+    "FSDPOverlap",
+    "OverlapConfig",
+    "OverlapScheduleTransform",
+    "ScheduleStats",
+    "Zero3Transform",
+    "fsdp",
+    "fsdp_transforms",
+    "schedule_picture",
+    "schedule_stats",
+]
+__version__ = "0.1.0"
+
+_register_plugin()

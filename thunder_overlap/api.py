@@ -1,0 +1,199 @@
+"""``thunder_overlap.fsdp``: a drop-in replacement for ``thunder.distributed.fsdp``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import thunder
+from thunder.core.module import ThunderModule
+from thunder.core.transform_common import Transform
+from thunder.distributed import FSDPBucketingStrategy, FSDPType, copy_default_process_group
+from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
+from thunder.transforms import MaterializationTransform
+
+from thunder_overlap.config import OverlapConfig
+from thunder_overlap.transforms import OverlapScheduleTransform, Zero3Transform
+
+__all__ = ["fsdp", "fsdp_transforms", "parse_sharding_strategy", "parse_bucketing_strategy"]
+
+_SHARDING_NAMES = {"zero2": FSDPType.ZERO2, "zero3": FSDPType.ZERO3}
+_BUCKETING_NAMES = {
+    "none": FSDPBucketingStrategy.NONE,
+    "layer": FSDPBucketingStrategy.LAYER,
+    "block": FSDPBucketingStrategy.BLOCK,
+}
+# The device type each backend can communicate; "fake" (tracing only) takes any.
+_BACKEND_DEVICE_TYPES = {"gloo": {"cpu"}, "nccl": {"cuda"}}
+
+
+def parse_sharding_strategy(value: FSDPType | str) -> FSDPType:
+    if isinstance(value, FSDPType):
+        return value
+    if isinstance(value, str) and value.lower() in _SHARDING_NAMES:
+        return _SHARDING_NAMES[value.lower()]
+    raise ValueError(
+        f"sharding_strategy={value!r} is not supported; accepted: FSDPType.ZERO2, FSDPType.ZERO3, "
+        f"or one of {sorted(_SHARDING_NAMES)}"
+    )
+
+
+def parse_bucketing_strategy(value: FSDPBucketingStrategy | str) -> FSDPBucketingStrategy:
+    strategy = None
+    if isinstance(value, FSDPBucketingStrategy):
+        strategy = value
+    elif isinstance(value, str) and value.lower() in _BUCKETING_NAMES:
+        strategy = _BUCKETING_NAMES[value.lower()]
+    if strategy is None:
+        raise ValueError(
+            f"bucketing_strategy={value!r} is not supported; accepted: FSDPBucketingStrategy.NONE/LAYER/BLOCK "
+            f"or one of {sorted(_BUCKETING_NAMES)}"
+        )
+    if strategy is not FSDPBucketingStrategy.NONE:
+        raise NotImplementedError(
+            f"bucketing_strategy={value!r} is not implemented yet in thunder_overlap; use 'none' "
+            "(Thunder 0.2.6 ignores bucketing too, so 'none' is what it ran)"
+        )
+    return strategy
+
+
+@dataclass(frozen=True)
+class _Setup:
+    device: torch.device
+    process_group: dist.ProcessGroup
+    sharding: FSDPType
+    broadcast_from: int | None
+
+
+def _resolve(device, process_group, sharding_strategy, bucketing_strategy, broadcast_from) -> _Setup:
+    sharding = parse_sharding_strategy(sharding_strategy)
+    parse_bucketing_strategy(bucketing_strategy)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "thunder_overlap.fsdp needs an initialised process group: call "
+            "torch.distributed.init_process_group(...) first (torchrun sets up the environment for it)"
+        )
+    if process_group is None:
+        process_group = copy_default_process_group()
+    elif not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r}")
+    backend = str(dist.get_backend(process_group))
+    world_size = dist.get_world_size(process_group)
+
+    if device is None:
+        if backend == "nccl":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        else:
+            device = torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as e:
+        raise ValueError(f"device={device!r} is not a valid torch device") from e
+    allowed = _BACKEND_DEVICE_TYPES.get(backend)
+    if allowed is not None and device.type not in allowed:
+        raise ValueError(
+            f"device={str(device)!r} does not match the process group backend {backend!r}, "
+            f"which communicates {sorted(allowed)} tensors"
+        )
+
+    if broadcast_from is not None:
+        if isinstance(broadcast_from, bool) or not isinstance(broadcast_from, int):
+            raise TypeError(f"broadcast_from must be a rank (int) or None, got {broadcast_from!r}")
+        if not 0 <= broadcast_from < world_size:
+            raise ValueError(f"broadcast_from={broadcast_from} is not a rank of this process group (0..{world_size - 1})")
+    return _Setup(device, process_group, sharding, broadcast_from)
+
+
+def fsdp_transforms(
+    *,
+    device: torch.device,
+    process_group: dist.ProcessGroup,
+    sharding_strategy: FSDPType,
+    broadcast_from: int | None = None,
+    config: OverlapConfig | None = None,
+    move_state_dict_to_cpu: bool = False,
+) -> list[Transform]:
+    """The transforms ``fsdp`` applies, for ``thunder.jit(model, transforms=...)``: Thunder's
+    sharding and materialisation, then ZeRO3 re-gathering (ZeRO3 only), then scheduling."""
+    transforms: list[Transform] = [
+        FSDPTransform(
+            device=device,
+            broadcast_from=broadcast_from,
+            sharding_strategy=sharding_strategy,
+            release_original_parameters=True,
+            move_state_dict_to_cpu=move_state_dict_to_cpu,
+            process_group=process_group,
+        ),
+        MaterializationTransform(device, init=MaterializationTransform.init_from_original_module_init()),
+    ]
+    if sharding_strategy is FSDPType.ZERO3:
+        transforms.append(Zero3Transform())
+    transforms.append(OverlapScheduleTransform(config))
+    return transforms
+
+
+def fsdp(
+    model: nn.Module,
+    *,
+    device: torch.device | str | None = None,
+    sharding_strategy: FSDPType | str = FSDPType.ZERO2,
+    bucketing_strategy: FSDPBucketingStrategy | str = FSDPBucketingStrategy.NONE,
+    process_group: dist.ProcessGroup | None = None,
+    broadcast_from: int | None = None,
+    config: OverlapConfig | None = None,
+    move_state_dict_to_cpu: bool = False,
+    **jit_options: Any,
+) -> ThunderModule:
+    """Shards ``model`` like ``thunder.distributed.fsdp`` and overlaps its communication.
+
+    Args:
+        model: a plain ``nn.Module`` (jitted here, with ``jit_options``) or what ``thunder.jit``
+            returned, not yet sharded.
+        device: where shards live; default ``cuda:LOCAL_RANK`` for NCCL, ``cpu`` otherwise.
+        sharding_strategy: ``FSDPType.ZERO2``/``ZERO3`` or ``"zero2"``/``"zero3"``. ZeRO3 saves
+            only sharded parameters for backward and re-gathers them there.
+        bucketing_strategy: ``"none"`` (``"layer"``/``"block"`` raise NotImplementedError for now).
+        process_group: the group to shard over; default a copy of the default group.
+        broadcast_from: rank whose parameters are broadcast to all before sharding.
+        config: scheduler options (:class:`OverlapConfig`).
+        move_state_dict_to_cpu: as in Thunder, for ``original_state_dict``.
+        jit_options: passed to ``thunder.jit`` when ``model`` is a plain module.
+
+    Returns:
+        A ThunderModule whose ``named_parameters()`` are the local dim-0 shards (padded as Thunder
+        pads them) and whose ``.grad`` are their gradients.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module or a thunder.jit module, got {type(model).__name__}")
+    if config is not None and not isinstance(config, OverlapConfig):
+        raise TypeError(f"config must be a thunder_overlap.OverlapConfig or None, got {type(config).__name__}")
+    if not isinstance(move_state_dict_to_cpu, bool):
+        raise TypeError(f"move_state_dict_to_cpu must be a bool, got {move_state_dict_to_cpu!r}")
+    setup = _resolve(device, process_group, sharding_strategy, bucketing_strategy, broadcast_from)
+    transforms = fsdp_transforms(
+        device=setup.device,
+        process_group=setup.process_group,
+        sharding_strategy=setup.sharding,
+        broadcast_from=setup.broadcast_from,
+        config=config,
+        move_state_dict_to_cpu=move_state_dict_to_cpu,
+    )
+
+    if isinstance(model, ThunderModule):
+        if jit_options:
+            raise TypeError(
+                f"options {sorted(jit_options)} are thunder.jit options; they apply only when model is a plain "
+                "nn.Module, but this model was already jitted"
+            )
+        if getattr(thunder.compile_data(model), "use_fsdp", False) or getattr(model._model, "use_fsdp", False):
+            raise ValueError("model is already sharded with FSDP; pass the unsharded model")
+        from thunder.core.transforms import add_transform
+
+        # One add_transform call with every transform: a second call would re-initialise weights.
+        return add_transform(model, transform=transforms)
+    user_transforms = list(jit_options.pop("transforms", None) or [])
+    return thunder.jit(model, transforms=[*user_transforms, *transforms], **jit_options)

@@ -1,0 +1,86 @@
+"""Run a function on N local ranks (processes) with a process group, collecting the results.
+
+Used by the demo, the tests and the CPU benchmarks. Errors on any rank are raised in the caller
+with that rank's traceback; a rank that dies or a run past ``timeout_s`` never hangs the caller.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue as queue_module
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+__all__ = ["run_local_ranks"]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, backend, args, results, timeout_s) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    try:
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        # Pickled here, by value: torch would otherwise share tensors through file descriptors
+        # that vanish when this process exits.
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_local_ranks(
+    fn: Callable[..., Any], world_size: int = 2, args: tuple = (), *, backend: str = "gloo", timeout_s: float = 600
+) -> list[Any]:
+    """Calls ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; returns the
+    results ordered by rank. ``fn`` and its results must be picklable."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, rank, world_size, port, backend, args, results, timeout_s), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    collected: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(collected) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue_module.Empty:
+                crashed = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in collected]
+                if crashed:
+                    raise RuntimeError(f"ranks {crashed} exited with codes {[procs[i].exitcode for i in crashed]}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish within {timeout_s}s") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            collected[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    return [collected[r] for r in range(world_size)]

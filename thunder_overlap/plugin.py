@@ -1,0 +1,55 @@
+"""The ``"fsdp-overlap"`` Thunder plugin: ``thunder.compile(model, plugins="fsdp-overlap")``."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from thunder import Plugin
+from thunder.distributed import FSDPBucketingStrategy, FSDPType
+
+from thunder_overlap.api import _resolve, fsdp_transforms
+from thunder_overlap.config import OverlapConfig
+
+__all__ = ["FSDPOverlap", "PLUGIN_NAME", "register"]
+
+PLUGIN_NAME = "fsdp-overlap"
+
+
+class FSDPOverlap(Plugin):
+    """The transforms of :func:`thunder_overlap.fsdp` as a plugin; same arguments and checks.
+
+    By name (``plugins="fsdp-overlap"``) it runs with defaults (ZeRO2); pass an instance, e.g.
+    ``plugins=[FSDPOverlap(sharding_strategy="zero3")]``, to choose options.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        sharding_strategy: FSDPType | str = FSDPType.ZERO2,
+        bucketing_strategy: FSDPBucketingStrategy | str = FSDPBucketingStrategy.NONE,
+        process_group: dist.ProcessGroup | None = None,
+        broadcast_from: int | None = None,
+        config: OverlapConfig | None = None,
+        move_state_dict_to_cpu: bool = False,
+    ) -> None:
+        if config is not None and not isinstance(config, OverlapConfig):
+            raise TypeError(f"config must be a thunder_overlap.OverlapConfig or None, got {type(config).__name__}")
+        self.setup = _resolve(device, process_group, sharding_strategy, bucketing_strategy, broadcast_from)
+        self.config = config
+        self.move_state_dict_to_cpu = move_state_dict_to_cpu
+
+    def setup_transforms(self):
+        return fsdp_transforms(
+            device=self.setup.device,
+            process_group=self.setup.process_group,
+            sharding_strategy=self.setup.sharding,
+            broadcast_from=self.setup.broadcast_from,
+            config=self.config,
+            move_state_dict_to_cpu=self.move_state_dict_to_cpu,
+        )
+
+
+def register() -> None:
+    from thunder.plugins import register_plugin
+
+    register_plugin(PLUGIN_NAME, FSDPOverlap)

@@ -1,0 +1,101 @@
+"""Reading a final execution trace back: a compact picture of its schedule and its figures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from thunder.core.trace import TraceCtx
+
+from thunder_overlap.classify import CollectiveKind, NodeKind, classify_trace, is_expensive
+
+__all__ = ["ScheduleStats", "schedule_picture", "schedule_stats"]
+
+_COLLECTIVE_LABELS = {CollectiveKind.ALL_GATHER: "AG", CollectiveKind.REDUCE_SCATTER: "RS", CollectiveKind.OTHER: "AR"}
+
+
+def schedule_picture(trace: TraceCtx) -> str:
+    """One token per event: ``AG``/``RS`` issue, ``W`` wait, ``mm`` a matmul-like op, ``c`` a run
+    of other compute ops. Prologue and epilogue ops are folded into their collective."""
+    annotated = classify_trace(trace)
+    tokens: list[str] = []
+    for node in annotated.nodes:
+        if node.kind is NodeKind.COLLECTIVE:
+            tokens.append(_COLLECTIVE_LABELS[annotated.collectives[node.collective].kind])
+        elif node.kind is NodeKind.WAIT:
+            tokens.append("W")
+        elif node.kind is NodeKind.COMPUTE:
+            token = "mm" if is_expensive(node.bsym) else "c"
+            if token == "c" and tokens and tokens[-1] == "c":
+                continue
+            tokens.append(token)
+    return " ".join(tokens)
+
+
+@dataclass(frozen=True)
+class ScheduleStats:
+    """Overlap and in-flight figures of one execution trace, as it will run."""
+
+    allgathers: int
+    allgathers_overlapped: int
+    reduce_scatters: int
+    reduce_scatters_overlapped: int
+    # Largest sum of all-gather output bytes issued but not yet waited on.
+    peak_allgather_bytes_in_flight: int
+    max_allgathers_in_flight: int
+    # Largest sum of reduce-scatter input bytes issued but not yet waited on.
+    peak_reduce_scatter_bytes_in_flight: int
+
+    @property
+    def allgather_overlap_fraction(self) -> float:
+        return self.allgathers_overlapped / self.allgathers if self.allgathers else 1.0
+
+    @property
+    def reduce_scatter_overlap_fraction(self) -> float:
+        return self.reduce_scatters_overlapped / self.reduce_scatters if self.reduce_scatters else 1.0
+
+
+def schedule_stats(trace: TraceCtx) -> ScheduleStats:
+    """A collective counts as overlapped when at least one compute op runs between its issue and
+    its wait. In-flight figures follow the trace order."""
+    annotated = classify_trace(trace)
+    nodes = annotated.nodes
+    compute_before = [0]
+    for node in nodes:
+        compute_before.append(compute_before[-1] + (node.kind is NodeKind.COMPUTE))
+
+    counts = {CollectiveKind.ALL_GATHER: [0, 0], CollectiveKind.REDUCE_SCATTER: [0, 0]}
+    for coll in annotated.collectives:
+        if coll.kind not in counts:
+            continue
+        counts[coll.kind][0] += 1
+        end = coll.wait if coll.wait is not None else len(nodes)
+        if compute_before[end] - compute_before[coll.start + 1] > 0:
+            counts[coll.kind][1] += 1
+
+    in_flight: dict[int, int] = {}
+    peaks = {CollectiveKind.ALL_GATHER: 0, CollectiveKind.REDUCE_SCATTER: 0}
+    max_allgathers = 0
+    for node in nodes:
+        if node.collective is None or node.kind not in (NodeKind.COLLECTIVE, NodeKind.WAIT):
+            continue
+        coll = annotated.collectives[node.collective]
+        if coll.kind not in peaks:
+            continue
+        if node.kind is NodeKind.COLLECTIVE:
+            in_flight[node.collective] = coll.unsharded_bytes
+        else:
+            in_flight.pop(node.collective, None)
+        for kind in peaks:
+            live = [c for c in in_flight if annotated.collectives[c].kind is kind]
+            peaks[kind] = max(peaks[kind], sum(in_flight[c] for c in live))
+            if kind is CollectiveKind.ALL_GATHER:
+                max_allgathers = max(max_allgathers, len(live))
+    return ScheduleStats(
+        allgathers=counts[CollectiveKind.ALL_GATHER][0],
+        allgathers_overlapped=counts[CollectiveKind.ALL_GATHER][1],
+        reduce_scatters=counts[CollectiveKind.REDUCE_SCATTER][0],
+        reduce_scatters_overlapped=counts[CollectiveKind.REDUCE_SCATTER][1],
+        peak_allgather_bytes_in_flight=peaks[CollectiveKind.ALL_GATHER],
+        max_allgathers_in_flight=max_allgathers,
+        peak_reduce_scatter_bytes_in_flight=peaks[CollectiveKind.REDUCE_SCATTER],
+    )

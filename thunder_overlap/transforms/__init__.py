@@ -1,0 +1,6 @@
+"""Trace transforms, one per file: ZeRO3 re-gathering and overlap scheduling."""
+
+from thunder_overlap.transforms.schedule import OverlapScheduleTransform
+from thunder_overlap.transforms.zero3 import Zero3Transform
+
+__all__ = ["OverlapScheduleTransform", "Zero3Transform"]

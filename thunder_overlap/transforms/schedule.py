@@ -1,0 +1,50 @@
+"""Overlap scheduling of the forward and backward execution traces."""
+
+from __future__ import annotations
+
+from thunder.core.trace import TraceCtx, TraceTag
+from thunder.core.transform_common import Transform
+
+from thunder_overlap.blocks import largest_block_bytes
+from thunder_overlap.classify import classify_trace, find_swallowed_collectives
+from thunder_overlap.config import OverlapConfig, ScheduleLimits
+from thunder_overlap.scheduling import OverlapScheduler, Schedule, apply_order, stock_order
+
+__all__ = ["OverlapScheduleTransform"]
+
+
+class OverlapScheduleTransform(Transform):
+    """Reorders collectives and waits around Thunder's compute order (see ``scheduling``).
+
+    Compute keeps its order; all-gathers move up to prefetch within the configured limits,
+    reduce-scatters move up to right after their gradient, waits move down to their first use.
+    """
+
+    def __init__(self, config: OverlapConfig | None = None) -> None:
+        self.config = config if config is not None else OverlapConfig()
+        self.limits: ScheduleLimits = self.config.limits(largest_block_bytes=None)
+        # The decisions taken for the last forward and backward traces, for reports and tests.
+        self.last_schedules: dict[str, Schedule] = {}
+
+    def transform_module(self, model) -> None:
+        # The original module still has the unsharded shapes (on meta once FSDP released it).
+        self.limits = self.config.limits(largest_block_bytes(model._model))
+
+    def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
+        swallowed = find_swallowed_collectives(computation_trace)
+        if swallowed:
+            executors = [ex.name for ex in kwargs.get("executors_list", ())]
+            raise RuntimeError(
+                f"thunder_overlap: collectives were fused into {swallowed}, so they cannot be scheduled. "
+                f"Executors in use: {executors}. Leave out executors that fuse communication "
+                "(such as 'torchcompile'); nvFuser and the torch executor keep collectives top-level."
+            )
+        annotated = classify_trace(computation_trace)
+        if not annotated.collectives:
+            return computation_trace
+        if self.config.policy == "stock":
+            schedule = stock_order(annotated)
+        else:
+            schedule = OverlapScheduler(annotated, self.limits).schedule()
+        self.last_schedules["backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"] = schedule
+        return apply_order(annotated, schedule, provenance=f"thunder_overlap: {self.config.policy} schedule")

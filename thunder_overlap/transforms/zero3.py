@@ -1,0 +1,159 @@
+"""Real ZeRO3: save sharded parameters for backward and re-gather them there.
+
+Thunder 0.2.6 runs ZERO3 like ZERO2: the forward returns unsharded parameters (and views of them,
+such as an unpadded slice or a broadcast norm weight) as saved-for-backward tensors. This transform
+rewrites the pair of execution traces:
+
+- forward: every saved tensor that is a pure function of one gathered parameter (all-gather, wait,
+  then cheap view ops) is dropped from the saved tensors, and the sharded parameter it came from is
+  saved instead; deletions are regenerated, so each unsharded parameter dies after its last
+  forward use;
+- backward: the same all-gather, wait and view ops are replayed (with the same names) after the
+  inputs are unpacked. The scheduler then moves them to where they are needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from thunder.core import prims
+from thunder.core.proxies import TensorProxy
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
+from thunder.core.transform_common import Transform
+from thunder.executors.passes import del_last_used
+
+from thunder_overlap.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace
+
+__all__ = ["Zero3Transform", "RegatherPlan", "plan_regather"]
+
+_PARAMETER_CHAIN = (NodeKind.COLLECTIVE, NodeKind.WAIT, NodeKind.EPILOGUE, NodeKind.PROLOGUE)
+
+
+@dataclass(frozen=True)
+class RegatherPlan:
+    """What the forward stopped saving and how the backward rebuilds it."""
+
+    # Saved tensors as the backward unpacks them, in order, before and after the rewrite.
+    old_saved: tuple[TensorProxy, ...]
+    new_saved: tuple[TensorProxy, ...]
+    # Forward bound symbols (all-gathers, waits, views) that recompute the dropped tensors.
+    replay: tuple[BoundSymbol, ...]
+
+
+def _recompute_slice(annotated: AnnotatedTrace, name: str) -> set[int] | None:
+    """Nodes that compute ``name`` from trace inputs through a gathered-parameter chain only,
+    or None if ``name`` depends on anything else (an activation, an expensive op)."""
+    nodes = annotated.nodes
+    needed: set[int] = set()
+    stack = [name]
+    has_allgather = False
+    while stack:
+        name = stack.pop()
+        if annotated.is_input(name):
+            continue
+        p = annotated.producer[name]
+        if p in needed:
+            continue
+        node = nodes[p]
+        if node.kind not in _PARAMETER_CHAIN:
+            return None
+        if node.kind is NodeKind.COLLECTIVE:
+            if annotated.collectives[node.collective].kind is not CollectiveKind.ALL_GATHER:
+                return None
+            has_allgather = True
+        needed.add(p)
+        stack.extend(node.inputs)
+    return needed if has_allgather else None
+
+
+def plan_regather(annotated: AnnotatedTrace) -> RegatherPlan | None:
+    """Finds the saved tensors of a forward trace that a re-gather in backward can replace."""
+    ret = next(n for n in annotated.nodes if n.kind is NodeKind.RETURN)
+    saved_tensors, _ = ret.bsym.args[1]
+    dropped: set[str] = set()
+    replay: set[int] = set()
+    for t in saved_tensors:
+        chain = _recompute_slice(annotated, t.name)
+        if chain is not None:
+            dropped.add(t.name)
+            replay |= chain
+    if not dropped:
+        return None
+
+    kept = [t for t in saved_tensors if t.name not in dropped]
+    kept_names = {t.name for t in kept}
+    sharded_inputs: list[TensorProxy] = []
+    for i in sorted(replay):
+        for a in annotated.nodes[i].bsym.flat_proxy_args:
+            if isinstance(a, TensorProxy) and annotated.is_input(a.name) and a.name not in kept_names:
+                kept_names.add(a.name)
+                sharded_inputs.append(a)
+    return RegatherPlan(
+        old_saved=tuple(saved_tensors),
+        new_saved=tuple(kept + sharded_inputs),
+        replay=tuple(annotated.nodes[i].bsym for i in sorted(replay)),
+    )
+
+
+def _rewrite_forward(trace: TraceCtx, plan: RegatherPlan) -> TraceCtx:
+    new_trace = from_trace(trace)
+    bsyms = []
+    for bsym in trace.bound_symbols:
+        if bsym.sym.id is prims.PrimIDs.RETURN:
+            outputs, (_, saved_other) = bsym.args
+            bsym = bsym.from_bsym(args=(outputs, (plan.new_saved, saved_other)))
+        bsyms.append(bsym)
+    new_trace.bound_symbols = bsyms
+    new_trace = del_last_used(new_trace)
+    new_trace.set_provenance(TraceProvenance("thunder_overlap: ZeRO3 saves sharded parameters"))
+    return new_trace
+
+
+def _rewrite_backward(trace: TraceCtx, plan: RegatherPlan) -> TraceCtx:
+    old_names = [t.name for t in plan.old_saved]
+    new_trace = from_trace(trace)
+    bsyms: list[BoundSymbol] = []
+    header_done = False
+    found = False
+    for bsym in trace.bound_symbols:
+        is_header = bsym.sym.id in (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.UNPACK_SEQUENCE) or bsym.sym.name in (
+            "python_del",
+            "clear_mutable_collection",
+        )
+        if not is_header and not header_done:
+            bsyms.extend(plan.replay)
+            header_done = True
+        if bsym.sym.id is prims.PrimIDs.UNPACK_SEQUENCE and [o.name for o in bsym.flat_proxy_outs] == old_names:
+            collection, _ = bsym.args
+            bsym = bsym.from_bsym(args=(collection, len(plan.new_saved)), output=list(plan.new_saved))
+            found = True
+        bsyms.append(bsym)
+    if not found:
+        raise RuntimeError(
+            "thunder_overlap ZeRO3: the backward trace does not unpack the forward's saved tensors "
+            f"({len(old_names)} tensors starting {old_names[:3]}); cannot re-gather parameters"
+        )
+    new_trace.bound_symbols = bsyms
+    new_trace = del_last_used(new_trace, clear_mutable_collections=True)
+    new_trace.set_provenance(TraceProvenance("thunder_overlap: ZeRO3 re-gathers parameters"))
+    return new_trace
+
+
+class Zero3Transform(Transform):
+    """Makes the forward save sharded parameters and the backward re-gather them."""
+
+    def __init__(self) -> None:
+        self._pending: RegatherPlan | None = None
+
+    def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
+        if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
+            # Thunder calls this hook for the forward, then for its backward, in one compilation.
+            self._pending = plan_regather(classify_trace(computation_trace))
+            if self._pending is None:
+                return computation_trace
+            return _rewrite_forward(computation_trace, self._pending)
+        if TraceTag.BACKWARD in computation_trace.tags and self._pending is not None:
+            plan, self._pending = self._pending, None
+            return _rewrite_backward(computation_trace, plan)
+        return computation_trace
