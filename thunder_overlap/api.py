@@ -17,6 +17,7 @@ from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 from thunder.transforms import MaterializationTransform
 
 from thunder_overlap.config import OverlapConfig
+from thunder_overlap.executor import with_collectives_kept_visible
 from thunder_overlap.transforms import OverlapScheduleTransform, Zero3Transform
 
 __all__ = ["fsdp", "fsdp_transforms", "parse_sharding_strategy", "parse_bucketing_strategy"]
@@ -196,4 +197,6 @@ def fsdp(
         # One add_transform call with every transform: a second call would re-initialise weights.
         return add_transform(model, transform=transforms)
     user_transforms = list(jit_options.pop("transforms", None) or [])
-    return thunder.jit(model, transforms=[*user_transforms, *transforms], **jit_options)
+    executors = jit_options.pop("executors", None)
+    executors = with_collectives_kept_visible(thunder.get_default_executors() if executors is None else executors)
+    return thunder.jit(model, transforms=[*user_transforms, *transforms], executors=executors, **jit_options)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 __all__ = ["OverlapConfig", "ScheduleLimits", "SCHEDULING_POLICIES"]
 
@@ -54,15 +54,6 @@ class OverlapConfig:
             raise TypeError(f"OverlapConfig.prefetch_blocks must be a number, got {self.prefetch_blocks!r}")
         if self.prefetch_blocks <= 0:
             raise ValueError(f"OverlapConfig.prefetch_blocks must be positive, got {self.prefetch_blocks!r}")
-
-    @classmethod
-    def from_options(cls, options: dict[str, object]) -> OverlapConfig:
-        """Builds a config from keyword options, naming any unknown option."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise TypeError(f"unknown thunder_overlap option(s) {unknown}; accepted: {sorted(known)}")
-        return cls(**options)
 
     def limits(self, largest_block_bytes: int | None) -> ScheduleLimits:
         """Resolves the limits the scheduler applies, given the model's largest block size."""

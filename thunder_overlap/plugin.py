@@ -9,6 +9,7 @@ from thunder.distributed import FSDPBucketingStrategy, FSDPType
 
 from thunder_overlap.api import _resolve, fsdp_transforms
 from thunder_overlap.config import OverlapConfig
+from thunder_overlap.executor import overlap_executor
 
 __all__ = ["FSDPOverlap", "PLUGIN_NAME", "register"]
 
@@ -37,6 +38,11 @@ class FSDPOverlap(Plugin):
         self.setup = _resolve(device, process_group, sharding_strategy, bucketing_strategy, broadcast_from)
         self.config = config
         self.move_state_dict_to_cpu = move_state_dict_to_cpu
+
+    def setup_executors(self):
+        # Plugin executors come before the recipe's, whose fuser (torch.compile on CPU) could
+        # otherwise swallow the collectives; the recipe's list is not known here.
+        return [overlap_executor]
 
     def setup_transforms(self):
         return fsdp_transforms(

@@ -64,7 +64,8 @@ class RankResult:
     collectives: list[str]
     # Local shards after training (name -> tensor, padded as Thunder pads).
     shards: dict[str, torch.Tensor]
-    saved_for_backward_shapes: list[tuple[int, ...]]
+    # Saved-for-backward tensors that are gathered parameters or views of them (ZeRO3: none).
+    saved_unsharded: list[str]
 
 
 def _global_batch(setup: TrainSetup, world_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,6 +82,17 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def _build_model(setup: TrainSetup) -> TinyGPT:
     torch.manual_seed(setup.seed)
     return TinyGPT(setup.model)
+
+
+def saved_unsharded(forward) -> list[str]:
+    annotated = classify_trace(forward)
+    saved, _ = forward.bound_symbols[-1].args[1]
+    gathered = (NodeKind.WAIT, NodeKind.EPILOGUE)
+    return [
+        t.name
+        for t in saved
+        if t.name in annotated.producer and annotated.nodes[annotated.producer[t.name]].kind in gathered
+    ]
 
 
 def collective_sequence(trace) -> list[str]:
@@ -127,7 +139,6 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
         optimizer.zero_grad(set_to_none=True)
 
     forward, backward = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
-    saved, _ = forward.bound_symbols[-1].args[1]
     return RankResult(
         rank=rank,
         losses=losses,
@@ -139,7 +150,7 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
         backward_stats=schedule_stats(backward),
         collectives=collective_sequence(forward) + collective_sequence(backward),
         shards=shards,
-        saved_for_backward_shapes=[tuple(t.shape) for t in saved],
+        saved_unsharded=saved_unsharded(forward),
     )
 
 

@@ -1,0 +1,47 @@
+"""An operator executor that owns FSDP's collectives, so that no fusion executor swallows them.
+
+Thunder's ``torchcompile`` executor can fuse every op the torch executor runs, collectives
+included, and then no scheduler can see or move them (NOTES.md). Claiming all-gather,
+reduce-scatter and wait here, ahead of the fusion executors, gives them symbols no fusion
+executor knows. The implementations are the torch executor's; only their names change.
+"""
+
+from __future__ import annotations
+
+from thunder.distributed import prims as dist_prims
+from thunder.executors import torchex
+from thunder.extend import Executor, FusionExecutor, OperatorExecutor, register_executor
+
+__all__ = ["overlap_executor", "with_collectives_kept_visible"]
+
+overlap_executor = OperatorExecutor("thunder_overlap")
+register_executor(overlap_executor)
+
+
+def _always(*args, **kwargs) -> bool:
+    return True
+
+
+for _prim, _impl in (
+    (dist_prims.all_gather, torchex._all_gather_prim_impl),
+    (dist_prims.reduce_scatter, torchex._reduce_scatter_prim_impl),
+    (dist_prims.wait, torchex._wait_prim_impl),
+):
+    _op = overlap_executor.register_operator(f"overlap_{_prim.name}", meta=_prim.meta, fn=_impl)
+    overlap_executor.register_implementation(_prim, _op, checker=_always)
+
+
+def _can_swallow_collectives(executor: Executor) -> bool:
+    collective_ids = (dist_prims.all_gather.id, torchex.all_gather_prim_impl.id, torchex.wait_prim_impl.id)
+    return isinstance(executor, FusionExecutor) and any(i in executor.implmap for i in collective_ids)
+
+
+def with_collectives_kept_visible(executors: list[Executor]) -> list[Executor]:
+    """``executors`` with ``overlap_executor`` first when one of them could fuse collectives.
+
+    Otherwise the list is returned unchanged, so Thunder's own passes (which know the torch
+    executor's collective symbols) produce the same order as they do for Thunder's FSDP.
+    """
+    if any(_can_swallow_collectives(e) for e in executors):
+        return [overlap_executor, *(e for e in executors if e is not overlap_executor)]
+    return list(executors)
