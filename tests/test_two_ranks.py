@@ -35,14 +35,17 @@ def test_losses_match_single_process_reference(runs, sharding):
     # Each rank's loss is the mean over its half of the batch; their mean is the global loss.
     mean_losses = [sum(r.losses[i] for r in ranks) / len(ranks) for i in range(len(reference_losses))]
     torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(reference_losses), rtol=1e-5, atol=1e-5)
-    assert reference_losses[-1] < reference_losses[0], "the reference did not learn; the check would be vacuous"
 
 
 @pytest.mark.parametrize("sharding", STRATEGIES)
 def test_parameters_match_single_process_reference(runs, sharding):
-    _, ranks, _, reference_state = runs[sharding]
+    setup, ranks, _, reference_state = runs[sharding]
+    torch.manual_seed(setup.seed)
+    initial = dict(TinyGPT(MODEL).named_parameters())
     # named_parameters() lists a tied weight once, under its first name.
-    expected_names = {name for name, _ in TinyGPT(MODEL).named_parameters()}
+    expected_names = set(initial)
+    moved = [n for n, p in initial.items() if p.requires_grad and not torch.allclose(p, reference_state[n], atol=1e-4)]
+    assert len(moved) == sum(p.requires_grad for p in initial.values()), "some trainable parameter did not train"
     for r in ranks:
         assert set(r.shards) == expected_names
         for name, shard in r.shards.items():
@@ -89,7 +92,7 @@ def test_collectives_overlap_compute(runs, sharding):
     assert result.backward_stats.reduce_scatters > 0
     assert result.backward_stats.reduce_scatter_overlap_fraction >= 0.8
     # Reduce-scatters are interleaved with matmuls, not all issued after the last one.
-    picture = result.backward_picture.split()
+    picture = [token.split("x")[0] for token in result.backward_picture.split()]  # "RSx3" -> "RS"
     last_matmul = max(i for i, token in enumerate(picture) if token == "mm")
     assert picture.index("RS") < last_matmul
 

@@ -15,7 +15,8 @@ _COLLECTIVE_LABELS = {CollectiveKind.ALL_GATHER: "AG", CollectiveKind.REDUCE_SCA
 
 def schedule_picture(trace: TraceCtx) -> str:
     """One token per event: ``AG``/``RS`` issue, ``W`` wait, ``mm`` a matmul-like op, ``c`` a run
-    of other compute ops. Prologue and epilogue ops are folded into their collective."""
+    of other compute ops; ``AGx25`` is 25 ``AG`` in a row. Prologue and epilogue ops are folded
+    into their collective."""
     annotated = classify_trace(trace)
     tokens: list[str] = []
     for node in annotated.nodes:
@@ -28,7 +29,13 @@ def schedule_picture(trace: TraceCtx) -> str:
             if token == "c" and tokens and tokens[-1] == "c":
                 continue
             tokens.append(token)
-    return " ".join(tokens)
+    runs: list[list] = []
+    for token in tokens:
+        if runs and runs[-1][0] == token:
+            runs[-1][1] += 1
+        else:
+            runs.append([token, 1])
+    return " ".join(token if count == 1 else f"{token}x{count}" for token, count in runs)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ computes the same order.
 
 from __future__ import annotations
 
+import heapq
+from collections import deque
 from dataclasses import dataclass
 
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
@@ -43,11 +45,33 @@ def stock_order(annotated: AnnotatedTrace) -> Schedule:
     return Schedule(order=order, forced_waits=0, peak_allgather_bytes_in_flight=0)
 
 
+class _InFlight:
+    """Collectives issued and not yet waited on, oldest first, with their byte total."""
+
+    def __init__(self) -> None:
+        self.bytes_by_collective: dict[int, int] = {}  # insertion-ordered: oldest first
+        self.total_bytes = 0
+
+    def add(self, c: int, nbytes: int) -> None:
+        self.bytes_by_collective[c] = nbytes
+        self.total_bytes += nbytes
+
+    def discard(self, c: int) -> None:
+        self.total_bytes -= self.bytes_by_collective.pop(c, 0)
+
+    def oldest(self) -> int | None:
+        return next(iter(self.bytes_by_collective), None)
+
+    def __len__(self) -> int:
+        return len(self.bytes_by_collective)
+
+
 class OverlapScheduler:
     """List scheduler over one annotated execution trace.
 
     Phases: :meth:`find_first_uses` (which compute op needs each collective first), then
-    :meth:`schedule` (walk compute in order, placing collectives and waits around it).
+    :meth:`schedule` (walk compute in order, placing collectives and waits around it). Every
+    step is incremental, so scheduling time grows linearly with the trace.
     """
 
     def __init__(self, annotated: AnnotatedTrace, limits: ScheduleLimits) -> None:
@@ -57,11 +81,21 @@ class OverlapScheduler:
         self.anchors = [n.index for n in self.nodes if n.kind is NodeKind.COMPUTE]
         self._order: list[int] = []
         self._emitted: set[int] = set()
-        self._issued: list[int] = []  # collective indices in issue order
-        self._waited: set[int] = set()
+        self._issued: set[int] = set()
+        # Per process group, issued collectives not yet waited on, in issue order.
+        self._unwaited_by_group: dict[int, deque[int]] = {}
+        self._allgathers_in_flight = _InFlight()
+        self._others_in_flight = _InFlight()
         self._forced_waits = 0
         self._peak_allgather_bytes = 0
-        self._external_inputs = [self._group_inputs(c) for c in range(len(annotated.collectives))]
+        # Readiness: how many producers outside its prologue each collective still waits for.
+        self._missing_inputs = [0] * len(annotated.collectives)
+        self._collectives_reading: dict[int, list[int]] = {}
+        for c in range(len(annotated.collectives)):
+            for p in self._group_inputs(c):
+                self._missing_inputs[c] += 1
+                self._collectives_reading.setdefault(p, []).append(c)
+        self._ready_eager: list[int] = []  # heap of ready non-all-gather collectives by start
 
     # ----------------------------------------------------------------------------------------
     # Phase 1: first uses
@@ -94,24 +128,28 @@ class OverlapScheduler:
     def schedule(self) -> Schedule:
         collectives = self.annotated.collectives
         first_use = self.find_first_uses()
-        prefetch_queue = sorted(
-            (c for c, coll in enumerate(collectives) if coll.kind is CollectiveKind.ALL_GATHER),
-            key=lambda c: (first_use[c], collectives[c].start),
+        prefetch_queue = deque(
+            sorted(
+                (c for c, coll in enumerate(collectives) if coll.kind is CollectiveKind.ALL_GATHER),
+                key=lambda c: (first_use[c], collectives[c].start),
+            )
         )
-        eager_queue = [c for c, coll in enumerate(collectives) if coll.kind is not CollectiveKind.ALL_GATHER]
+        for c, coll in enumerate(collectives):
+            if coll.kind is not CollectiveKind.ALL_GATHER and self._missing_inputs[c] == 0:
+                heapq.heappush(self._ready_eager, (coll.start, c))
 
         for node in self.nodes:
             if node.kind is NodeKind.HEADER:
                 self._emit(node.index)
-        self._issue_ready(prefetch_queue, eager_queue)
+        self._issue_ready(prefetch_queue)
         for anchor in self.anchors:
             self._emit(anchor)
-            self._issue_ready(prefetch_queue, eager_queue)
+            self._issue_ready(prefetch_queue)
 
         # Whatever the return needs, and waits nobody reads, go last, in issue order.
-        for c in list(self._issued):
-            if collectives[c].wait is not None:
-                self._emit(collectives[c].wait)
+        for unwaited in self._unwaited_by_group.values():
+            while unwaited:
+                self._emit_wait_of(unwaited[0])
         for node in self.nodes:
             self._emit(node.index)
         assert len(self._order) == len(self.nodes)
@@ -121,54 +159,45 @@ class OverlapScheduler:
             peak_allgather_bytes_in_flight=self._peak_allgather_bytes,
         )
 
-    def _issue_ready(self, prefetch_queue: list[int], eager_queue: list[int]) -> None:
+    def _issue_ready(self, prefetch_queue: deque[int]) -> None:
         # All-gathers first: they are on the critical path, and a process group runs its
         # collectives in issue order, so a reduce-scatter issued first would delay them.
-        while prefetch_queue and self._is_ready(prefetch_queue[0]) and self._allgather_fits(prefetch_queue[0]):
-            self._issue(prefetch_queue.pop(0))
-        for c in [c for c in eager_queue if self._is_ready(c)]:
-            eager_queue.remove(c)
-            self._make_room_for_reduce_scatter(c)
+        while prefetch_queue:
+            c = prefetch_queue[0]
+            if c in self._issued:  # a wait needed it before its turn
+                prefetch_queue.popleft()
+                continue
+            if self._missing_inputs[c] or not self._allgather_fits(c):
+                break
+            self._issue(prefetch_queue.popleft())
+        while self._ready_eager:
+            _, c = heapq.heappop(self._ready_eager)
+            if c in self._issued:
+                continue
+            self._make_room_for(c)
             self._issue(c)
 
     # ----------------------------------------------------------------------------------------
     # Limits
 
-    def _in_flight(self, kind_is_allgather: bool) -> list[int]:
-        colls = self.annotated.collectives
-        return [
-            c
-            for c in self._issued
-            if c not in self._waited and (colls[c].kind is CollectiveKind.ALL_GATHER) == kind_is_allgather
-        ]
-
     def _allgather_fits(self, c: int) -> bool:
-        in_flight = self._in_flight(kind_is_allgather=True)
+        in_flight = self._allgathers_in_flight
         if not in_flight:
             return True  # always allow one, or nothing would ever be prefetched
         if self.limits.max_allgathers is not None and len(in_flight) + 1 > self.limits.max_allgathers:
             return False
-        if self.limits.max_allgather_bytes is not None:
-            colls = self.annotated.collectives
-            in_flight_bytes = sum(colls[i].unsharded_bytes for i in in_flight)
-            if in_flight_bytes + colls[c].unsharded_bytes > self.limits.max_allgather_bytes:
-                return False
-        return True
+        limit = self.limits.max_allgather_bytes
+        return limit is None or in_flight.total_bytes + self.annotated.collectives[c].unsharded_bytes <= limit
 
-    def _make_room_for_reduce_scatter(self, c: int) -> None:
+    def _make_room_for(self, c: int) -> None:
+        """Forces the oldest reduce-scatter waits until ``c`` fits the byte limit."""
         limit = self.limits.max_reduce_scatter_bytes
         if limit is None:
             return
-        colls = self.annotated.collectives
-        while True:
-            in_flight = self._in_flight(kind_is_allgather=False)
-            if not in_flight or sum(colls[i].unsharded_bytes for i in in_flight) + colls[c].unsharded_bytes <= limit:
-                return
-            oldest = in_flight[0]
-            if colls[oldest].wait is None:
-                return
+        nbytes = self.annotated.collectives[c].unsharded_bytes
+        while self._others_in_flight and self._others_in_flight.total_bytes + nbytes > limit:
             self._forced_waits += 1
-            self._emit(colls[oldest].wait)
+            self._emit_wait_of(self._others_in_flight.oldest())
 
     # ----------------------------------------------------------------------------------------
     # Emission
@@ -185,14 +214,18 @@ class OverlapScheduler:
                     producers.add(p)
         return producers
 
-    def _is_ready(self, c: int) -> bool:
-        return all(p in self._emitted for p in self._external_inputs[c])
-
     def _issue(self, c: int) -> None:
         coll = self.annotated.collectives[c]
         for p in coll.prologue:
             self._emit(p)
         self._emit(coll.start)
+
+    def _emit_wait_of(self, c: int) -> None:
+        wait = self.annotated.collectives[c].wait
+        if wait is not None:
+            self._emit(wait)
+        else:  # a collective nobody waits on leaves the in-flight books at once
+            self._retire(c)
 
     def _emit(self, index: int) -> None:
         if index in self._emitted:
@@ -210,25 +243,41 @@ class OverlapScheduler:
             return
         self._emitted.add(index)
         self._order.append(index)
+        for c in self._collectives_reading.get(index, ()):
+            self._missing_inputs[c] -= 1
+            coll = self.annotated.collectives[c]
+            if self._missing_inputs[c] == 0 and coll.kind is not CollectiveKind.ALL_GATHER:
+                heapq.heappush(self._ready_eager, (coll.start, c))
         if node.kind is NodeKind.COLLECTIVE:
-            self._issued.append(node.collective)
-            self._record_in_flight()
+            self._record_issue(node.collective)
         elif node.kind is NodeKind.WAIT:
-            self._waited.add(node.collective)
+            self._retire(node.collective)
+
+    def _record_issue(self, c: int) -> None:
+        coll = self.annotated.collectives[c]
+        self._issued.add(c)
+        self._unwaited_by_group.setdefault(coll.group_key, deque()).append(c)
+        if coll.kind is CollectiveKind.ALL_GATHER:
+            self._allgathers_in_flight.add(c, coll.unsharded_bytes)
+            self._peak_allgather_bytes = max(self._peak_allgather_bytes, self._allgathers_in_flight.total_bytes)
+        else:
+            self._others_in_flight.add(c, coll.unsharded_bytes)
+
+    def _retire(self, c: int) -> None:
+        unwaited = self._unwaited_by_group[self.annotated.collectives[c].group_key]
+        assert unwaited[0] == c, "waits must follow issue order within a process group"
+        unwaited.popleft()
+        self._allgathers_in_flight.discard(c)
+        self._others_in_flight.discard(c)
 
     def _before_wait(self, c: int) -> None:
-        colls = self.annotated.collectives
+        """Issues ``c`` if needed, then waits on every collective issued before it on its group:
+        they complete first anyway, and waiting in issue order keeps all ranks in step."""
         if c not in self._issued:
             self._issue(c)
-        for earlier in self._issued[: self._issued.index(c)]:
-            if earlier not in self._waited and colls[earlier].group_key == colls[c].group_key:
-                if colls[earlier].wait is not None:
-                    self._emit(colls[earlier].wait)
-
-    def _record_in_flight(self) -> None:
-        colls = self.annotated.collectives
-        in_flight = sum(colls[c].unsharded_bytes for c in self._in_flight(kind_is_allgather=True))
-        self._peak_allgather_bytes = max(self._peak_allgather_bytes, in_flight)
+        unwaited = self._unwaited_by_group[self.annotated.collectives[c].group_key]
+        while unwaited and unwaited[0] != c:
+            self._emit_wait_of(unwaited[0])
 
 
 def apply_order(annotated: AnnotatedTrace, schedule: Schedule, *, provenance: str) -> TraceCtx:
