@@ -1,0 +1,116 @@
+"""The benchmark's options: one validated dataclass, and the command line that fills it.
+
+Flag names follow Thunder's ``thunder/benchmarks/benchmark_litgpt.py`` so that commands carry over.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+
+__all__ = [
+    "BenchmarkConfig",
+    "TRAINING_IMPLS",
+    "CALIBRATION_IMPLS",
+    "IMPLS",
+    "SHARD_MODES",
+    "BUCKETING_MODES",
+    "DEVICES",
+    "parse_args",
+]
+
+# What is being compared: thunder_overlap, Thunder's own FSDP, PyTorch FSDP2 (eager, and with each
+# block torch.compile'd).
+TRAINING_IMPLS = ("thunder_overlap", "thunder", "fsdp2", "fsdp2_compile")
+# Calibration runs of the slow-link testbed: the same per-rank compute with no communication, and
+# thunder_overlap's collectives with no compute (see fsdp_bench.impls).
+CALIBRATION_IMPLS = ("compute_only", "comm_only")
+IMPLS = TRAINING_IMPLS + CALIBRATION_IMPLS
+SHARD_MODES = ("zero2", "zero3")
+BUCKETING_MODES = ("none", "block", "layer")
+# "auto": CUDA (NCCL) when a GPU is visible, else CPU (gloo).
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _check_choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
+    if value not in accepted:
+        raise ValueError(f"--{name}={value!r} is not supported; accepted: {', '.join(accepted)}")
+
+
+def _check_positive(name: str, value: int | None, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"--{name} must be a positive integer, got {value!r}")
+
+
+def _option(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class BenchmarkConfig:
+    model_name: str = _option("tiny-gpt", "a litgpt config name (needs the 'bench' extra) or a TinyGPT preset: tiny-gpt, tiny-gpt-4m")
+    n_layers: int | None = _option(None, "override the model's number of transformer blocks")
+    block_size: int | None = _option(None, "override the model's sequence length")
+    micro_batch_size: int = _option(1, "sequences per rank per iteration")
+    impl: str = _option("thunder_overlap", "implementation to run")
+    shard_mode: str = _option("zero2", "ZeRO stage of the parameters")
+    bucketing_mode: str = _option("none", "how parameters are grouped per collective")
+    device: str = _option("auto", "auto: CUDA (NCCL) when a GPU is visible, else CPU (gloo)")
+    # Thunder's defaults: 45 iterations, the first 25 untimed (jit compilation, allocator warm-up).
+    max_iters: int = _option(45, "iterations in all")
+    warmup_iters: int = _option(25, "leading iterations that are not timed")
+    nsys_enabled: bool = _option(False, "rank 0 brackets iterations profiler_start..profiler_stop with cudaProfilerStart/Stop")
+    profiler_start: int = _option(15, "first profiled iteration")
+    profiler_stop: int = _option(15, "last profiled iteration (inclusive)")
+    dump_traces: bool = _option(False, "write the final forward/backward execution traces next to the JSON (Thunder impls)")
+    json_path: str | None = _option(None, "where rank 0 writes the result JSON; printed to stdout when not given")
+    seed: int = _option(1337, "seed of the token batches")
+
+    def __post_init__(self) -> None:
+        _check_choice("impl", self.impl, IMPLS)
+        _check_choice("shard_mode", self.shard_mode, SHARD_MODES)
+        _check_choice("bucketing_mode", self.bucketing_mode, BUCKETING_MODES)
+        _check_choice("device", self.device, DEVICES)
+        _check_positive("n_layers", self.n_layers, optional=True)
+        _check_positive("block_size", self.block_size, optional=True)
+        _check_positive("micro_batch_size", self.micro_batch_size)
+        _check_positive("max_iters", self.max_iters)
+        if not 0 <= self.warmup_iters < self.max_iters:
+            raise ValueError(
+                f"--warmup_iters={self.warmup_iters} must be in [0, --max_iters={self.max_iters}): "
+                "at least one iteration has to be timed"
+            )
+        if self.nsys_enabled and not 0 <= self.profiler_start <= self.profiler_stop < self.max_iters:
+            raise ValueError(
+                f"--profiler_start={self.profiler_start} and --profiler_stop={self.profiler_stop} must satisfy "
+                f"0 <= start <= stop < --max_iters={self.max_iters}"
+            )
+        if self.dump_traces and self.json_path is None:
+            raise ValueError("--dump_traces writes the traces next to the result JSON; give --json_path too")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="FSDP training benchmark; launch with `torchrun --nproc_per_node=N benchmarks/benchmark_fsdp.py`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    choices = {"impl": IMPLS, "shard_mode": SHARD_MODES, "bucketing_mode": BUCKETING_MODES, "device": DEVICES}
+    for f in fields(BenchmarkConfig):
+        if f.default is False:
+            parser.add_argument(f"--{f.name}", action="store_true", help=f.metadata["help"])
+            continue
+        kind = int if f.type in ("int", "int | None") else str
+        parser.add_argument(f"--{f.name}", type=kind, default=f.default, choices=choices.get(f.name), help=f.metadata["help"])
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> BenchmarkConfig:
+    """The command line as a BenchmarkConfig; bad values exit with the validation message."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return BenchmarkConfig(**vars(args))
+    except ValueError as e:
+        parser.error(str(e))

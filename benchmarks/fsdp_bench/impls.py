@@ -1,0 +1,149 @@
+"""The implementations the benchmark compares, each turned into a callable training step.
+
+Training implementations (same model, data, optimizer and initialisation scheme):
+
+- ``thunder_overlap``: :func:`thunder_overlap.fsdp`.
+- ``thunder``: Thunder's own ``thunder.distributed.fsdp(thunder.jit(model))``.
+- ``fsdp2``: PyTorch ``fully_shard`` on every transformer block, then on the root (eager);
+  ZeRO3 is ``reshard_after_forward=True``, ZeRO2 ``False``.
+- ``fsdp2_compile``: the same with every block ``torch.compile``'d before sharding (torchtitan's way).
+
+Calibration runs of the slow-link testbed:
+
+- ``compute_only`` (C): ``thunder.jit`` of the unsharded model on every rank, no communication
+  at all: each rank does FSDP's per-rank forward and backward. Its optimizer steps the full
+  model instead of a 1/world_size shard; the step reports the optimizer time separately
+  (``optimizer_ms``) so the testbed can take the difference out.
+- ``comm_only`` (M): thunder_overlap's collectives for this shard mode, replayed in trace order
+  with no compute (:mod:`fsdp_bench.comm_replay`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import thunder
+from thunder.core.module import ThunderModule
+from thunder.distributed import FSDPBucketingStrategy
+
+import thunder_overlap
+from thunder_overlap.api import parse_sharding_strategy
+from thunder_overlap.blocks import find_blocks
+
+from fsdp_bench.comm_replay import CommReplay
+from fsdp_bench.config import BenchmarkConfig
+from fsdp_bench.distributed import RunContext
+from fsdp_bench.models import loss_fn, materialize
+from fsdp_bench.profiling import nvtx_range
+
+__all__ = ["Step", "ModelStep", "make_step"]
+
+# Thunder's benchmark_litgpt.py optimizer settings.
+_LEARNING_RATE = 5e-4
+_WEIGHT_DECAY = 0.1
+_BETAS = (0.9, 0.95)
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class ModelStep:
+    """Forward, backward and optimizer step of one micro-batch, each in its own NVTX range.
+
+    ``optimizer_ms`` accumulates the optimizer's wall time (meaningful on CPU, where it is
+    synchronous; the testbed uses it to size the compute-only calibration)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    nvtx: bool = False
+    optimizer_ms: list[float] = field(default_factory=list)
+
+    def __call__(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with nvtx_range("forward", self.nvtx):
+            loss = loss_fn(self.model(idx), targets)
+        with nvtx_range("backward", self.nvtx):
+            loss.backward()
+        with nvtx_range("optimizer", self.nvtx):
+            start = time.perf_counter()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer_ms.append((time.perf_counter() - start) * 1e3)
+        return loss.detach()
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=_LEARNING_RATE, weight_decay=_WEIGHT_DECAY, betas=_BETAS)
+
+
+def _thunder_overlap(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext) -> nn.Module:
+    return thunder_overlap.fsdp(
+        model, device=ctx.device, sharding_strategy=cfg.shard_mode, bucketing_strategy=cfg.bucketing_mode
+    )
+
+
+def _thunder(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext) -> nn.Module:
+    return thunder.distributed.fsdp(
+        thunder.jit(model),
+        device=ctx.device,
+        sharding_strategy=parse_sharding_strategy(cfg.shard_mode),
+        bucketing_strategy=FSDPBucketingStrategy[cfg.bucketing_mode.upper()],
+    )
+
+
+def _fsdp2(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, *, compile_blocks: bool) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if cfg.bucketing_mode != "none":
+        warnings.warn(f"fsdp2 communicates per fully_shard unit (one block); --bucketing_mode={cfg.bucketing_mode} is ignored")
+    blocks = find_blocks(model)
+    if not blocks:
+        raise ValueError(f"--model_name={cfg.model_name!r} has no repeated blocks (nn.ModuleList) to fully_shard")
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    reshard_after_forward = cfg.shard_mode == "zero3"
+    for _, block in blocks:
+        if compile_blocks:
+            block.compile()
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return materialize(model, ctx.device)
+
+
+def _compute_only(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext) -> nn.Module:
+    return thunder.jit(materialize(model, ctx.device))
+
+
+_SHARDERS: dict[str, Callable[[nn.Module, BenchmarkConfig, RunContext], nn.Module]] = {
+    "thunder_overlap": _thunder_overlap,
+    "thunder": _thunder,
+    "fsdp2": lambda m, cfg, ctx: _fsdp2(m, cfg, ctx, compile_blocks=False),
+    "fsdp2_compile": lambda m, cfg, ctx: _fsdp2(m, cfg, ctx, compile_blocks=True),
+    "compute_only": _compute_only,
+    # Sharded like thunder_overlap; make_step then swaps the training step for the replay.
+    "comm_only": _thunder_overlap,
+}
+
+
+def _comm_replay(model: ThunderModule, sample: tuple[torch.Tensor, torch.Tensor], ctx: RunContext) -> CommReplay:
+    """Runs one untimed forward+backward so thunder_overlap produces its traces, then replays them."""
+    loss_fn(model(sample[0]), sample[1]).backward()
+    model.zero_grad(set_to_none=True)
+    traces = [thunder.last_traces(model)[-1], thunder.last_backward_traces(model)[-1]]
+    return CommReplay(traces, ctx.device)
+
+
+def make_step(
+    model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, sample: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[nn.Module, Step]:
+    """Shards (or jits) the meta ``model`` for ``cfg.impl``; returns it and its training step.
+    ``sample`` is one batch, used by ``comm_only`` to produce the traces it replays."""
+    sharded = _SHARDERS[cfg.impl](model, cfg, ctx)
+    if cfg.impl == "comm_only":
+        return sharded, _comm_replay(sharded, sample, ctx)
+    return sharded, ModelStep(sharded, _optimizer(sharded), nvtx=ctx.is_cuda)

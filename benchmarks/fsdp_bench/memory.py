@@ -1,0 +1,52 @@
+"""Peak memory per rank, measured the same way for every implementation on a device type.
+
+- CUDA: ``torch.cuda.max_memory_allocated()`` over the timed iterations.
+- CPU: bytes held between steps (local parameter shards and optimizer state) plus the most that
+  one extra, untimed training step adds on top, counted by
+  :class:`thunder_overlap.memory.LiveMemoryTracker` (every tensor storage alive at once).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from thunder_overlap.memory import LiveMemoryTracker
+
+__all__ = ["CUDA_METHOD", "CPU_METHOD", "persistent_bytes", "cpu_peak_bytes"]
+
+CUDA_METHOD = "torch.cuda.max_memory_allocated over the timed iterations"
+CPU_METHOD = "parameters + optimizer state + LiveMemoryTracker peak of one untimed step"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # FSDP2 parameters are DTensors; what this rank holds is their local shard.
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterable[torch.Tensor]:
+    yield from model.parameters()
+    yield from model.buffers()
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of the distinct storages of parameters, buffers and optimizer state on this rank."""
+    storages = {}
+    for t in _tensors(model, optimizer):
+        storage = _local(t).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def cpu_peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None, run_step: Callable[[], object]) -> int:
+    """Persistent bytes plus the peak that ``run_step()`` adds (run once, under the tracker)."""
+    held = persistent_bytes(model, optimizer)
+    with LiveMemoryTracker() as tracker:
+        run_step()
+    return held + tracker.peak_bytes

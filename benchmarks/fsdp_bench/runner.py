@@ -1,0 +1,118 @@
+"""The timed training loop of one rank."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import thunder
+from thunder.core.module import ThunderModule
+
+from thunder_overlap.schedule_view import schedule_picture, schedule_stats
+
+from fsdp_bench.config import BenchmarkConfig
+from fsdp_bench.distributed import RunContext
+from fsdp_bench.impls import ModelStep, make_step
+from fsdp_bench.memory import CPU_METHOD, CUDA_METHOD, cpu_peak_bytes
+from fsdp_bench.models import ModelSpec, build_model, train_flops_per_step
+from fsdp_bench.profiling import NsysWindow, nvtx_collectives, nvtx_range
+from fsdp_bench.results import BenchmarkResult
+
+__all__ = ["run_benchmark"]
+
+
+def _batch(cfg: BenchmarkConfig, spec: ModelSpec, ctx: RunContext, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens, different on every rank and iteration, identical across implementations."""
+    generator = torch.Generator().manual_seed(cfg.seed + 1_000_003 * iteration + ctx.rank)
+    tokens = torch.randint(0, spec.vocab_size, (cfg.micro_batch_size, spec.block_size + 1), generator=generator)
+    tokens = tokens.to(ctx.device)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _schedule(model: torch.nn.Module) -> dict[str, dict]:
+    if not isinstance(model, ThunderModule):
+        return {}
+    traces = {"forward": thunder.last_traces(model)[-1], "backward": thunder.last_backward_traces(model)[-1]}
+    return {name: {"picture": schedule_picture(t), **asdict(schedule_stats(t))} for name, t in traces.items()}
+
+
+def _dump_traces(model: torch.nn.Module, json_path: str) -> None:
+    if not isinstance(model, ThunderModule):
+        print(f"--dump_traces: {type(model).__name__} is not a Thunder module; no traces to write")
+        return
+    stem = Path(json_path).with_suffix("")
+    for name, traces in (("forward", thunder.last_traces(model)), ("backward", thunder.last_backward_traces(model))):
+        path = stem.with_name(f"{stem.name}.{name}_trace.py")
+        path.write_text(str(traces[-1]))
+        print(f"wrote the final {name} execution trace to {path}")
+
+
+def _peak_memory(model, step, batch, ctx: RunContext) -> tuple[int, str]:
+    if ctx.is_cuda:
+        return torch.cuda.max_memory_allocated(), CUDA_METHOD
+    optimizer = step.optimizer if isinstance(step, ModelStep) else None
+    return cpu_peak_bytes(model, optimizer, lambda: step(*batch)), CPU_METHOD
+
+
+def _timed_loop(cfg: BenchmarkConfig, ctx: RunContext, spec: ModelSpec, step) -> tuple[list[float], float]:
+    """The iterations: wall times of the timed ones (ms) and the last loss."""
+    window = NsysWindow(cfg.nsys_enabled, cfg.profiler_start, cfg.profiler_stop, ctx.rank)
+    iter_ms: list[float] = []
+    loss_value = float("nan")
+    for i in range(cfg.max_iters):
+        if i == cfg.warmup_iters and ctx.is_cuda:
+            torch.cuda.reset_peak_memory_stats()
+        idx, targets = _batch(cfg, spec, ctx, i)
+        window.before_iteration(i)
+        start = time.perf_counter()
+        with nvtx_range(f"iteration {i}", ctx.is_cuda):
+            loss = step(idx, targets)
+        loss_value = loss.item()  # synchronises the device
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        window.after_iteration(i)
+        if i >= cfg.warmup_iters:
+            iter_ms.append(elapsed_ms)
+        if ctx.rank == 0:
+            print(f"iter {i}: loss {loss_value:.4f}, iter time: {elapsed_ms:.2f}ms, t: {spec.block_size}", flush=True)
+    return iter_ms, loss_value
+
+
+def run_benchmark(cfg: BenchmarkConfig, ctx: RunContext) -> BenchmarkResult:
+    """Runs ``cfg.max_iters`` iterations and times those after the first ``cfg.warmup_iters``.
+    Rank 0 prints a progress line per iteration."""
+    model, spec = build_model(cfg.model_name, cfg.n_layers, cfg.block_size)
+    model = model.to(ctx.dtype)
+    flops = 0 if cfg.impl == "comm_only" else train_flops_per_step(model, spec, cfg.micro_batch_size)
+    # Untimed steps (comm_only's trace capture, the CPU memory step) use the batch after the last.
+    untimed_batch = _batch(cfg, spec, ctx, cfg.max_iters)
+    model, step = make_step(model, cfg, ctx, untimed_batch)
+    with nvtx_collectives(ctx.is_cuda):
+        iter_ms, loss_value = _timed_loop(cfg, ctx, spec, step)
+        peak, method = _peak_memory(model, step, untimed_batch, ctx)
+
+    if cfg.dump_traces and ctx.rank == 0:
+        _dump_traces(model, cfg.json_path)
+    optimizer_ms = step.optimizer_ms[cfg.warmup_iters : cfg.max_iters] if isinstance(step, ModelStep) else []
+    return BenchmarkResult(
+        impl=cfg.impl,
+        model_name=cfg.model_name,
+        shard_mode=cfg.shard_mode,
+        bucketing_mode=cfg.bucketing_mode,
+        world_size=ctx.world_size,
+        device=ctx.device.type,
+        dtype=str(ctx.dtype).removeprefix("torch."),
+        n_layers=spec.n_layers,
+        block_size=spec.block_size,
+        micro_batch_size=cfg.micro_batch_size,
+        max_iters=cfg.max_iters,
+        warmup_iters=cfg.warmup_iters,
+        iter_times_ms=iter_ms,
+        optimizer_times_ms=optimizer_ms,
+        model_flops_per_rank_step=flops,
+        peak_memory_bytes=peak,
+        peak_memory_method=method,
+        final_loss=loss_value,
+        schedule=_schedule(model),
+    )

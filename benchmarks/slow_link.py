@@ -1,0 +1,195 @@
+"""The slow-link testbed: 2 CPU ranks, real communication over a rate-limited link.
+
+    sudo python benchmarks/slow_link.py --rate-mbit 400 --impls thunder,thunder_overlap \
+        --shard-mode zero3 --rounds 5
+
+Each rank runs in its own network namespace, pinned to its own core; the namespaces are joined by
+a veth pair whose egress is limited with ``tc htb`` to ``--rate-mbit`` in each direction (see
+fsdp_bench/netns.py). Everything created is removed on exit, also on errors, Ctrl-C and SIGTERM.
+
+Every round runs, one after another (A B A B ... to cancel drift), two calibration runs and then
+each implementation, each a fresh ``benchmark_fsdp.py`` launch with the same model and data:
+
+- C, ``--impl compute_only``: every rank runs ``thunder.jit`` of the unsharded model on its own
+  micro-batch with no communication at all, i.e. exactly an FSDP rank's forward and backward. Its
+  optimizer steps the whole model instead of a 1/world_size shard, so C subtracts that surplus
+  using the optimizer time the run reports: C = step - (1 - 1/world_size) * optimizer.
+- M, ``--impl comm_only``: thunder_overlap's collectives for this shard mode (ZeRO3: forward
+  all-gathers, backward re-gathers and reduce-scatters), replayed in the order and with the
+  in-flight pattern of its traces, with no compute.
+
+It prints, per implementation, the median step time (median over rounds of each run's median),
+its ratio to Thunder's own FSDP, where it lands between the serial bound C + M (gap closed 0%) and
+the ideal max(C, M) (100%), the simulator's prediction when connected, and the issue's targets.
+Per-run JSONs, logs and summary.json go to ``--out``; benchmarks/plot_results.py plots them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fsdp_bench.config import SHARD_MODES, TRAINING_IMPLS
+from fsdp_bench.launch import run_on_link
+from fsdp_bench.models import TINY_PRESETS
+from fsdp_bench.netns import LinkSpec, SlowLink
+from fsdp_bench.results import load_results
+from fsdp_bench.simulator_hook import TestbedSetting, simulator_prediction_ms
+from fsdp_bench.testbed_summary import calibrate, format_table, summarize, target_checks
+
+CALIBRATION_SEQUENCE = ("compute_only", "comm_only")
+_REQUIRED_TOOLS = ("ip", "tc", "taskset")
+
+
+@dataclass(frozen=True)
+class TestbedConfig:
+    rate_mbit: float = 400.0
+    impls: tuple[str, ...] = ("thunder", "thunder_overlap")
+    shard_mode: str = "zero3"
+    rounds: int = 5
+    model_name: str = "tiny-gpt-4m"
+    n_layers: int | None = None
+    block_size: int | None = None
+    # With tiny-gpt-4m at 400 Mbit/s this makes C and M about equal on a 2-core x86 machine
+    # (C ~ 90 ms per sample of 128 tokens, M ~ 950 ms for ZeRO3); tune with --rate-mbit.
+    micro_batch_size: int = 12
+    max_iters: int = 12
+    warmup_iters: int = 4
+    cores: tuple[int, int] = (0, 1)
+    out: str = "results/slow_link"
+    # Per launch; Thunder compiles in the first iteration of each run.
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        unknown = [i for i in self.impls if i not in TRAINING_IMPLS]
+        if unknown or not self.impls:
+            raise ValueError(f"--impls {','.join(self.impls)!r}: accepted are one or more of {', '.join(TRAINING_IMPLS)}")
+        if self.shard_mode not in SHARD_MODES:
+            raise ValueError(f"--shard-mode={self.shard_mode!r}; accepted: {', '.join(SHARD_MODES)}")
+        if self.rounds < 1:
+            raise ValueError(f"--rounds must be >= 1, got {self.rounds}")
+
+    def benchmark_args(self, impl: str, json_path: Path) -> list[str]:
+        args = {
+            "impl": impl,
+            "device": "cpu",
+            "model_name": self.model_name,
+            "n_layers": self.n_layers,
+            "block_size": self.block_size,
+            "micro_batch_size": self.micro_batch_size,
+            "shard_mode": self.shard_mode,
+            "max_iters": self.max_iters,
+            "warmup_iters": self.warmup_iters,
+            "json_path": json_path,
+        }
+        return [item for key, value in args.items() if value is not None for item in (f"--{key}", str(value))]
+
+
+def _parse_args(argv: list[str]) -> TestbedConfig:
+    defaults = TestbedConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--rate-mbit", type=float, default=defaults.rate_mbit, help="htb rate of the link, each direction")
+    p.add_argument("--impls", default=",".join(defaults.impls), help=f"comma-separated, of {', '.join(TRAINING_IMPLS)}")
+    p.add_argument("--shard-mode", default=defaults.shard_mode, choices=SHARD_MODES)
+    p.add_argument("--rounds", type=int, default=defaults.rounds)
+    p.add_argument("--model-name", default=defaults.model_name, help=f"presets: {', '.join(TINY_PRESETS)}, or a litgpt name")
+    p.add_argument("--n-layers", type=int, default=defaults.n_layers)
+    p.add_argument("--block-size", type=int, default=defaults.block_size)
+    p.add_argument("--micro-batch-size", type=int, default=defaults.micro_batch_size)
+    p.add_argument("--max-iters", type=int, default=defaults.max_iters)
+    p.add_argument("--warmup-iters", type=int, default=defaults.warmup_iters)
+    p.add_argument("--cores", default=",".join(map(str, defaults.cores)), help="core of rank 0, core of rank 1")
+    p.add_argument("--out", default=defaults.out)
+    p.add_argument("--timeout-s", type=float, default=defaults.timeout_s)
+    args = p.parse_args(argv)
+    try:
+        cores = tuple(int(c) for c in args.cores.split(","))
+        return TestbedConfig(
+            **{**vars(args), "impls": tuple(i for i in args.impls.split(",") if i), "cores": cores}
+        )
+    except ValueError as e:
+        p.error(str(e))
+
+
+def _check_host() -> None:
+    missing = [tool for tool in _REQUIRED_TOOLS if shutil.which(tool) is None]
+    if missing:
+        raise SystemExit(f"slow_link.py needs {', '.join(_REQUIRED_TOOLS)}; missing: {', '.join(missing)}")
+    if os.geteuid() != 0:
+        raise SystemExit("slow_link.py creates network namespaces and qdiscs: run it as root")
+
+
+def _exit_on_signal(signum, _frame) -> None:
+    # Turn SIGTERM/SIGHUP into an exception so that the `with SlowLink` block cleans up.
+    raise SystemExit(f"stopped by signal {signal.Signals(signum).name}")
+
+
+def _measure(cfg: TestbedConfig, link: SlowLink, out: Path) -> dict[str, list[dict]]:
+    sequence = (*CALIBRATION_SEQUENCE, *cfg.impls)
+    runs: dict[str, list[dict]] = {impl: [] for impl in sequence}
+    for round_index in range(cfg.rounds):
+        for impl in sequence:
+            label = f"round{round_index}_{impl}"
+            json_path = out / "runs" / f"{label}.json"
+            run_on_link(link, cfg.benchmark_args(impl, json_path), out / "logs", label, cfg.timeout_s)
+            (result,) = load_results([json_path])
+            runs[impl].append(result)
+            median = statistics.median(result["iter_times_ms"])
+            print(f"round {round_index + 1}/{cfg.rounds} {impl:<16} median {median:.1f} ms", flush=True)
+    return runs
+
+
+def main(argv: list[str]) -> None:
+    cfg = _parse_args(argv)
+    _check_host()
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _exit_on_signal)
+    out = Path(cfg.out)
+    with SlowLink(LinkSpec(cfg.rate_mbit, cfg.cores)) as link:
+        print(f"link: {link.address(0)} <-> {link.address(1)}, {cfg.rate_mbit} Mbit/s each way (htb), cores {cfg.cores}", flush=True)
+        runs = _measure(cfg, link, out)
+
+    calibration = calibrate(runs.pop("compute_only"), runs.pop("comm_only"))
+    first = next(iter(runs.values()))[0]
+    simulated = {
+        impl: simulator_prediction_ms(
+            TestbedSetting(
+                impl=impl,
+                shard_mode=cfg.shard_mode,
+                model_name=cfg.model_name,
+                n_layers=first["n_layers"],
+                block_size=first["block_size"],
+                micro_batch_size=cfg.micro_batch_size,
+                world_size=SlowLink.WORLD_SIZE,
+                rate_mbit=cfg.rate_mbit,
+                compute_ms=calibration.compute_ms,
+                comm_ms=calibration.comm_ms,
+                result_json=str(out / "runs" / f"round0_{impl}.json"),
+            )
+        )
+        for impl in runs
+    }
+    summaries = summarize(runs, calibration, simulated)
+    print()
+    print(format_table(summaries, calibration))
+    checks = target_checks(summaries, calibration)
+    print("\n".join(checks))
+    summary = {
+        "config": asdict(cfg),
+        "calibration": asdict(calibration),
+        "implementations": [asdict(s) for s in summaries],
+        "targets": checks,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"wrote {out / 'summary.json'}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,89 @@
+"""Smoke test of benchmarks/benchmark_fsdp.py: 2 gloo ranks under torchrun, tiny model, 2
+iterations; plus the testbed's arithmetic and the benchmark's option checks (no processes)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from fsdp_bench.config import BenchmarkConfig, parse_args  # noqa: E402
+from fsdp_bench.testbed_summary import Calibration, calibrate, summarize, target_checks  # noqa: E402
+
+# Compile + 2 iterations of the tiny model take about 15 s per run on a 2-core machine.
+RUN_TIMEOUT_S = 180
+
+
+def _run_benchmark(tmp_path: Path, impl: str, shard_mode: str) -> dict:
+    json_path = tmp_path / f"{impl}.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(BENCHMARKS / "benchmark_fsdp.py"),
+        "--device", "cpu", "--model_name", "tiny-gpt", "--impl", impl, "--shard_mode", shard_mode,
+        "--max_iters", "2", "--warmup_iters", "1", "--json_path", str(json_path), "--dump_traces",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "iter 0: loss" in proc.stdout and "iter 1: loss" in proc.stdout, "no progress line per iteration"
+    return json.loads(json_path.read_text())
+
+
+@pytest.mark.parametrize("impl", ["thunder_overlap", "fsdp2"])
+def test_benchmark_writes_sane_json(tmp_path, impl):
+    result = _run_benchmark(tmp_path, impl, "zero3")
+    assert (result["impl"], result["world_size"], result["device"], result["shard_mode"]) == (impl, 2, "cpu", "zero3")
+    assert len(result["iter_times_ms"]) == 1 and 0 < result["median_iter_time_ms"] < RUN_TIMEOUT_S * 1e3
+    tokens = 2 * result["micro_batch_size"] * result["block_size"]
+    assert result["tokens_per_sec"] == pytest.approx(tokens / (result["average_iter_time_ms"] / 1e3))
+    assert result["model_flops_per_rank_step"] > 0 and result["model_tflop_per_sec"] > 0
+    # At least the sharded parameters and the optimizer's two moments of them are held.
+    assert result["peak_memory_bytes"] > 3 * 4 * 100_000 / 2
+    assert math.isfinite(result["final_loss"]) and result["final_loss"] > 0
+    if impl == "thunder_overlap":
+        backward = result["schedule"]["backward"]
+        assert backward["allgathers"] > 0, "ZeRO3 re-gathers parameters in backward"
+        assert backward["reduce_scatters"] > 0
+        assert (tmp_path / "thunder_overlap.backward_trace.py").read_text().startswith("#")
+    else:
+        assert result["schedule"] == {}
+
+
+def test_bad_options_name_the_value_and_the_accepted_ones():
+    with pytest.raises(ValueError, match=r"--impl='deepspeed'.*thunder_overlap, thunder, fsdp2"):
+        BenchmarkConfig(impl="deepspeed")
+    with pytest.raises(ValueError, match=r"--warmup_iters=5 must be in \[0, --max_iters=5\)"):
+        BenchmarkConfig(max_iters=5, warmup_iters=5)
+    with pytest.raises(SystemExit):
+        parse_args(["--shard_mode", "zero1"])
+    assert parse_args(["--impl", "fsdp2", "--n_layers", "3"]) == BenchmarkConfig(impl="fsdp2", n_layers=3)
+
+
+def _run(times_ms: list[float], optimizer_ms: list[float] = (), peak: int = 1) -> dict:
+    return {"iter_times_ms": times_ms, "optimizer_times_ms": list(optimizer_ms), "world_size": 2, "peak_memory_bytes": peak}
+
+
+def test_testbed_bounds_and_gap_closed():
+    # compute_only: 110 ms with a 20 ms full-model optimizer, of which an FSDP rank does half.
+    calibration = calibrate([_run([110.0], [20.0])], [_run([80.0, 80.0, 500.0])])
+    assert (calibration.compute_ms, calibration.comm_ms) == (100.0, 80.0)
+    assert (calibration.serial_ms, calibration.ideal_ms) == (180.0, 100.0)
+    runs = {"thunder": [_run([180.0]), _run([176.0])], "thunder_overlap": [_run([110.0]), _run([120.0])]}
+    summaries = {s.impl: s for s in summarize(runs, calibration, {})}
+    assert summaries["thunder"].gap_closed == pytest.approx(2 / 80)  # median of rounds: 178 ms
+    assert summaries["thunder_overlap"].gap_closed == pytest.approx(65 / 80)
+    assert summaries["thunder_overlap"].vs_thunder == pytest.approx(115 / 178)
+    checks = target_checks(list(summaries.values()), calibration)
+    assert checks[0].startswith("PASS speedup") and checks[1].startswith("PASS step / max(C,M) = 1.150")
+
+
+def test_testbed_targets_need_balanced_calibration():
+    unbalanced = Calibration(compute_ms=100.0, comm_ms=400.0)
+    (line,) = target_checks([], unbalanced)
+    assert "4.00x" in line and "--rate-mbit" in line
