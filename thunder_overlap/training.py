@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 import thunder
-from thunder.distributed import FSDPType
 
 from thunder_overlap.api import fsdp as overlap_fsdp, parse_sharding_strategy
 from thunder_overlap.classify import NodeKind, classify_trace
