@@ -18,8 +18,8 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
 
 
-def test_without_a_process_group():
-    assert not dist.is_initialized()
+def test_without_a_process_group(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
     with pytest.raises(RuntimeError, match="init_process_group"):
         thunder_overlap.fsdp(_model())
 
@@ -58,6 +58,7 @@ def test_bad_fsdp_arguments(gloo_group, kwargs, error, message):
     [
         ({"sharding_strategy": "zero1"}, ValueError, r"sharding_strategy='zero1'"),
         ({"config": "fast"}, TypeError, r"config must be a thunder_overlap.OverlapConfig"),
+        ({"move_state_dict_to_cpu": 1}, TypeError, r"move_state_dict_to_cpu must be a bool, got 1"),
     ],
 )
 def test_bad_plugin_arguments(gloo_group, kwargs, error, message):
@@ -97,6 +98,7 @@ def test_strategies_accept_enums_and_case_insensitive_strings(gloo_group):
         ({"max_in_flight_reduce_scatter_bytes": True}, TypeError, r"max_in_flight_reduce_scatter_bytes must be a int"),
         ({"prefetch_blocks": 0}, ValueError, r"prefetch_blocks must be positive, got 0"),
         ({"prefetch_blocks": "2"}, TypeError, r"prefetch_blocks must be a number, got '2'"),
+        ({"fallback_in_flight_allgathers": None}, TypeError, r"fallback_in_flight_allgathers must be an int"),
     ],
 )
 def test_bad_config_values(kwargs, error, message):

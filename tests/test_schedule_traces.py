@@ -116,10 +116,17 @@ def test_identical_models_get_identical_schedules():
     assert first == second
 
 
-def test_plugin_by_instance_and_name():
-    import thunder.plugins
+def test_plugin_by_name_uses_the_defaults():
+    from thunder.recipes import BaseRecipe
 
-    assert "fsdp-overlap" in thunder.plugins.get_plugin_names()
+    torch.manual_seed(0)
+    forward, backward = _run(thunder.compile(TinyGPT(MODEL), recipe=BaseRecipe(fuser="torch.compile"), plugins="fsdp-overlap"))
+    assert schedule_stats(forward).allgathers > 0
+    assert schedule_stats(backward).allgathers == 0  # the default is ZeRO2
+    assert schedule_stats(backward).reduce_scatters > 0
+
+
+def test_plugin_by_instance():
     from thunder.recipes import BaseRecipe
 
     torch.manual_seed(0)
@@ -169,3 +176,29 @@ def test_collectives_fused_by_a_prejitted_module_raise_a_clear_error():
     jm = thunder_overlap.fsdp(thunder.jit(TinyGPT(MODEL), executors=[torch_compile_ex]), device="cpu")
     with pytest.raises(RuntimeError, match="collectives were fused into .*torchcompile"):
         _run(jm)
+
+
+class _NoBlocks(torch.nn.Module):
+    """Parameters in plain attributes: no container of blocks to size prefetching by."""
+
+    depth = 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        for i in range(self.depth):
+            self.add_module(f"layer{i}", torch.nn.Linear(16, 16))
+
+    def forward(self, x):
+        for i in range(self.depth):
+            x = torch.tanh(getattr(self, f"layer{i}")(x))
+        return x
+
+
+def test_a_model_without_blocks_falls_back_to_a_count_limit():
+    config = OverlapConfig(fallback_in_flight_allgathers=3)
+    with pytest.warns(UserWarning, match="has no nn.ModuleList/nn.Sequential of blocks .* to 3"):
+        jm = thunder_overlap.fsdp(_NoBlocks(), device="cpu", sharding_strategy="zero3", config=config)
+    jm(torch.ones(2, 16)).sum().backward()
+    forward = schedule_stats(thunder.last_traces(jm)[-1])
+    assert forward.allgathers == 16
+    assert forward.max_allgathers_in_flight <= 3

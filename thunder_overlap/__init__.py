@@ -10,17 +10,22 @@ Data flows one way: model -> Thunder's FSDP transform -> execution traces -> ``c
 from thunder_overlap.api import fsdp, fsdp_transforms
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.plugin import FSDPOverlap, register as _register_plugin
+from thunder_overlap.cost_model import CostModel
+from thunder_overlap.reporting import Report, report
 from thunder_overlap.schedule_view import ScheduleStats, schedule_picture, schedule_stats
 from thunder_overlap.transforms import OverlapScheduleTransform, Zero3Transform
 
 __all__ = [
+    "CostModel",
     "FSDPOverlap",
     "OverlapConfig",
     "OverlapScheduleTransform",
+    "Report",
     "ScheduleStats",
     "Zero3Transform",
     "fsdp",
     "fsdp_transforms",
+    "report",
     "schedule_picture",
     "schedule_stats",
 ]

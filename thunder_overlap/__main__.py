@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = ("demo",)
+COMMANDS = ("demo", "report")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +17,10 @@ def main(argv: list[str] | None = None) -> int:
         from thunder_overlap.demo import main as demo_main
 
         return demo_main(rest)
+    if command == "report":
+        from thunder_overlap.report_cli import main as report_main
+
+        return report_main(rest)
     raise AssertionError(command)
 
 

@@ -28,8 +28,23 @@ _BUCKETING_NAMES = {
     "layer": FSDPBucketingStrategy.LAYER,
     "block": FSDPBucketingStrategy.BLOCK,
 }
-# The device type each backend can communicate; "fake" (tracing only) takes any.
-_BACKEND_DEVICE_TYPES = {"gloo": {"cpu"}, "nccl": {"cuda"}}
+# The device type each backend communicates. "undefined" is what init_process_group() without
+# a backend reports: it then creates gloo for CPU and NCCL for CUDA tensors.
+_BACKEND_DEVICE_TYPES = {"gloo": {"cpu"}, "nccl": {"cuda"}, "undefined": {"cpu", "cuda"}}
+
+
+def _device_types(backend: str) -> set[str] | None:
+    """Device types a backend string such as "gloo" or "cpu:gloo,cuda:nccl" serves; None when
+    unknown (e.g. "fake" for tracing), in which case any device is accepted."""
+    types: set[str] = set()
+    for part in backend.split(","):
+        if ":" in part:
+            types.add(part.split(":", 1)[0])
+        elif part in _BACKEND_DEVICE_TYPES:
+            types |= _BACKEND_DEVICE_TYPES[part]
+        else:
+            return None
+    return types
 
 
 def parse_sharding_strategy(value: FSDPType | str) -> FSDPType:
@@ -68,9 +83,18 @@ class _Setup:
     process_group: dist.ProcessGroup
     sharding: FSDPType
     broadcast_from: int | None
+    config: OverlapConfig | None
+    move_state_dict_to_cpu: bool
 
 
-def _resolve(device, process_group, sharding_strategy, bucketing_strategy, broadcast_from) -> _Setup:
+def _resolve(
+    device, process_group, sharding_strategy, bucketing_strategy, broadcast_from, config, move_state_dict_to_cpu
+) -> _Setup:
+    """Checks every argument of ``fsdp`` and ``FSDPOverlap`` and fills in the defaults."""
+    if config is not None and not isinstance(config, OverlapConfig):
+        raise TypeError(f"config must be a thunder_overlap.OverlapConfig or None, got {type(config).__name__}")
+    if not isinstance(move_state_dict_to_cpu, bool):
+        raise TypeError(f"move_state_dict_to_cpu must be a bool, got {move_state_dict_to_cpu!r}")
     sharding = parse_sharding_strategy(sharding_strategy)
     parse_bucketing_strategy(bucketing_strategy)
     if not (dist.is_available() and dist.is_initialized()):
@@ -85,16 +109,18 @@ def _resolve(device, process_group, sharding_strategy, bucketing_strategy, broad
     backend = str(dist.get_backend(process_group))
     world_size = dist.get_world_size(process_group)
 
+    allowed = _device_types(backend)
     if device is None:
-        if backend == "nccl":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if allowed is not None and "cuda" in allowed and torch.cuda.is_available():
+            # torchrun sets LOCAL_RANK; otherwise trust the device the caller selected.
+            local_rank = os.environ.get("LOCAL_RANK")
+            device = torch.device("cuda", int(local_rank) if local_rank is not None else torch.cuda.current_device())
         else:
             device = torch.device("cpu")
     try:
         device = torch.device(device)
     except (TypeError, RuntimeError) as e:
         raise ValueError(f"device={device!r} is not a valid torch device") from e
-    allowed = _BACKEND_DEVICE_TYPES.get(backend)
     if allowed is not None and device.type not in allowed:
         raise ValueError(
             f"device={str(device)!r} does not match the process group backend {backend!r}, "
@@ -106,7 +132,7 @@ def _resolve(device, process_group, sharding_strategy, bucketing_strategy, broad
             raise TypeError(f"broadcast_from must be a rank (int) or None, got {broadcast_from!r}")
         if not 0 <= broadcast_from < world_size:
             raise ValueError(f"broadcast_from={broadcast_from} is not a rank of this process group (0..{world_size - 1})")
-    return _Setup(device, process_group, sharding, broadcast_from)
+    return _Setup(device, process_group, sharding, broadcast_from, config, move_state_dict_to_cpu)
 
 
 def fsdp_transforms(
@@ -135,6 +161,17 @@ def fsdp_transforms(
         transforms.append(Zero3Transform())
     transforms.append(OverlapScheduleTransform(config))
     return transforms
+
+
+def _setup_transforms(setup: _Setup) -> list[Transform]:
+    return fsdp_transforms(
+        device=setup.device,
+        process_group=setup.process_group,
+        sharding_strategy=setup.sharding,
+        broadcast_from=setup.broadcast_from,
+        config=setup.config,
+        move_state_dict_to_cpu=setup.move_state_dict_to_cpu,
+    )
 
 
 def fsdp(
@@ -170,19 +207,10 @@ def fsdp(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module or a thunder.jit module, got {type(model).__name__}")
-    if config is not None and not isinstance(config, OverlapConfig):
-        raise TypeError(f"config must be a thunder_overlap.OverlapConfig or None, got {type(config).__name__}")
-    if not isinstance(move_state_dict_to_cpu, bool):
-        raise TypeError(f"move_state_dict_to_cpu must be a bool, got {move_state_dict_to_cpu!r}")
-    setup = _resolve(device, process_group, sharding_strategy, bucketing_strategy, broadcast_from)
-    transforms = fsdp_transforms(
-        device=setup.device,
-        process_group=setup.process_group,
-        sharding_strategy=setup.sharding,
-        broadcast_from=setup.broadcast_from,
-        config=config,
-        move_state_dict_to_cpu=move_state_dict_to_cpu,
+    setup = _resolve(
+        device, process_group, sharding_strategy, bucketing_strategy, broadcast_from, config, move_state_dict_to_cpu
     )
+    transforms = _setup_transforms(setup)
 
     if isinstance(model, ThunderModule):
         if jit_options:

@@ -40,9 +40,12 @@ class OverlapConfig:
     # Default byte limit in units of the largest block: 2 keeps the next two blocks' parameters
     # arriving while the current one computes (FSDP2 keeps about one, Thunder <= 0.2.3 kept 3 ops).
     prefetch_blocks: float = 2.0
-    # Most reduce-scatter input bytes in flight; None uses the all-gather byte limit. Waiting on
-    # a reduce-scatter frees its unsharded gradient, so this bounds backward gradient memory.
+    # Most reduce-scatter input bytes in flight; None: prefetch_blocks x the largest block.
+    # Waiting on a reduce-scatter frees its unsharded gradient, so this bounds gradient memory.
     max_in_flight_reduce_scatter_bytes: int | None = None
+    # All-gathers in flight when no limit is set and the model has no repeated blocks to size
+    # one from: a few parameters ahead, rather than the whole model gathered at once.
+    fallback_in_flight_allgathers: int = 4
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -50,21 +53,29 @@ class OverlapConfig:
         _check_optional_limit("max_in_flight_allgathers", self.max_in_flight_allgathers, int)
         _check_optional_limit("max_in_flight_allgather_bytes", self.max_in_flight_allgather_bytes, int)
         _check_optional_limit("max_in_flight_reduce_scatter_bytes", self.max_in_flight_reduce_scatter_bytes, int)
+        _check_optional_limit("fallback_in_flight_allgathers", self.fallback_in_flight_allgathers, int)
+        if self.fallback_in_flight_allgathers is None:
+            raise TypeError("OverlapConfig.fallback_in_flight_allgathers must be an int, got None")
         if isinstance(self.prefetch_blocks, bool) or not isinstance(self.prefetch_blocks, (int, float)):
             raise TypeError(f"OverlapConfig.prefetch_blocks must be a number, got {self.prefetch_blocks!r}")
         if self.prefetch_blocks <= 0:
             raise ValueError(f"OverlapConfig.prefetch_blocks must be positive, got {self.prefetch_blocks!r}")
 
     def limits(self, largest_block_bytes: int | None) -> ScheduleLimits:
-        """Resolves the limits the scheduler applies, given the model's largest block size."""
+        """Resolves the limits the scheduler applies, given the model's largest block size
+        (None when the model has no repeated blocks)."""
+        block_limit = int(self.prefetch_blocks * largest_block_bytes) if largest_block_bytes else None
         allgather_bytes = self.max_in_flight_allgather_bytes
-        if allgather_bytes is None and self.max_in_flight_allgathers is None and largest_block_bytes:
-            allgather_bytes = int(self.prefetch_blocks * largest_block_bytes)
+        allgathers = self.max_in_flight_allgathers
+        if allgather_bytes is None and allgathers is None:
+            allgather_bytes = block_limit
+            if block_limit is None:
+                allgathers = self.fallback_in_flight_allgathers
         reduce_scatter_bytes = self.max_in_flight_reduce_scatter_bytes
         if reduce_scatter_bytes is None:
-            reduce_scatter_bytes = allgather_bytes
+            reduce_scatter_bytes = block_limit
         return ScheduleLimits(
-            max_allgathers=self.max_in_flight_allgathers,
+            max_allgathers=allgathers,
             max_allgather_bytes=allgather_bytes,
             max_reduce_scatter_bytes=reduce_scatter_bytes,
         )

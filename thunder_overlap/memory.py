@@ -46,3 +46,12 @@ class LiveMemoryTracker(TorchDispatchMode):
     def _release(self, key: int, nbytes: int) -> None:
         self._tracked.discard(key)
         self.current_bytes -= nbytes
+
+    def track(self, tensor: torch.Tensor) -> None:
+        """Counts ``tensor``'s storage from now on, like one created inside the block (for a
+        trace's inputs, whose release the caller wants to see)."""
+        self._track(tensor.untyped_storage())
+
+    def reset_peak(self) -> None:
+        """Starts a new peak from the current bytes (to measure one step at a time)."""
+        self.peak_bytes = self.current_bytes

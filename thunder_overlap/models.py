@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["TinyGPTConfig", "TinyGPT"]
+__all__ = ["TinyGPTConfig", "TinyGPT", "LlamaConfig", "Llama"]
 
 
 @dataclass(frozen=True)
@@ -83,4 +83,84 @@ class TinyGPT(nn.Module):
         x = self.wte(idx) + self.wpe(positions)
         for block in self.blocks:
             x = block(x)
+        return self.lm_head(self.norm_f(x))
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """A Llama-shaped decoder (RMSNorm, rotary attention, SwiGLU MLP, no biases, untied head).
+    The defaults are Llama-2-7B's shapes; reports and benchmarks trace it on the meta device."""
+
+    vocab_size: int = 32000
+    n_embd: int = 4096
+    n_head: int = 32
+    n_layer: int = 32
+    intermediate_size: int = 11008
+    block_size: int = 4096
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def reset_parameters(self) -> None:
+        # Thunder's materialisation of a meta-device model calls this on every module with
+        # parameters of its own.
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.norm_1 = RMSNorm(config.n_embd, config.norm_eps)
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.norm_2 = RMSNorm(config.n_embd, config.norm_eps)
+        self.fc_1 = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.fc_2 = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.mlp_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(self.norm_1(x)).split(width, dim=2)
+        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+        h = self.norm_2(x)
+        return x + self.mlp_proj(F.silu(self.fc_1(h)) * self.fc_2(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layer))
+        self.norm_f = RMSNorm(config.n_embd, config.norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        # Rotary tables are computed here rather than kept as buffers, so that a model built on
+        # the meta device needs nothing materialised to be traced.
+        head_size = self.config.n_embd // self.config.n_head
+        inv_freq = 1.0 / self.config.rope_base ** (torch.arange(0, head_size, 2, device=idx.device).float() / head_size)
+        angles = torch.outer(torch.arange(idx.shape[1], device=idx.device).float(), inv_freq).repeat(1, 2)
+        x = self.wte(idx)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for block in self.blocks:
+            x = block(x, cos, sin)
         return self.lm_head(self.norm_f(x))

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from thunder import Plugin
 from thunder.distributed import FSDPBucketingStrategy, FSDPType
 
-from thunder_overlap.api import _resolve, fsdp_transforms
+from thunder_overlap.api import _resolve, _setup_transforms
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.executor import overlap_executor
 
@@ -33,11 +33,9 @@ class FSDPOverlap(Plugin):
         config: OverlapConfig | None = None,
         move_state_dict_to_cpu: bool = False,
     ) -> None:
-        if config is not None and not isinstance(config, OverlapConfig):
-            raise TypeError(f"config must be a thunder_overlap.OverlapConfig or None, got {type(config).__name__}")
-        self.setup = _resolve(device, process_group, sharding_strategy, bucketing_strategy, broadcast_from)
-        self.config = config
-        self.move_state_dict_to_cpu = move_state_dict_to_cpu
+        self.setup = _resolve(
+            device, process_group, sharding_strategy, bucketing_strategy, broadcast_from, config, move_state_dict_to_cpu
+        )
 
     def setup_executors(self):
         # Plugin executors come before the recipe's, whose fuser (torch.compile on CPU) could
@@ -45,14 +43,7 @@ class FSDPOverlap(Plugin):
         return [overlap_executor]
 
     def setup_transforms(self):
-        return fsdp_transforms(
-            device=self.setup.device,
-            process_group=self.setup.process_group,
-            sharding_strategy=self.setup.sharding,
-            broadcast_from=self.setup.broadcast_from,
-            config=self.config,
-            move_state_dict_to_cpu=self.move_state_dict_to_cpu,
-        )
+        return _setup_transforms(self.setup)
 
 
 def register() -> None:

@@ -33,9 +33,9 @@ class Schedule:
     """A scheduling decision: the node order and what the limits forced."""
 
     order: list[int]
-    # Waits emitted before their first use because a limit was reached.
+    # Reduce-scatter waits emitted early because the reduce-scatter byte limit was reached.
     forced_waits: int
-    # Largest all-gather output bytes issued but not yet waited on, at any point.
+    # Largest all-gather output bytes issued but not yet read by compute, at any point.
     peak_allgather_bytes_in_flight: int
 
 
@@ -46,7 +46,7 @@ def stock_order(annotated: AnnotatedTrace) -> Schedule:
 
 
 class _InFlight:
-    """Collectives issued and not yet waited on, oldest first, with their byte total."""
+    """Collectives counted against an in-flight limit, oldest first, with their byte total."""
 
     def __init__(self) -> None:
         self.bytes_by_collective: dict[int, int] = {}  # insertion-ordered: oldest first
@@ -96,6 +96,7 @@ class OverlapScheduler:
                 self._missing_inputs[c] += 1
                 self._collectives_reading.setdefault(p, []).append(c)
         self._ready_eager: list[int] = []  # heap of ready non-all-gather collectives by start
+        self._first_use: list[int] = []
 
     # ----------------------------------------------------------------------------------------
     # Phase 1: first uses
@@ -127,7 +128,14 @@ class OverlapScheduler:
 
     def schedule(self) -> Schedule:
         collectives = self.annotated.collectives
-        first_use = self.find_first_uses()
+        first_use = self._first_use = self.find_first_uses()
+        # A gathered parameter occupies memory from its issue until its first reader runs, so it
+        # counts against the prefetch limit until then (not merely until its wait, which a
+        # forced wait of a later collective on the same group can bring forward).
+        used_at: dict[int, list[int]] = {}
+        for c, coll in enumerate(collectives):
+            if coll.kind is CollectiveKind.ALL_GATHER:
+                used_at.setdefault(first_use[c], []).append(c)
         prefetch_queue = deque(
             sorted(
                 (c for c, coll in enumerate(collectives) if coll.kind is CollectiveKind.ALL_GATHER),
@@ -142,8 +150,10 @@ class OverlapScheduler:
             if node.kind is NodeKind.HEADER:
                 self._emit(node.index)
         self._issue_ready(prefetch_queue)
-        for anchor in self.anchors:
+        for position, anchor in enumerate(self.anchors):
             self._emit(anchor)
+            for c in used_at.get(position, ()):
+                self._allgathers_in_flight.discard(c)
             self._issue_ready(prefetch_queue)
 
         # Whatever the return needs, and waits nobody reads, go last, in issue order.
@@ -224,7 +234,8 @@ class OverlapScheduler:
         wait = self.annotated.collectives[c].wait
         if wait is not None:
             self._emit(wait)
-        else:  # a collective nobody waits on leaves the in-flight books at once
+        else:  # a collective nobody waits on leaves the books in its group's order
+            self._before_wait(c)
             self._retire(c)
 
     def _emit(self, index: int) -> None:
@@ -267,7 +278,8 @@ class OverlapScheduler:
         unwaited = self._unwaited_by_group[self.annotated.collectives[c].group_key]
         assert unwaited[0] == c, "waits must follow issue order within a process group"
         unwaited.popleft()
-        self._allgathers_in_flight.discard(c)
+        if self._first_use[c] == len(self.anchors):  # only the return reads it
+            self._allgathers_in_flight.discard(c)
         self._others_in_flight.discard(c)
 
     def _before_wait(self, c: int) -> None:

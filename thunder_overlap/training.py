@@ -95,12 +95,14 @@ def saved_unsharded(forward) -> list[str]:
 
 
 def collective_sequence(trace) -> list[str]:
+    """Each collective and wait as ``name(input) dtype[shape]``, in trace order. Input names come
+    from parameter names, so two ranks that order equally shaped blocks differently differ here."""
     annotated = classify_trace(trace)
     sequence = []
     for node in annotated.nodes:
         if node.kind in (NodeKind.COLLECTIVE, NodeKind.WAIT):
             out = node.bsym.flat_proxy_outs[0]
-            sequence.append(f"{node.name} {out.dtype} {list(out.shape)}")
+            sequence.append(f"{node.name}({node.inputs[0]}) {out.dtype} {list(out.shape)}")
     return sequence
 
 

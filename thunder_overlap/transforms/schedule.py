@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 
@@ -28,7 +30,15 @@ class OverlapScheduleTransform(Transform):
 
     def transform_module(self, model) -> None:
         # The original module still has the unsharded shapes (on meta once FSDP released it).
-        self.limits = self.config.limits(largest_block_bytes(model._model))
+        block_bytes = largest_block_bytes(model._model)
+        if block_bytes is None:
+            warnings.warn(
+                f"thunder_overlap: {type(model._model).__name__} has no nn.ModuleList/nn.Sequential of blocks to "
+                f"size prefetching by; limiting all-gathers in flight to {self.config.fallback_in_flight_allgathers} "
+                "and leaving reduce-scatter bytes unbounded unless OverlapConfig sets limits",
+                stacklevel=2,
+            )
+        self.limits = self.config.limits(block_bytes)
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         swallowed = find_swallowed_collectives(computation_trace)

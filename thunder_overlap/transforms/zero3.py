@@ -21,6 +21,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.core.transform_common import Transform
+from thunder.core.transforms import dce
 from thunder.executors.passes import del_last_used
 
 from thunder_overlap.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace
@@ -100,36 +101,33 @@ def _rewrite_forward(trace: TraceCtx, plan: RegatherPlan) -> TraceCtx:
     new_trace = from_trace(trace)
     bsyms = []
     for bsym in trace.bound_symbols:
+        if bsym.sym.id is prims.PrimIDs.DEL:  # regenerated below, after dead code is gone
+            continue
         if bsym.sym.id is prims.PrimIDs.RETURN:
             outputs, (_, saved_other) = bsym.args
             bsym = bsym.from_bsym(args=(outputs, (plan.new_saved, saved_other)))
         bsyms.append(bsym)
     new_trace.bound_symbols = bsyms
-    new_trace = del_last_used(new_trace)
+    # Views that only fed the dropped tensors would otherwise keep their gathered parameter alive.
+    new_trace = del_last_used(dce(new_trace))
     new_trace.set_provenance(TraceProvenance("thunder_overlap: ZeRO3 saves sharded parameters"))
     return new_trace
 
 
 def _rewrite_backward(trace: TraceCtx, plan: RegatherPlan) -> TraceCtx:
+    """Unpacks ``plan.new_saved`` instead of the old saved tensors and replays the re-gathers
+    right after that unpack; the scheduler then moves each to where it is needed."""
     old_names = [t.name for t in plan.old_saved]
     new_trace = from_trace(trace)
     bsyms: list[BoundSymbol] = []
-    header_done = False
-    found = False
     for bsym in trace.bound_symbols:
-        is_header = bsym.sym.id in (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.UNPACK_SEQUENCE) or bsym.sym.name in (
-            "python_del",
-            "clear_mutable_collection",
-        )
-        if not is_header and not header_done:
-            bsyms.extend(plan.replay)
-            header_done = True
         if bsym.sym.id is prims.PrimIDs.UNPACK_SEQUENCE and [o.name for o in bsym.flat_proxy_outs] == old_names:
             collection, _ = bsym.args
-            bsym = bsym.from_bsym(args=(collection, len(plan.new_saved)), output=list(plan.new_saved))
-            found = True
-        bsyms.append(bsym)
-    if not found:
+            bsyms.append(bsym.from_bsym(args=(collection, len(plan.new_saved)), output=list(plan.new_saved)))
+            bsyms.extend(plan.replay)
+        else:
+            bsyms.append(bsym)
+    if len(bsyms) == len(trace.bound_symbols):
         raise RuntimeError(
             "thunder_overlap ZeRO3: the backward trace does not unpack the forward's saved tensors "
             f"({len(old_names)} tensors starting {old_names[:3]}); cannot re-gather parameters"

@@ -1,0 +1,128 @@
+"""Cost model: roofline, calibration, user estimates and the ring alpha-beta model, by hand."""
+
+from __future__ import annotations
+
+import pytest
+import thunder.torch as ltorch
+from thunder.core import devices, dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx, tracectx
+
+from thunder_overlap.classify import Collective, CollectiveKind
+from thunder_overlap.cost_model import (
+    Calibration,
+    CostModel,
+    DeviceProfile,
+    NetworkProfile,
+    _shape_key,
+    network_profile,
+    op_bytes,
+    op_flops,
+)
+
+# Round numbers, so every answer below is computed by hand: 1 TFLOP/s (both widths), 1 GB/s,
+# full efficiency and no launch overhead.
+DEVICE = DeviceProfile("test", 1e12, 1e12, 1e9, flops_efficiency=1.0, bandwidth_efficiency=1.0, launch_overhead_s=0.0)
+NETWORK = NetworkProfile("test", latency_s=1e-6, bus_bandwidth=1e9)
+
+
+def _bsym(op, *shapes, dtype=dtypes.bfloat16):
+    """The bound symbol ``op`` records on fresh proxies of ``shapes``."""
+    trace = TraceCtx()
+    with tracectx(trace):
+        proxies = [TensorProxy(shape=s, dtype=dtype, device=devices.cpu) for s in shapes]
+        op(*proxies)
+    return trace.bound_symbols[-1]
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_matmul_flops_bytes_and_roofline():
+    bsym = _bsym(ltorch.matmul, (128, 256), (256, 512))
+    assert op_flops(bsym) == 2 * 128 * 512 * 256
+    assert op_bytes(bsym) == (128 * 256 + 256 * 512 + 128 * 512) * 2
+    # 33.5 MFLOP at 1 TFLOP/s = 33.6 us; 360 KB at 1 GB/s = 360 us: memory bound.
+    assert CostModel(DEVICE, NETWORK).compute_ms(bsym) == pytest.approx(op_bytes(bsym) / 1e9 * 1e3)
+
+
+def test_compute_bound_matmul_uses_the_fp32_rate_for_fp32_inputs():
+    device = DeviceProfile("fp32", 2e12, 1e12, 1e15, flops_efficiency=1.0, bandwidth_efficiency=1.0, launch_overhead_s=0.0)
+    flops = 2 * 1024 * 1024 * 1024
+    half = _bsym(ltorch.matmul, (1024, 1024), (1024, 1024))
+    single = _bsym(ltorch.matmul, (1024, 1024), (1024, 1024), dtype=dtypes.float32)
+    assert CostModel(device, NETWORK).compute_ms(half) == pytest.approx(flops / 2e12 * 1e3, rel=1e-3)
+    assert CostModel(device, NETWORK).compute_ms(single) == pytest.approx(flops / 1e12 * 1e3, rel=1e-3)
+
+
+def test_elementwise_and_views():
+    add = _bsym(ltorch.add, (1000,), (1000,))
+    assert op_flops(add) == 1000
+    assert op_bytes(add) == 3 * 1000 * 2
+    assert CostModel(DEVICE, NETWORK).compute_ms(add) == pytest.approx(6000 / 1e9 * 1e3)
+    view = _bsym(lambda a: ltorch.reshape(a, (10, 100)), (1000,))
+    assert op_bytes(view) == 0
+    assert CostModel(DEVICE, NETWORK).compute_ms(view) == 0.0
+
+
+def test_launch_overhead_is_added():
+    device = DeviceProfile("slow launch", 1e12, 1e12, 1e9, flops_efficiency=1.0, bandwidth_efficiency=1.0, launch_overhead_s=1e-3)
+    add = _bsym(ltorch.add, (1000,), (1000,))
+    assert CostModel(device, NETWORK).compute_ms(add) == pytest.approx(6e-3 + 1.0)
+
+
+def test_user_estimate_then_calibration_then_roofline():
+    add = _bsym(ltorch.add, (1000,), (1000,))
+    calibration = Calibration("cpu")
+    calibration.times_ms[_shape_key(add)] = 7.0
+    model = CostModel(DEVICE, NETWORK, calibration=calibration, user_estimate=lambda b: 3.0 if b.sym.name == "add" else None)
+    assert model.compute_ms(add) == 3.0
+    model.user_estimate = lambda b: None  # declines: calibration answers
+    assert model.compute_ms(add) == 7.0
+    model.calibration = None
+    assert model.compute_ms(add) == pytest.approx(6e-3)
+
+
+def test_calibration_times_each_shape_once_and_round_trips(tmp_path):
+    path = tmp_path / "calibration.json"
+    calibration = Calibration("cpu", path=path, repeats=2)
+    mm = _bsym(ltorch.matmul, (64, 64), (64, 64), dtype=dtypes.float32)
+    first = calibration.measure(mm)
+    assert first > 0
+    assert calibration.measure(mm) == first  # cached, not re-timed
+    assert calibration.measure(_bsym(ltorch.matmul, (64, 64), (64, 64), dtype=dtypes.float32)) == first  # same shape
+    calibration.save()
+    assert Calibration("cpu", path=path).lookup(mm) == first
+
+
+def test_ring_collective_time():
+    gather = Collective(CollectiveKind.ALL_GATHER, start=0, wait=1, process_group=_Group(8), unsharded_bytes=8_000_000)
+    # 7 steps of 1 us, plus 7/8 of 8 MB at 1 GB/s = 7 ms.
+    assert CostModel(DEVICE, NETWORK).collective_ms(gather) == pytest.approx(7.007)
+    all_reduce = Collective(CollectiveKind.OTHER, start=0, wait=1, process_group=_Group(8), unsharded_bytes=8_000_000)
+    assert CostModel(DEVICE, NETWORK).collective_ms(all_reduce) == pytest.approx(2 * 7.007)
+    assert CostModel(DEVICE, NETWORK).collective_ms(gather, world_size=1) == 0.0
+    assert CostModel(DEVICE, NETWORK).collective_ms(gather, world_size=2) == pytest.approx(1e-3 + 4.0)
+
+
+def test_collective_without_group_needs_a_world_size():
+    orphan = Collective(CollectiveKind.REDUCE_SCATTER, start=0, wait=1, process_group=None, unsharded_bytes=100)
+    with pytest.raises(ValueError, match="world_size"):
+        CostModel(DEVICE, NETWORK).collective_ms(orphan)
+
+
+def test_profiles_by_name_and_clear_errors():
+    custom = network_profile("custom:5:100")
+    assert (custom.latency_s, custom.bus_bandwidth) == (pytest.approx(5e-6), pytest.approx(100e9))
+    assert CostModel.named("h100", "infiniband").network.name == "infiniband"
+    with pytest.raises(ValueError, match="accepted.*nvlink"):
+        network_profile("ethernet")
+    with pytest.raises(ValueError, match="custom"):
+        network_profile("custom:5:0")
+    with pytest.raises(ValueError, match="unknown device profile 'tpu'.*h100"):
+        CostModel.named("tpu")

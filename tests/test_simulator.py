@@ -1,0 +1,120 @@
+"""Two-stream simulator on hand-built annotated traces whose timings are worked out by hand."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from thunder_overlap.classify import (
+    AnnotatedTrace,
+    Collective,
+    CollectiveKind,
+    NodeKind,
+    TraceNode,
+)
+from thunder_overlap.cost_model import CostModel, DeviceProfile, NetworkProfile
+from thunder_overlap.simulator import potentially_hideable, simulate
+
+# On 2 ranks with no latency and 1 GB/s, a collective of 4 MB takes 1/2 * 4 MB / 1 GB/s = 2 ms.
+NETWORK = NetworkProfile("test", latency_s=0.0, bus_bandwidth=1e9)
+TWO_MS_OF_BYTES = 4_000_000
+COMPUTE_MS = {"a": 3.0, "b": 1.0, "c": 2.0}
+
+
+class _Group:
+    def size(self) -> int:
+        return 2
+
+
+def _cost_model() -> CostModel:
+    device = DeviceProfile("test", 1e12, 1e12, 1e9)
+    return CostModel(device, NETWORK, user_estimate=lambda bsym: COMPUTE_MS.get(bsym.sym.name, 0.0))
+
+
+def _node(index, kind, name, inputs=(), outputs=(), collective=None) -> TraceNode:
+    bsym = SimpleNamespace(sym=SimpleNamespace(name=name))  # the simulator only needs its name
+    return TraceNode(index, bsym, kind, tuple(inputs), tuple(outputs), collective)
+
+
+def _trace(nodes, collectives) -> AnnotatedTrace:
+    producer, consumers = {}, {}
+    for n in nodes:
+        for name in n.inputs:
+            consumers.setdefault(name, []).append(n.index)
+        for name in n.outputs:
+            producer.setdefault(name, n.index)
+    return AnnotatedTrace(None, nodes, collectives, producer, consumers)
+
+
+def _one_gather(compute_reads_gathered: bool = False) -> AnnotatedTrace:
+    """header; all-gather of w; a (3 ms, independent or not); wait; b (1 ms, reads the
+    gathered w); return."""
+    group = _Group()
+    nodes = [
+        _node(0, NodeKind.HEADER, "unpack_trivial", outputs=["x", "w"]),
+        _node(1, NodeKind.COLLECTIVE, "all_gather", inputs=["w"], outputs=["fw"], collective=0),
+        _node(2, NodeKind.WAIT, "wait", inputs=["fw"], outputs=["gw"], collective=0),
+        _node(3, NodeKind.COMPUTE, "a", inputs=["gw" if compute_reads_gathered else "x"], outputs=["y"]),
+        _node(4, NodeKind.COMPUTE, "b", inputs=["y", "gw"], outputs=["z"]),
+        _node(5, NodeKind.RETURN, "python_return", inputs=["z"]),
+    ]
+    return _trace(nodes, [Collective(CollectiveKind.ALL_GATHER, 1, 2, group, TWO_MS_OF_BYTES)])
+
+
+def test_wait_after_independent_compute_hides_the_collective():
+    # issue at 0, gather runs 0-2 ms, a runs 0-3 ms, the wait at 3 ms finds it done, b 3-4 ms.
+    sim = simulate(_one_gather(), [0, 1, 3, 2, 4, 5], _cost_model())
+    (gather,) = sim.collectives
+    assert (gather.start_ms, gather.end_ms, gather.exposed_ms) == (0.0, 2.0, 0.0)
+    assert sim.step_ms == pytest.approx(4.0)
+    assert sim.bound_ms == pytest.approx(4.0)  # max(compute 4, communication 2)
+    assert (sim.hideable, sim.hidden) == (1, 1)
+
+
+def test_wait_before_compute_exposes_the_whole_collective():
+    # The wait at 0 ms blocks until 2 ms; a runs 2-5, b 5-6.
+    sim = simulate(_one_gather(), [0, 1, 2, 3, 4, 5], _cost_model())
+    assert sim.collectives[0].exposed_ms == pytest.approx(2.0)
+    assert sim.exposed_ms == pytest.approx(2.0)
+    assert sim.step_ms == pytest.approx(6.0)
+    assert (sim.hideable, sim.hidden) == (1, 0)
+
+
+def test_collective_every_compute_op_depends_on_is_not_hideable():
+    assert potentially_hideable(_one_gather(compute_reads_gathered=True)) == [False]
+    assert potentially_hideable(_one_gather()) == [True]
+
+
+def test_collectives_of_one_group_queue_on_its_stream():
+    # Two 2 ms gathers issued at 0 run 0-2 and 2-4 ms (one stream). c runs 0-2 ms; the first
+    # wait then finds its gather done, the second stalls 2-4 ms; a runs 4-7 ms.
+    group = _Group()
+    nodes = [
+        _node(0, NodeKind.HEADER, "unpack_trivial", outputs=["x", "w1", "w2"]),
+        _node(1, NodeKind.COLLECTIVE, "all_gather", inputs=["w1"], outputs=["f1"], collective=0),
+        _node(2, NodeKind.COLLECTIVE, "all_gather", inputs=["w2"], outputs=["f2"], collective=1),
+        _node(3, NodeKind.COMPUTE, "c", inputs=["x"], outputs=["y"]),
+        _node(4, NodeKind.WAIT, "wait", inputs=["f1"], outputs=["g1"], collective=0),
+        _node(5, NodeKind.WAIT, "wait", inputs=["f2"], outputs=["g2"], collective=1),
+        _node(6, NodeKind.COMPUTE, "a", inputs=["y", "g1", "g2"], outputs=["z"]),
+        _node(7, NodeKind.RETURN, "python_return", inputs=["z"]),
+    ]
+    collectives = [
+        Collective(CollectiveKind.ALL_GATHER, 1, 4, group, TWO_MS_OF_BYTES),
+        Collective(CollectiveKind.ALL_GATHER, 2, 5, group, TWO_MS_OF_BYTES),
+    ]
+    sim = simulate(_trace(nodes, collectives), list(range(8)), _cost_model())
+    first, second = sim.collectives
+    assert (first.start_ms, first.end_ms, first.exposed_ms) == (0.0, 2.0, 0.0)
+    assert (second.start_ms, second.end_ms) == (2.0, 4.0)
+    assert second.exposed_ms == pytest.approx(2.0)  # waited at 2 ms (after c), done at 4 ms
+    assert sim.step_ms == pytest.approx(7.0)  # c 0-2, stall 2-4, a 4-7
+    assert sim.communication_ms == pytest.approx(4.0)
+    assert sim.bound_ms == pytest.approx(5.0)
+    assert (sim.hideable, sim.hidden) == (2, 1)
+
+
+def test_order_must_be_a_permutation():
+    with pytest.raises(ValueError, match="permutation"):
+        simulate(_one_gather(), [0, 1, 2], _cost_model())

@@ -1,0 +1,316 @@
+"""How long each bound symbol and each collective takes: a roofline and a ring alpha-beta model.
+
+Compute: ``max(flops / (peak_flops * efficiency), bytes / (bandwidth * efficiency)) + launch``,
+where FLOPs are counted for matmul-like ops (the ones that matter) and every other op costs one
+FLOP per output element; bytes are the op's tensor inputs and outputs, and zero for views, whose
+outputs alias their input. Calibration replaces the roofline with the time measured on the real
+device for each distinct op shape (:class:`Calibration`), and a user hook can override both.
+
+Collectives: ring all-gather and reduce-scatter on ``n`` ranks take
+``latency * (n - 1) + (n - 1) / n * unsharded_bytes / bus_bandwidth`` (an all-reduce twice that),
+the model NCCL's own performance notes and nccl-tests' "bus bandwidth" use. ``n`` is the size of
+the collective's process group, read from the trace.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from thunder.core import dtypes
+from thunder.core.proxies import FutureTensorProxy, TensorProxy
+from thunder.core.symbol import BoundSymbol
+
+from thunder_overlap.classify import Collective, CollectiveKind
+
+__all__ = [
+    "DEVICE_PROFILES",
+    "NETWORK_PROFILES",
+    "Calibration",
+    "CostModel",
+    "DeviceProfile",
+    "NetworkProfile",
+    "device_profile",
+    "network_profile",
+    "op_bytes",
+    "op_flops",
+]
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Peak rates of one accelerator and how much of them real kernels reach."""
+
+    name: str
+    # Dense matmul peak, FLOP/s, for 16-bit floats and for 32-bit floats.
+    matmul_flops_16bit: float
+    matmul_flops_32bit: float
+    # Memory bandwidth, bytes/s.
+    memory_bandwidth: float
+    # Large, well-shaped kernels reach about 70% of peak FLOPs and 80% of peak bandwidth
+    # (cuBLAS GEMMs in the 700 TFLOP/s range on an H100 SXM, elementwise kernels ~2.6 TB/s).
+    flops_efficiency: float = 0.7
+    bandwidth_efficiency: float = 0.8
+    # Fixed cost of each kernel or host op: CUDA launch plus framework dispatch.
+    launch_overhead_s: float = 5e-6
+
+
+@dataclass(frozen=True)
+class NetworkProfile:
+    """A ring's per-step latency and its bus bandwidth (nccl-tests' ``busbw``)."""
+
+    name: str
+    latency_s: float
+    bus_bandwidth: float  # bytes/s
+
+
+# Datasheet peaks (dense, no sparsity): NVIDIA H100 SXM5 (989 TFLOP/s BF16, 67 FP32, 3.35 TB/s
+# HBM3), H200 SXM (same compute, 4.8 TB/s HBM3e), A100 SXM 80GB (312 BF16, 19.5 FP32, 2.04 TB/s).
+# The CPU profile is a small x86 machine (two AVX2 cores at ~50 GFLOP/s each, ~10 GB/s per core
+# of memory bandwidth, ~20 us of Python dispatch per op): a rough guess, calibrate for truth.
+DEVICE_PROFILES: dict[str, DeviceProfile] = {
+    "h100": DeviceProfile("h100", 989e12, 67e12, 3.35e12),
+    "h200": DeviceProfile("h200", 989e12, 67e12, 4.8e12),
+    "a100": DeviceProfile("a100", 312e12, 19.5e12, 2.04e12),
+    "cpu": DeviceProfile("cpu", 100e9, 100e9, 20e9, flops_efficiency=0.5, bandwidth_efficiency=0.5, launch_overhead_s=20e-6),
+}
+
+# NVLink 4 (H100/H200 DGX, NVSwitch): 450 GB/s per direction per GPU; nccl-tests report about
+# 360 GB/s bus bandwidth for all-gather at large sizes, and a few microseconds per ring step.
+# InfiniBand NDR (one 400 Gb/s = 50 GB/s NIC per GPU): about 45 GB/s bus bandwidth across nodes,
+# with ~10 us per step (network hops plus proxy thread). Loopback gloo on a CPU: about 1 GB/s.
+NETWORK_PROFILES: dict[str, NetworkProfile] = {
+    "nvlink": NetworkProfile("nvlink", 3e-6, 360e9),
+    "infiniband": NetworkProfile("infiniband", 10e-6, 45e9),
+    "gloo-loopback": NetworkProfile("gloo-loopback", 50e-6, 1e9),
+}
+
+
+def device_profile(name: str | DeviceProfile) -> DeviceProfile:
+    if isinstance(name, DeviceProfile):
+        return name
+    if name not in DEVICE_PROFILES:
+        raise ValueError(f"unknown device profile {name!r}; accepted: {sorted(DEVICE_PROFILES)} or a DeviceProfile")
+    return DEVICE_PROFILES[name]
+
+
+def network_profile(name: str | NetworkProfile) -> NetworkProfile:
+    """A named profile, or ``"custom:<latency_us>:<bus GB/s>"`` (e.g. ``custom:5:100``)."""
+    if isinstance(name, NetworkProfile):
+        return name
+    if name in NETWORK_PROFILES:
+        return NETWORK_PROFILES[name]
+    if name.startswith("custom:"):
+        try:
+            _, latency_us, gbps = name.split(":")
+            latency, bandwidth = float(latency_us) * 1e-6, float(gbps) * 1e9
+        except ValueError:
+            latency = bandwidth = -1.0
+        if latency >= 0 and bandwidth > 0:
+            return NetworkProfile(name, latency, bandwidth)
+    raise ValueError(
+        f"unknown network {name!r}; accepted: {sorted(NETWORK_PROFILES)} or 'custom:<latency_us>:<bus_GBps>' "
+        "with latency >= 0 and bandwidth > 0"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting
+
+# Ops whose output aliases their input: no bytes move (see memory_estimate for the full rules).
+_METADATA_OPS = {
+    "reshape", "torch_prims_reshape_impl", "view", "permute", "transpose", "unsqueeze", "squeeze",
+    "expand", "broadcast_in_dim", "torch_slice_prim_impl", "split", "shallow_copy", "detach", "flatten",
+    "unflatten", "python_del", "clear_mutable_collection", "unpack_trivial", "unpack_sequence",
+    "python_return", "comment",
+}  # fmt: skip
+# Attention: two matmuls of (q @ k^T) and (p @ v); its backward does five, 2.5x the forward.
+_ATTENTION_BACKWARD_FACTOR = 2.5
+
+
+def _tensors(values) -> list[TensorProxy]:
+    return [v for v in values if isinstance(v, TensorProxy) and not isinstance(v, FutureTensorProxy)]
+
+
+def _numel(t: TensorProxy) -> int:
+    return math.prod(int(s) for s in t.shape)  # from the shape: sharded proxies keep a stale numel
+
+
+def _matmul_flops(bsym: BoundSymbol) -> int | None:
+    name = bsym.sym.name
+    ins, outs = _tensors(bsym.flat_args), _tensors(bsym.flat_outs)
+    if not ins or not outs:
+        return None
+    if name in ("matmul", "mm", "bmm", "addmm", "baddbmm") and len(ins) >= 2:
+        inner = int(ins[0].shape[-1]) if ins[0].ndim else 1
+        return 2 * _numel(outs[0]) * inner
+    if name == "linear" and len(ins) >= 2:
+        return 2 * _numel(outs[0]) * int(ins[0].shape[-1]) + (_numel(outs[0]) if len(ins) > 2 else 0)
+    if "scaled_dot_product" in name or name.startswith("sdpa"):
+        q, k = ins[0], ins[1]
+        batch_heads = math.prod(int(s) for s in q.shape[:-2])
+        forward = 4 * batch_heads * int(q.shape[-2]) * int(k.shape[-2]) * int(q.shape[-1])
+        return int(forward * (_ATTENTION_BACKWARD_FACTOR if "backward" in name or "bwd" in name else 1))
+    return None
+
+
+def op_flops(bsym: BoundSymbol) -> int:
+    """FLOPs of a top-level bound symbol: matmul-like ops exactly, fusions as the sum of their
+    parts, anything else one per output element."""
+    flops = _matmul_flops(bsym)
+    if flops is not None:
+        return flops
+    if bsym.sym.name in _METADATA_OPS:
+        return 0
+    if bsym.subsymbols and bsym.sym.is_fusion:
+        return sum(op_flops(s) for s in bsym.subsymbols)
+    return sum(_numel(t) for t in _tensors(bsym.flat_outs))
+
+
+def op_bytes(bsym: BoundSymbol) -> int:
+    """Bytes read and written: tensor inputs and outputs (a fusion's intermediates stay on chip)."""
+    if bsym.sym.name in _METADATA_OPS:
+        return 0
+    return sum(_numel(t) * t.dtype.bytes for t in _tensors([*bsym.flat_args, *bsym.flat_outs]))
+
+
+def _shape_key(bsym: BoundSymbol) -> str:
+    """Identifies an op and its shapes for calibration: the same key times the same."""
+    args = [f"{t.dtype}{list(t.shape)}" if isinstance(t, TensorProxy) else repr(t) for t in bsym.flat_args]
+    return f"{bsym.sym.name}({', '.join(args)})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration
+
+
+class Calibration:
+    """Measured milliseconds per op shape on a real device, cached in memory and on disk.
+
+    ``measure(bsym)`` runs the op once to warm up, then ``repeats`` times, on random inputs of
+    the right shapes; each distinct ``(op, shapes, constant arguments)`` is timed once.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", *, path: str | Path | None = None, repeats: int = 3) -> None:
+        self.device = torch.device(device)
+        self.path = Path(path) if path is not None else None
+        self.repeats = repeats
+        self.times_ms: dict[str, float] = {}
+        if self.path is not None and self.path.exists():
+            self.times_ms.update(json.loads(self.path.read_text()))
+
+    def lookup(self, bsym: BoundSymbol) -> float | None:
+        return self.times_ms.get(_shape_key(bsym))
+
+    def measure(self, bsym: BoundSymbol) -> float:
+        key = _shape_key(bsym)
+        if key not in self.times_ms:
+            self.times_ms[key] = self._time(bsym)
+        return self.times_ms[key]
+
+    def calibrate(self, trace) -> int:
+        """Times every compute op of an execution trace whose shape is not cached yet; returns
+        how many were timed. Collectives are left to the network model."""
+        from thunder_overlap.classify import NodeKind, classify_trace
+
+        before = len(self.times_ms)
+        for node in classify_trace(trace).nodes:
+            if node.kind in (NodeKind.COMPUTE, NodeKind.PROLOGUE, NodeKind.EPILOGUE) and node.name not in _METADATA_OPS:
+                self.measure(node.bsym)
+        return len(self.times_ms) - before
+
+    def save(self) -> None:
+        if self.path is None:
+            raise ValueError("this Calibration has no path to save to; pass path=... when creating it")
+        self.path.write_text(json.dumps(self.times_ms, indent=1, sort_keys=True))
+
+    def _time(self, bsym: BoundSymbol) -> float:
+        from thunder.transforms.constant_folding import (
+            make_trace_executable,
+            trace_from_bsym_or_bsyms,
+        )
+
+        from thunder_overlap.trace_runner import random_tensor
+
+        # A one-op trace, claimed by the torch executor (a no-op for ops it already runs).
+        trace = trace_from_bsym_or_bsyms(bsym)
+        fn = make_trace_executable(trace)
+        args = [random_tensor(a, self.device) if isinstance(a, TensorProxy) else a for a in trace.args]
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        with torch.no_grad():
+            fn(*args)
+            sync()
+            start = time.perf_counter()
+            for _ in range(self.repeats):
+                fn(*args)
+            sync()
+        return (time.perf_counter() - start) / self.repeats * 1e3
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+# A user estimate: milliseconds for a bound symbol, or None to fall back to the model.
+UserEstimate = Callable[[BoundSymbol], "float | None"]
+
+
+@dataclass
+class CostModel:
+    """Milliseconds per compute op and per collective.
+
+    Precedence for compute: ``user_estimate`` (when it returns a number), then ``calibration``
+    (measured, when it has the op's shape), then the roofline of ``device``.
+    """
+
+    device: DeviceProfile
+    network: NetworkProfile
+    calibration: Calibration | None = None
+    user_estimate: UserEstimate | None = None
+
+    @classmethod
+    def named(cls, device: str | DeviceProfile = "h100", network: str | NetworkProfile = "nvlink", **kwargs) -> CostModel:
+        return cls(device_profile(device), network_profile(network), **kwargs)
+
+    def compute_ms(self, bsym: BoundSymbol) -> float:
+        if self.user_estimate is not None:
+            estimate = self.user_estimate(bsym)
+            if estimate is not None:
+                return float(estimate)
+        if bsym.sym.name in _METADATA_OPS:
+            return 0.0
+        if self.calibration is not None:
+            measured = self.calibration.lookup(bsym)
+            if measured is not None:
+                return measured
+        return self.roofline_ms(bsym)
+
+    def roofline_ms(self, bsym: BoundSymbol) -> float:
+        d = self.device
+        # Tensor cores run 16-bit inputs; any 32-bit float input runs at the FP32 rate.
+        wide = any(dtypes.is_float_dtype(t.dtype) and t.dtype.bytes >= 4 for t in _tensors(bsym.flat_args))
+        peak = d.matmul_flops_32bit if wide else d.matmul_flops_16bit
+        flops_s = op_flops(bsym) / (peak * d.flops_efficiency)
+        bytes_s = op_bytes(bsym) / (d.memory_bandwidth * d.bandwidth_efficiency)
+        return (max(flops_s, bytes_s) + d.launch_overhead_s) * 1e3
+
+    def collective_ms(self, collective: Collective, world_size: int | None = None) -> float:
+        """Ring time of ``collective`` over its process group (or ``world_size`` ranks)."""
+        n = world_size if world_size is not None else _group_size(collective)
+        if n <= 1:
+            return 0.0
+        net = self.network
+        steps = 2 if collective.kind is CollectiveKind.OTHER else 1  # all-reduce: reduce-scatter + all-gather
+        seconds = steps * (net.latency_s * (n - 1) + (n - 1) / n * collective.unsharded_bytes / net.bus_bandwidth)
+        return seconds * 1e3
+
+
+def _group_size(collective: Collective) -> int:
+    group = collective.process_group
+    if group is None:
+        raise ValueError("the collective has no process group in the trace; pass world_size= to collective_ms")
+    return group.size()

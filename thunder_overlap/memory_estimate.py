@@ -1,0 +1,501 @@
+"""Predicted memory of an execution trace, and a runtime check of the prediction.
+
+:func:`estimate_memory` walks a trace once and follows *storages*, not proxies: a view, a reshape
+that needs no copy, ``shallow_copy``, a collective's wait and an in-place op (``copy_``, ``add_``)
+bind their output to the storage of their input, so an alias is counted once and the storage dies
+with its last alias (a ``del``, or the clearing of the collection that held it). Strides are
+followed symbolically, so a reshape of a transposed tensor is known to copy, as PyTorch does.
+Collectives allocate their output when issued and keep their input alive as long as their future
+(NCCL and gloo hold it in the ``Work`` the future owns); a reduce-scatter's unsharded gradient is
+therefore released with the future, deleted right after its wait, not at its own ``del``. Persistent tensors (parameters; the forward's inputs) are counted
+once and never freed. Passing the forward's estimate to the backward's makes tensors saved for
+backward keep their storage sharing and persistence across the two traces.
+
+:func:`measure_memory` runs a trace one bound symbol at a time and records the bytes really alive
+after each one (CPU: every storage followed by :class:`LiveMemoryTracker`; CUDA: the caching
+allocator's counters), and :func:`compare_memory` names the first bound symbol where prediction
+and measurement part.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from thunder.core import prims
+from thunder.core.proxies import CollectionProxy, FutureTensorProxy, Proxy, TensorProxy
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx, TraceTag, tracectx
+
+from thunder_overlap.memory import LiveMemoryTracker
+from thunder_overlap.trace_runner import TraceStepper, materialize_inputs
+
+__all__ = [
+    "CUDA_ALLOCATION_GRANULARITY",
+    "HandedOver",
+    "MemoryComparison",
+    "MemoryEstimate",
+    "MemoryMeasurement",
+    "compare_memory",
+    "estimate_memory",
+    "measure_memory",
+    "run_measured",
+]
+
+# The CUDA caching allocator rounds every block up to a multiple of 512 bytes (kMinBlockSize in
+# c10/cuda/CUDACachingAllocator.cpp); estimates compared with CUDA counters round the same way.
+CUDA_ALLOCATION_GRANULARITY = 512
+
+_UNPACK_IDS = (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.UNPACK_SEQUENCE)
+
+# Ops whose output is a view of their first argument, by how the view's strides follow.
+_RESHAPES = {"reshape", "torch_prims_reshape_impl", "view", "flatten", "unflatten", "reshape_as", "view_as"}
+_SAME_LAYOUT = {"shallow_copy", "split", "chunk", "tensor_split", "unbind", "detach", "alias"}
+_VIEWS = {"permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "expand_as", "broadcast_in_dim",
+          "torch_slice_prim_impl", "torch_broadcast_in_dim_prim_impl", "real", "imag", *_SAME_LAYOUT, *_RESHAPES}
+# Ops that return their input itself when it already has what they produce.
+_CONDITIONAL_ALIAS = {"contiguous", "to", "type_as"}
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _is_contiguous(shape, strides) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _reshape_strides(old_shape, old_strides, new_shape) -> tuple[int, ...] | None:
+    """Strides of ``view(new_shape)``, or None when PyTorch must copy (ATen's computeStride)."""
+    if not old_shape or 0 in old_shape:
+        return _contiguous_strides(new_shape)
+    new_strides = [0] * len(new_shape)
+    view_d = len(new_shape) - 1
+    chunk_base_stride = old_strides[-1]
+    tensor_numel = view_numel = 1
+    for tensor_d in range(len(old_shape) - 1, -1, -1):
+        tensor_numel *= old_shape[tensor_d]
+        if tensor_d == 0 or (old_shape[tensor_d - 1] != 1 and old_strides[tensor_d - 1] != tensor_numel * chunk_base_stride):
+            while view_d >= 0 and (view_numel < tensor_numel or new_shape[view_d] == 1):
+                new_strides[view_d] = view_numel * chunk_base_stride
+                view_numel *= new_shape[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return None
+            if tensor_d > 0:
+                chunk_base_stride = old_strides[tensor_d - 1]
+                tensor_numel = view_numel = 1
+    return tuple(new_strides) if view_d == -1 else None
+
+
+def _ints(values) -> list[int]:
+    out = []
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            out.extend(_ints(v))
+        elif isinstance(v, int):
+            out.append(v)
+    return out
+
+
+def _view_strides(name: str, bsym: BoundSymbol, shape, strides, out_shape) -> tuple[int, ...] | None:
+    """Strides of a view op's output; None when unknown (then treated as contiguous)."""
+    ndim = len(shape)
+    if name in _SAME_LAYOUT or (name in _RESHAPES and tuple(shape) == tuple(out_shape)):
+        return strides
+    if name in _RESHAPES:
+        return _reshape_strides(shape, strides, out_shape)
+    if name == "permute":
+        dims = [d % ndim for d in _ints(bsym.args[1:])]
+        return tuple(strides[d] for d in dims)
+    if name in ("transpose", "t"):
+        d0, d1 = ([d % ndim for d in _ints(bsym.args[1:3])] + [0, 1])[:2] if name == "transpose" else (0, 1)
+        new = list(strides)
+        new[d0], new[d1] = new[d1], new[d0]
+        return tuple(new)
+    if name == "torch_slice_prim_impl" and len(bsym.args) > 3 and bsym.args[3] is not None:
+        return tuple(s * step for s, step in zip(strides, bsym.args[3]))
+    if name == "torch_slice_prim_impl":
+        return strides
+    # unsqueeze, squeeze, expand, broadcast: size-1 and broadcast dims do not change contiguity,
+    # so match the non-broadcast dims from the right and give the others stride 0.
+    out, i = [0] * len(out_shape), ndim - 1
+    for j in range(len(out_shape) - 1, -1, -1):
+        while i >= 0 and shape[i] == 1 and out_shape[j] != 1:
+            i -= 1
+        if i >= 0 and shape[i] == out_shape[j]:
+            out[j] = strides[i]
+            i -= 1
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class HandedOver:
+    """A tensor alive at the end of one trace, as the next trace receives it."""
+
+    storage: int
+    nbytes: int
+    persistent: bool
+    strides: tuple[int, ...] | None
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted live bytes around each bound symbol of ``trace`` (indices into
+    ``trace.bound_symbols``)."""
+
+    trace: TraceCtx
+    # Bytes alive before the first bound symbol: the inputs.
+    input_bytes: int
+    # Inputs (and storages they share) that are never freed: parameters.
+    persistent_bytes: int
+    allocated: list[int]
+    freed: list[int]
+    # Live bytes once each bound symbol has run, and while it runs (its outputs allocated, its
+    # inputs not yet released).
+    live_after: list[int]
+    peak_during: list[int]
+    # What each name alive at the end holds, for the trace that receives it (the backward).
+    final_storages: dict[str, HandedOver] = field(default_factory=dict, repr=False)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.peak_during, default=self.input_bytes)
+
+    @property
+    def peak_index(self) -> int:
+        return max(range(len(self.peak_during)), key=self.peak_during.__getitem__) if self.peak_during else 0
+
+
+class _Books:
+    """Reference counts of storages and collections while the trace is walked."""
+
+    def __init__(self, granularity: int) -> None:
+        self.granularity = granularity
+        self.storage_of: dict[str, int] = {}
+        self.strides: dict[str, tuple[int, ...] | None] = {}
+        self.nbytes: list[int] = []
+        self.refs: list[int] = []
+        self.persistent: list[bool] = []
+        self.members: dict[str, list[int | str]] = {}
+        self.collection_refs: dict[str, int] = {}
+        self.held_by_future: dict[str, list[int]] = {}
+        self.live = 0
+        self.allocated = 0
+        self.freed = 0
+
+    def new_storage(self, proxy: TensorProxy | FutureTensorProxy, persistent: bool = False, nbytes: int | None = None) -> int:
+        if nbytes is None:
+            # From the shape: FSDP's sharded proxies keep the unsharded ``numel``.
+            nbytes = math.prod(int(s) for s in proxy.shape) * proxy.dtype.bytes
+        nbytes = -(-nbytes // self.granularity) * self.granularity
+        self.nbytes.append(nbytes)
+        self.refs.append(0)
+        self.persistent.append(persistent)
+        self.live += nbytes
+        self.allocated += nbytes
+        return len(self.nbytes) - 1
+
+    def bind(self, name: str, storage: int, strides: tuple[int, ...] | None) -> None:
+        self.storage_of[name] = storage
+        self.strides[name] = strides
+        self.refs[storage] += 1
+
+    def decref(self, storage: int) -> None:
+        self.refs[storage] -= 1
+        if self.refs[storage] == 0 and not self.persistent[storage]:
+            self.live -= self.nbytes[storage]
+            self.freed += self.nbytes[storage]
+
+    def drop_name(self, name: str) -> None:
+        if name in self.storage_of:
+            self.decref(self.storage_of.pop(name))
+            self.strides.pop(name, None)
+            # A future owns its collective's Work, which holds the collective's input.
+            for storage in self.held_by_future.pop(name, ()):
+                self.decref(storage)
+        elif name in self.collection_refs:
+            self.drop_collection_ref(name)
+
+    def drop_collection_ref(self, collection: str) -> None:
+        self.collection_refs[collection] -= 1
+        if self.collection_refs[collection] == 0:
+            self.clear(collection)
+
+    def clear(self, collection: str) -> None:
+        """Releases what ``collection`` holds: storages (ints) and collections (names)."""
+        for member in self.members.pop(collection, ()):
+            if isinstance(member, int):
+                self.decref(member)
+            else:
+                self.drop_collection_ref(member)
+
+
+def _op_name(bsym: BoundSymbol) -> str:
+    return bsym.sym.name.removeprefix("overlap_")
+
+
+def estimate_memory(
+    trace: TraceCtx,
+    *,
+    after: MemoryEstimate | None = None,
+    persistent_inputs: Iterable[str] | None = None,
+    allocation_granularity: int = 1,
+) -> MemoryEstimate:
+    """Predicts live bytes around every bound symbol of an execution trace.
+
+    Args:
+        trace: a final forward or backward execution trace (with its ``del``s).
+        after: the estimate of the trace that produced this one's inputs (the forward, for a
+            backward): inputs it returned keep their shared storages and persistence.
+        persistent_inputs: names of inputs never freed. Default: every tensor argument of a
+            forward trace (parameters and batch are held by the caller), none of a backward's.
+        allocation_granularity: round every storage up to this many bytes
+            (:data:`CUDA_ALLOCATION_GRANULARITY` to compare with CUDA's counters).
+    """
+    if allocation_granularity < 1:
+        raise ValueError(f"allocation_granularity must be a positive byte count, got {allocation_granularity}")
+    is_backward = TraceTag.BACKWARD in trace.tags
+    persistent_names = set(persistent_inputs) if persistent_inputs is not None else None
+    books = _Books(allocation_granularity)
+    handed_over: dict[int, int] = {}  # storage id in ``after`` -> storage id here
+    estimate = MemoryEstimate(trace, 0, 0, [], [], [], [])
+
+    def new_input(proxy: TensorProxy) -> None:
+        strides = _contiguous_strides(tuple(int(s) for s in proxy.shape))
+        if after is not None and proxy.name in after.final_storages:
+            previous = after.final_storages[proxy.name]
+            if previous.storage not in handed_over:
+                handed_over[previous.storage] = books.new_storage(proxy, previous.persistent, previous.nbytes)
+            storage, strides = handed_over[previous.storage], previous.strides
+        else:
+            persistent = proxy.name in persistent_names if persistent_names is not None else not is_backward
+            storage = books.new_storage(proxy, persistent)
+        books.bind(proxy.name, storage, strides)
+
+    # Every input is alive when the trace starts, wherever its unpacking is written.
+    for bsym in trace.bound_symbols:
+        if bsym.sym.id in _UNPACK_IDS:
+            _unpack(bsym, books, new_input)
+    estimate.input_bytes = books.live
+    for bsym in trace.bound_symbols:
+        books.allocated = books.freed = 0
+        live_before = books.live
+        if bsym.sym.id is prims.PrimIDs.DEL:
+            for p in bsym.flat_proxy_args:
+                books.drop_name(p.name)
+        elif bsym.sym.name == "clear_mutable_collection":
+            books.clear(bsym.flat_proxy_args[0].name)
+        elif bsym.sym.id not in _UNPACK_IDS and bsym.sym.id is not prims.PrimIDs.RETURN:
+            _run_op(bsym, books)
+        estimate.allocated.append(books.allocated)
+        estimate.freed.append(books.freed)
+        estimate.live_after.append(books.live)
+        estimate.peak_during.append(live_before + books.allocated)
+
+    estimate.persistent_bytes = sum(n for n, p in zip(books.nbytes, books.persistent) if p)
+    estimate.final_storages = {
+        name: HandedOver(s, books.nbytes[s], books.persistent[s], books.strides.get(name))
+        for name, s in books.storage_of.items()
+    }
+    return estimate
+
+
+def _unpack(bsym: BoundSymbol, books: _Books, new_input) -> None:
+    source = bsym.args[0] if bsym.sym.id is prims.PrimIDs.UNPACK_SEQUENCE else None
+    for out in bsym.flat_proxy_outs:
+        if isinstance(out, TensorProxy):
+            if out.name in books.storage_of:  # a tensor unpacked twice is one local name
+                continue
+            new_input(out)
+            member: int | str = books.storage_of[out.name]
+            holders = books.refs
+        elif isinstance(out, CollectionProxy):
+            books.collection_refs[out.name] = books.collection_refs.get(out.name, 0) + 1
+            member, holders = out.name, books.collection_refs
+        else:
+            continue
+        if isinstance(source, Proxy):
+            # The collection holds its element too, until it is cleared or dies.
+            books.members.setdefault(source.name, []).append(member)
+            holders[member] += 1
+
+
+def _run_op(bsym: BoundSymbol, books: _Books) -> None:
+    name = _op_name(bsym)
+    args = [a for a in bsym.flat_proxy_args if isinstance(a, (TensorProxy, FutureTensorProxy))]
+    first = args[0] if args else None
+    is_collective = any(isinstance(o, FutureTensorProxy) for o in bsym.flat_proxy_outs)
+    is_wait = not is_collective and len(args) == 1 and isinstance(first, FutureTensorProxy)
+    for position, out in enumerate(bsym.flat_proxy_outs):
+        if not isinstance(out, (TensorProxy, FutureTensorProxy)) or out.name in books.storage_of:
+            continue  # not a tensor, or an op that returns its (same-named) input
+        shape = tuple(int(s) for s in out.shape)
+        if name == "update_aliases":  # Thunder's in-place bookkeeping: output i is input i
+            source = bsym.flat_proxy_args[position].name
+            books.bind(out.name, books.storage_of[source], books.strides.get(source))
+            continue
+        source, strides = _alias_source(name, bsym, first, out, shape, books, is_wait)
+        if source is None:
+            books.bind(out.name, books.new_storage(out), _contiguous_strides(shape))
+        else:
+            books.bind(out.name, books.storage_of[source], strides)
+    if is_collective:
+        held = [books.storage_of[a.name] for a in args if a.name in books.storage_of]
+        for storage in held:
+            books.refs[storage] += 1
+        for out in bsym.flat_proxy_outs:
+            books.held_by_future[out.name] = held
+
+
+def _alias_source(name, bsym, first, out, shape, books: _Books, is_wait: bool):
+    """(name whose storage ``out`` shares, its strides) or (None, None) for a new storage."""
+    if is_wait:
+        return first.name, books.strides.get(first.name)
+    if name == "copy_":  # copy_(copy_from, copy_to) writes into copy_to
+        target = bsym.flat_proxy_args[1]
+        return target.name, books.strides.get(target.name)
+    if first is None or first.name not in books.storage_of:
+        return None, None
+    strides = books.strides.get(first.name)
+    in_shape = tuple(int(s) for s in first.shape)
+    if name.endswith("_") and not name.endswith("__"):  # in-place: add_, mul_, zero_
+        return first.name, strides
+    if name in _CONDITIONAL_ALIAS:
+        same = out.dtype == first.dtype and out.device == first.device and shape == in_shape
+        if same and (name != "contiguous" or strides is None or _is_contiguous(in_shape, strides)):
+            return first.name, strides
+        return None, None
+    if name not in _VIEWS:
+        return None, None
+    if strides is None:
+        return first.name, None
+    new_strides = _view_strides(name, bsym, in_shape, strides, shape)
+    if new_strides is None:  # a reshape that has to copy
+        return None, None
+    return first.name, new_strides
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime verification
+
+
+@dataclass
+class MemoryMeasurement:
+    """Bytes really alive after each bound symbol, and at most while it ran."""
+
+    device: str
+    input_bytes: int
+    live_after: list[int]
+    peak_during: list[int]
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.peak_during, default=self.input_bytes)
+
+
+@dataclass(frozen=True)
+class MemoryComparison:
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    # First bound symbol after which predicted and measured live bytes differ, and its code.
+    first_divergence: int | None
+    first_divergence_code: str | None
+    predicted_at_divergence: int | None = None
+    measured_at_divergence: int | None = None
+
+    @property
+    def peak_error(self) -> float:
+        """(predicted - measured) / measured peak."""
+        return (self.predicted_peak_bytes - self.measured_peak_bytes) / max(self.measured_peak_bytes, 1)
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def measure_memory(trace: TraceCtx, args: list | None = None, *, device: torch.device | str = "cpu") -> MemoryMeasurement:
+    """Runs ``trace`` on ``args`` (default: random inputs on ``device``) one bound symbol at a
+    time and records the bytes alive after each, counting the inputs it was given.
+
+    ``args`` is consumed: tensors it alone holds can be freed by the trace, as in Thunder's
+    runtime; keep a reference to those that must persist (parameters)."""
+    measurement, _ = run_measured(trace, args, device=device)
+    return measurement
+
+
+def run_measured(trace: TraceCtx, args: list | None = None, *, device: torch.device | str = "cpu"):
+    """:func:`measure_memory`, also returning what the trace returned."""
+    device = torch.device(device)
+    args = materialize_inputs(trace, device) if args is None else args
+    stepper = TraceStepper(trace)
+    live_after: list[int] = []
+    peak_during: list[int] = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        input_bytes = sum({t.untyped_storage().data_ptr(): _rounded(t) for t in _tensors(args)}.values())
+        for _ in stepper.run(args):
+            live_after.append(torch.cuda.memory_allocated(device) - base + input_bytes)
+            peak_during.append(torch.cuda.max_memory_allocated(device) - base + input_bytes)
+            torch.cuda.reset_peak_memory_stats(device)
+        return MemoryMeasurement(str(device), input_bytes, live_after, peak_during), stepper.result
+    with LiveMemoryTracker() as tracker:
+        _track_all(tracker, args)  # in a function: a loop variable here would keep a tensor alive
+        input_bytes = tracker.current_bytes
+        for _ in stepper.run(args):
+            live_after.append(tracker.current_bytes)
+            peak_during.append(tracker.peak_bytes)
+            tracker.reset_peak()
+    return MemoryMeasurement(str(device), input_bytes, live_after, peak_during), stepper.result
+
+
+def _track_all(tracker: LiveMemoryTracker, args: list) -> None:
+    for t in _tensors(args):
+        tracker.track(t)
+
+
+def _rounded(t: torch.Tensor) -> int:
+    nbytes = t.untyped_storage().nbytes()
+    return -(-nbytes // CUDA_ALLOCATION_GRANULARITY) * CUDA_ALLOCATION_GRANULARITY
+
+
+def compare_memory(estimate: MemoryEstimate, measurement: MemoryMeasurement, *, tolerance_bytes: int = 0) -> MemoryComparison:
+    """Compares live bytes after every bound symbol; the first one off by more than
+    ``tolerance_bytes`` is named. Peaks compare the estimate's peak with the measured one, which
+    also counts temporaries an op allocates and frees inside itself."""
+    first = None
+    for i, (p, m) in enumerate(zip(estimate.live_after, measurement.live_after)):
+        if abs(p - m) > tolerance_bytes:
+            first = i
+            break
+    code = None
+    if first is not None:
+        with tracectx(estimate.trace):
+            code = " ".join(estimate.trace.bound_symbols[first].python(indent=0, print_depth=1)).strip()
+    return MemoryComparison(
+        predicted_peak_bytes=estimate.peak_bytes,
+        measured_peak_bytes=measurement.peak_bytes,
+        first_divergence=first,
+        first_divergence_code=code,
+        predicted_at_divergence=None if first is None else estimate.live_after[first],
+        measured_at_divergence=None if first is None else measurement.live_after[first],
+    )

@@ -1,0 +1,255 @@
+"""The measuring stick: predicted step time, overlap and memory of a model's FSDP traces.
+
+``thunder_overlap.report(jm)`` reads the last forward and backward execution traces of a jitted
+module twice: as they run (thunder_overlap's schedule) and in Thunder's own order (the baseline),
+then simulates both with a :class:`CostModel` and estimates their memory.
+
+The baseline is the trace as it was just before thunder_overlap's scheduling pass, taken from
+the trace history Thunder keeps (``thunder.last_traces``): the newest trace whose provenance is
+not one of thunder_overlap's ``... schedule`` passes. It is exactly what the ``stock`` policy runs:
+Thunder's order, with thunder_overlap's ZeRO3 rewrite when the module is ZeRO3. Re-deriving it
+from the final trace instead would need to undo the scheduler, which keeps no inverse.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import thunder
+from thunder.core.trace import TraceCtx
+
+from thunder_overlap.classify import AnnotatedTrace, NodeKind, classify_trace
+from thunder_overlap.cost_model import CostModel
+from thunder_overlap.memory_estimate import MemoryEstimate, estimate_memory
+from thunder_overlap.simulator import Simulation, simulate
+
+__all__ = ["OrderReport", "PassReport", "Report", "analyze_trace", "report", "report_traces", "unscheduled_trace"]
+
+BASELINE = "thunder"
+OVERLAP = "thunder_overlap"
+_MIB = 2**20
+_SCHEDULE_PROVENANCE = ("thunder_overlap:", "schedule")
+_SHORT_KINDS = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}
+
+
+@dataclass(frozen=True)
+class OrderReport:
+    """One execution trace in one order: its simulated time and its memory."""
+
+    order: str
+    collectives: int
+    hideable: int
+    hidden: int
+    exposed_ms: float
+    predicted_ms: float
+    bound_ms: float
+    compute_ms: float
+    communication_ms: float
+    peak_bytes: int
+    trace: TraceCtx = field(repr=False, compare=False)
+    annotated: AnnotatedTrace = field(repr=False, compare=False)
+    simulation: Simulation = field(repr=False, compare=False)
+    memory: MemoryEstimate = field(repr=False, compare=False)
+
+    def memory_after_node(self) -> list[int]:
+        """Live bytes once each node (in trace order) and the ``del``s after it have run."""
+        position = {id(b): i for i, b in enumerate(self.trace.bound_symbols)}
+        starts = [position[id(n.bsym)] for n in self.annotated.nodes]
+        ends = [*starts[1:], len(self.trace.bound_symbols)]
+        return [self.memory.live_after[end - 1] for end in ends]
+
+    def summary(self) -> dict:
+        keys = ("order", "collectives", "hideable", "hidden", "exposed_ms", "predicted_ms", "bound_ms", "compute_ms", "communication_ms", "peak_bytes")
+        return {k: getattr(self, k) for k in keys}
+
+
+@dataclass(frozen=True)
+class PassReport:
+    name: str  # "forward" or "backward"
+    baseline: OrderReport
+    overlap: OrderReport
+
+    def step_table(self, order: str = OVERLAP, max_rows: int | None = None) -> str:
+        """A pipeline-schedule view: one row per op with the collectives in flight and memory."""
+        chosen = self.overlap if order == OVERLAP else self.baseline
+        sim, nodes = chosen.simulation, chosen.annotated.nodes
+        memory = chosen.memory_after_node()
+        rows = [f"{'step':>5} {'t ms':>9}  {'compute op':<28} {'comm in flight':<30} {'live MiB':>9}"]
+        steps = [op for op in sim.ops if nodes[op.node].kind not in (NodeKind.HEADER, NodeKind.RETURN)]
+        for step, op in enumerate(steps):
+            if max_rows is not None and step >= max_rows:
+                rows.append(f"... {len(steps) - max_rows} more steps")
+                break
+            node = nodes[op.node]
+            # Issued and not finished: running, or queued behind earlier collectives of its group.
+            in_flight = [f"{_SHORT_KINDS[c.kind]}{c.collective}" for c in sim.collectives if c.issue_ms <= op.start_ms < c.end_ms]
+            if node.kind is NodeKind.WAIT:
+                label = f"wait {_SHORT_KINDS[sim.collectives[node.collective].kind]}{node.collective}"
+            elif node.kind is NodeKind.COLLECTIVE:
+                label = f"issue {_SHORT_KINDS[sim.collectives[node.collective].kind]}{node.collective}"
+            else:
+                label = node.name
+            flight = " ".join(in_flight[:6]) + (f" +{len(in_flight) - 6}" if len(in_flight) > 6 else "")
+            rows.append(f"{step:>5} {op.start_ms:>9.4f}  {label[:28]:<28} {flight:<30} {memory[op.node] / _MIB:>9.2f}")
+        return "\n".join(rows)
+
+
+@dataclass(frozen=True)
+class Report:
+    """Forward and backward, baseline against thunder_overlap. ``str()`` is a table."""
+
+    passes: tuple[PassReport, ...]
+    device: str
+    network: str
+    world_size: int
+
+    def __getitem__(self, name: str) -> PassReport:
+        for p in self.passes:
+            if p.name == name:
+                return p
+        raise KeyError(f"no pass {name!r}; this report has {[p.name for p in self.passes]}")
+
+    def step_ms(self, order: str) -> float:
+        return sum((p.overlap if order == OVERLAP else p.baseline).predicted_ms for p in self.passes)
+
+    def __str__(self) -> str:
+        head = f"{'pass':<9} {'order':<16} {'colls':>6} {'hideable':>8} {'hidden':>6} {'exposed ms':>10} {'predicted ms':>12} {'bound ms':>9} {'peak MiB':>10}"
+        lines = [f"world size {self.world_size}, device {self.device}, network {self.network}", head, "-" * len(head)]
+        for p in self.passes:
+            for r in (p.baseline, p.overlap):
+                lines.append(
+                    f"{p.name:<9} {r.order:<16} {r.collectives:>6} {r.hideable:>8} {r.hidden:>6} {r.exposed_ms:>10.3f} "
+                    f"{r.predicted_ms:>12.3f} {r.bound_ms:>9.3f} {r.peak_bytes / _MIB:>10.1f}"
+                )
+        for p in self.passes:
+            lines.append(
+                f"{p.name}: {OVERLAP} hides {p.overlap.hidden} of {p.overlap.hideable} potentially hideable collectives "
+                f"({BASELINE}: {p.baseline.hidden} of {p.baseline.hideable})"
+            )
+        base, ours = self.step_ms(BASELINE), self.step_ms(OVERLAP)
+        gain = (base - ours) / base if base else 0.0
+        lines.append(f"predicted step (forward + backward): {BASELINE} {base:.3f} ms, {OVERLAP} {ours:.3f} ms ({gain:+.1%} faster)")
+        return "\n".join(lines)
+
+    def to_json(self, path: str | Path | None = None) -> dict:
+        """Scalars per pass and order, and each collective's timing; written to ``path`` if given."""
+        data = {
+            "device": self.device,
+            "network": self.network,
+            "world_size": self.world_size,
+            "step_ms": {BASELINE: self.step_ms(BASELINE), OVERLAP: self.step_ms(OVERLAP)},
+            "passes": {
+                p.name: {
+                    r.order: {
+                        **r.summary(),
+                        "collective_timings": [
+                            {"kind": c.kind, "bytes": c.unsharded_bytes, "start_ms": c.start_ms, "end_ms": c.end_ms, "exposed_ms": c.exposed_ms, "hideable": c.potentially_hideable}
+                            for c in r.simulation.collectives
+                        ],
+                    }
+                    for r in (p.baseline, p.overlap)
+                }
+                for p in self.passes
+            },
+        }
+        if path is not None:
+            Path(path).write_text(json.dumps(data, indent=1))
+        return data
+
+    def to_chrome_trace(self, path: str | Path) -> None:
+        """A Chrome trace (Perfetto, chrome://tracing): one process per order, one track per
+        stream, memory as a counter track."""
+        from thunder_overlap.report_plots import write_chrome_trace
+
+        write_chrome_trace(self, Path(path))
+
+    def to_png(self, path: str | Path) -> None:
+        """Timeline and memory curve of both orders, forward then backward (needs matplotlib)."""
+        from thunder_overlap.report_plots import write_png
+
+        write_png(self, Path(path))
+
+
+def analyze_trace(trace: TraceCtx, cost_model: CostModel, *, order: str, after: MemoryEstimate | None = None) -> OrderReport:
+    """Simulates and estimates one execution trace in the order it is written."""
+    annotated = classify_trace(trace)
+    simulation = simulate(annotated, list(range(len(annotated.nodes))), cost_model)
+    memory = estimate_memory(trace, after=after)
+    return OrderReport(
+        order=order,
+        collectives=len(annotated.collectives),
+        hideable=simulation.hideable,
+        hidden=simulation.hidden,
+        exposed_ms=simulation.exposed_ms,
+        predicted_ms=simulation.step_ms,
+        bound_ms=simulation.bound_ms,
+        compute_ms=simulation.compute_ms,
+        communication_ms=simulation.communication_ms,
+        peak_bytes=memory.peak_bytes,
+        trace=trace,
+        annotated=annotated,
+        simulation=simulation,
+        memory=memory,
+    )
+
+
+def unscheduled_trace(history: list[TraceCtx]) -> TraceCtx:
+    """The newest trace of ``history`` that thunder_overlap's scheduler did not produce."""
+    for trace in reversed(history):
+        provenance = str(trace.get_provenance() or "")
+        if not all(word in provenance for word in _SCHEDULE_PROVENANCE):
+            return trace
+    raise ValueError("every trace in the history comes from thunder_overlap's scheduler; no baseline to compare with")
+
+
+def report_traces(
+    forward: tuple[TraceCtx, TraceCtx], backward: tuple[TraceCtx, TraceCtx] | None, cost_model: CostModel
+) -> Report:
+    """A report from (baseline, scheduled) pairs of forward and backward execution traces."""
+    passes = []
+    forward_memory: dict[str, MemoryEstimate] = {}
+    for name, pair in (("forward", forward), ("backward", backward)):
+        if pair is None:
+            continue
+        baseline_trace, overlap_trace = pair
+        reports = []
+        for order, trace in ((BASELINE, baseline_trace), (OVERLAP, overlap_trace)):
+            r = analyze_trace(trace, cost_model, order=order, after=forward_memory.get(order))
+            if name == "forward":
+                forward_memory[order] = r.memory
+            reports.append(r)
+        passes.append(PassReport(name, *reports))
+    world_size = next(
+        (c.process_group.size() for p in passes for c in p.overlap.annotated.collectives if c.process_group is not None), 1
+    )
+    return Report(tuple(passes), cost_model.device.name, cost_model.network.name, world_size)
+
+
+def report(
+    jm,
+    *,
+    cost_model: CostModel | None = None,
+    device_profile: str = "h100",
+    network: str = "nvlink",
+) -> Report:
+    """Report for the last forward and backward traces of ``jm`` (run or traced once first).
+
+    Args:
+        jm: a module returned by :func:`thunder_overlap.fsdp` (or any ``thunder.jit`` module).
+        cost_model: how long ops and collectives take; default ``CostModel.named(device_profile,
+            network)``.
+        device_profile: a name from ``cost_model.DEVICE_PROFILES`` (h100, h200, a100, cpu).
+        network: a name from ``cost_model.NETWORK_PROFILES`` or ``custom:<latency_us>:<GB/s>``.
+    """
+    cost_model = cost_model if cost_model is not None else CostModel.named(device_profile, network)
+    forward = thunder.last_traces(jm)
+    if not forward:
+        raise ValueError("the module has not been run or traced yet: call it once (or trace it) before report()")
+    backward = thunder.last_backward_traces(jm)
+    return report_traces(
+        (unscheduled_trace(forward), forward[-1]),
+        (unscheduled_trace(backward), backward[-1]) if backward else None,
+        cost_model,
+    )

@@ -1,0 +1,172 @@
+"""Two-stream simulation of one rank running a scheduled execution trace.
+
+The compute stream runs the trace's ops in the given order, each for its cost-model time. Each
+process group has one communication stream that runs its collectives in issue order: a collective
+starts when it is issued (the compute stream reaches it) and its stream is free, and a wait blocks
+the compute stream until the collective is done. What the compute stream spends blocked at a wait
+is that collective's *exposed* time.
+
+A collective is *potentially hideable* when some compute op is neither its ancestor nor its
+descendant in the data-flow graph: only then can any order overlap it. Ancestry is found with one
+bitmask per node over collectives (Python ints), so the cost is O(nodes x collectives / 64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from thunder_overlap.classify import AnnotatedTrace, CollectiveKind, NodeKind
+from thunder_overlap.cost_model import CostModel
+
+__all__ = ["CollectiveTiming", "OpTiming", "Simulation", "potentially_hideable", "simulate"]
+
+# A collective counts as hidden when the compute stream stalls for at most this fraction of its
+# duration: float rounding and sub-microsecond stalls are not overlap failures.
+HIDDEN_EXPOSED_FRACTION = 0.01
+
+_KIND_LABELS = {CollectiveKind.ALL_GATHER: "all_gather", CollectiveKind.REDUCE_SCATTER: "reduce_scatter", CollectiveKind.OTHER: "all_reduce"}
+
+
+@dataclass(frozen=True)
+class OpTiming:
+    """One node on the compute stream (a collective's issue and a wait take no compute time)."""
+
+    node: int
+    name: str
+    start_ms: float
+    end_ms: float
+
+
+@dataclass(frozen=True)
+class CollectiveTiming:
+    collective: int
+    kind: str
+    # Index of the communication stream (one per process group, in order of first use).
+    stream: int
+    unsharded_bytes: int
+    issue_ms: float
+    start_ms: float
+    end_ms: float
+    # When the compute stream reached the wait (the step's end if nothing waits on it).
+    wait_ms: float
+    exposed_ms: float
+    potentially_hideable: bool
+
+    @property
+    def duration_ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+    @property
+    def hidden(self) -> bool:
+        return self.exposed_ms <= HIDDEN_EXPOSED_FRACTION * self.duration_ms
+
+
+@dataclass(frozen=True)
+class Simulation:
+    ops: list[OpTiming]
+    collectives: list[CollectiveTiming]
+    step_ms: float
+    compute_ms: float
+    # Busiest communication stream's total.
+    communication_ms: float
+
+    @property
+    def bound_ms(self) -> float:
+        """No order can beat the busier of the two streams."""
+        return max(self.compute_ms, self.communication_ms)
+
+    @property
+    def exposed_ms(self) -> float:
+        return sum(c.exposed_ms for c in self.collectives)
+
+    @property
+    def hideable(self) -> int:
+        return sum(c.potentially_hideable for c in self.collectives)
+
+    @property
+    def hidden(self) -> int:
+        """Potentially hideable collectives that this order hides."""
+        return sum(c.potentially_hideable and c.hidden for c in self.collectives)
+
+
+def potentially_hideable(annotated: AnnotatedTrace) -> list[bool]:
+    """For each collective: does some compute op neither feed its issue nor depend on its wait?"""
+    nodes = annotated.nodes
+    count = len(annotated.collectives)
+    everything = (1 << count) - 1
+    start_bit = {c.start: 1 << i for i, c in enumerate(annotated.collectives)}
+    wait_bit = {c.wait: 1 << i for i, c in enumerate(annotated.collectives) if c.wait is not None}
+
+    # Descendants of waits, forward through producers.
+    below = [0] * len(nodes)
+    for node in nodes:
+        mask = wait_bit.get(node.index, 0)
+        for name in node.inputs:
+            p = annotated.producer.get(name)
+            if p is not None and p != node.index:
+                mask |= below[p]
+        below[node.index] = mask
+    # Ancestors of issues, backward through consumers; compare at each compute op on the way.
+    above = [0] * len(nodes)
+    unrelated_somewhere = 0
+    for node in reversed(nodes):
+        mask = start_bit.get(node.index, 0)
+        for name in node.outputs:
+            for c in annotated.consumers.get(name, ()):
+                if c != node.index:
+                    mask |= above[c]
+        above[node.index] = mask
+        if node.kind is NodeKind.COMPUTE:
+            unrelated_somewhere |= everything & ~(mask | below[node.index])
+    return [bool(unrelated_somewhere >> i & 1) for i in range(count)]
+
+
+def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel) -> Simulation:
+    """Runs ``order`` (node indices of ``annotated``) on one compute and per-group comm streams."""
+    nodes = annotated.nodes
+    if sorted(order) != list(range(len(nodes))):
+        raise ValueError(f"order must be a permutation of the {len(nodes)} node indices of the annotated trace")
+    hideable = potentially_hideable(annotated)
+    streams: dict[int, int] = {}
+    stream_free: list[float] = []
+    stream_busy: list[float] = []
+    issued: dict[int, tuple[int, float, float, float]] = {}  # collective -> (stream, issue, start, end)
+    waited: dict[int, tuple[float, float]] = {}  # collective -> (reached wait, exposed)
+    ops: list[OpTiming] = []
+    now = 0.0
+    compute_total = 0.0
+    for index in order:
+        node = nodes[index]
+        if node.kind is NodeKind.COLLECTIVE:
+            coll = annotated.collectives[node.collective]
+            stream = streams.setdefault(coll.group_key, len(streams))
+            if stream == len(stream_free):
+                stream_free.append(0.0)
+                stream_busy.append(0.0)
+            duration = cost_model.collective_ms(coll)
+            start = max(now, stream_free[stream])
+            stream_free[stream] = start + duration
+            stream_busy[stream] += duration
+            issued[node.collective] = (stream, now, start, start + duration)
+            ops.append(OpTiming(index, node.name, now, now))
+        elif node.kind is NodeKind.WAIT:
+            end = issued[node.collective][3]
+            exposed = max(0.0, end - now)
+            waited[node.collective] = (now, exposed)
+            ops.append(OpTiming(index, node.name, now, now + exposed))
+            now += exposed
+        else:
+            duration = cost_model.compute_ms(node.bsym)
+            ops.append(OpTiming(index, node.name, now, now + duration))
+            now += duration
+            compute_total += duration
+
+    step = max([now, *stream_free])
+    timings = []
+    for c, coll in enumerate(annotated.collectives):
+        stream, issue, start, end = issued[c]
+        reached, exposed = waited.get(c, (now, max(0.0, end - now)))
+        timings.append(
+            CollectiveTiming(c, _KIND_LABELS[coll.kind], stream, coll.unsharded_bytes, issue, start, end, reached, exposed, hideable[c])
+        )
+    return Simulation(ops, timings, step, compute_total, max(stream_busy, default=0.0))
