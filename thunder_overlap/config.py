@@ -8,7 +8,9 @@ __all__ = ["OverlapConfig", "ScheduleLimits", "SCHEDULING_POLICIES"]
 
 # "heuristic": prefetch all-gathers in order of first use within the in-flight limits, issue
 # reduce-scatters as soon as their gradient is complete, wait just in time (the Foundation policy).
-# "stock": leave Thunder's order alone (only ZeRO3 rematerialisation applies); for comparisons.
+# "stock": leave Thunder's order alone, for comparisons. With ZeRO3 the backward's re-gathers then
+# all stay at its start, where the rewrite puts them, as Thunder <= 0.2.3 had them before it
+# limited all-gathers in flight: a baseline for overlap, not a memory-sensible configuration.
 SCHEDULING_POLICIES = ("heuristic", "stock")
 
 
