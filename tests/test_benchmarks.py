@@ -87,3 +87,24 @@ def test_testbed_targets_need_balanced_calibration():
     unbalanced = Calibration(compute_ms=100.0, comm_ms=400.0)
     (line,) = target_checks([], unbalanced)
     assert "4.00x" in line and "--rate-mbit" in line
+
+
+def _prediction(impl: str, compute_ms: float, comm_ms: float) -> float | None:
+    from fsdp_bench.simulator_hook import TestbedSetting, simulator_prediction_ms
+
+    setting = TestbedSetting(
+        impl=impl, shard_mode="zero3", model_name="tiny-gpt", n_layers=0, block_size=0, micro_batch_size=2,
+        world_size=2, rate_mbit=400.0, compute_ms=compute_ms, comm_ms=comm_ms, result_json="",
+    )
+    return simulator_prediction_ms(setting)
+
+
+def test_calibrated_simulator_places_schedules_between_the_bounds():
+    compute_ms = comm_ms = 1000.0
+    overlap = _prediction("thunder_overlap", compute_ms, comm_ms)
+    stock = _prediction("thunder", compute_ms, comm_ms)
+    # Thunder's FSDP overlaps next to nothing: near the serial bound C + M.
+    assert 0.9 * (compute_ms + comm_ms) <= stock <= compute_ms + comm_ms + 1e-6
+    # thunder_overlap's schedule closes most of the gap to max(C, M), and cannot beat it.
+    assert max(compute_ms, comm_ms) - 1e-6 <= overlap < 0.8 * stock
+    assert _prediction("fsdp2", compute_ms, comm_ms) is None

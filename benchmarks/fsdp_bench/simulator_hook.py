@@ -17,7 +17,7 @@ from dataclasses import dataclass
 __all__ = ["SIMULATOR_ENTRY_POINT", "TestbedSetting", "simulator_prediction_ms"]
 
 # "module:function" taking a TestbedSetting and returning the predicted step time in ms.
-SIMULATOR_ENTRY_POINT = "thunder_overlap.simulator:predict_testbed_step_ms"
+SIMULATOR_ENTRY_POINT = "fsdp_bench.prediction:predict_testbed_step_ms"
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,14 @@ class TestbedSetting:
 
 
 def simulator_prediction_ms(setting: TestbedSetting) -> float | None:
-    """The simulator's predicted step time for ``setting``, or None while it is not connected."""
+    """The simulator's predicted step time for ``setting``, or None when it is not connected or
+    cannot read that implementation's schedule (FSDP2)."""
     module_name, _, function_name = SIMULATOR_ENTRY_POINT.partition(":")
     if importlib.util.find_spec(module_name) is None:
         return None
     module = importlib.import_module(module_name)
     predict = getattr(module, function_name, None)
-    return None if predict is None else float(predict(setting))
+    if predict is None:
+        return None
+    predicted = predict(setting)  # None: the simulator has no schedule for this implementation
+    return None if predicted is None else float(predicted)
