@@ -106,9 +106,6 @@ class AnnotatedTrace:
     # proxy name -> indices of the nodes that read it, in trace order
     consumers: dict[str, list[int]]
 
-    def of_kind(self, kind: NodeKind) -> list[TraceNode]:
-        return [n for n in self.nodes if n.kind is kind]
-
     def is_input(self, name: str) -> bool:
         """True for the trace's inputs: names no node computes (only the header unpacks them)."""
         p = self.producer.get(name)

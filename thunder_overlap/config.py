@@ -55,9 +55,9 @@ class OverlapConfig:
         _check_optional_limit("max_in_flight_allgathers", self.max_in_flight_allgathers, int)
         _check_optional_limit("max_in_flight_allgather_bytes", self.max_in_flight_allgather_bytes, int)
         _check_optional_limit("max_in_flight_reduce_scatter_bytes", self.max_in_flight_reduce_scatter_bytes, int)
-        _check_optional_limit("fallback_in_flight_allgathers", self.fallback_in_flight_allgathers, int)
         if self.fallback_in_flight_allgathers is None:
             raise TypeError("OverlapConfig.fallback_in_flight_allgathers must be an int, got None")
+        _check_optional_limit("fallback_in_flight_allgathers", self.fallback_in_flight_allgathers, int)
         if isinstance(self.prefetch_blocks, bool) or not isinstance(self.prefetch_blocks, (int, float)):
             raise TypeError(f"OverlapConfig.prefetch_blocks must be a number, got {self.prefetch_blocks!r}")
         if self.prefetch_blocks <= 0:

@@ -39,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-layer", type=int, default=8)
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.n_layer < 1 or args.world_size < 1:
-        parser.error("--steps, --n-layer and --world-size must be positive")
+    for option, value in (("--steps", args.steps), ("--n-layer", args.n_layer), ("--world-size", args.world_size)):
+        if value < 1:
+            parser.error(f"{option} {value} is not allowed; it must be a positive integer")
 
     # Parameters dominate memory in this shape, as they do for FSDP at small micro-batches.
     model = TinyGPTConfig(n_layer=args.n_layer, n_embd=128)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
 
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.executors.passes import del_last_used
@@ -25,24 +24,12 @@ from thunder.executors.passes import del_last_used
 from thunder_overlap.classify import AnnotatedTrace, CollectiveKind, NodeKind
 from thunder_overlap.config import ScheduleLimits
 
-__all__ = ["Schedule", "OverlapScheduler", "stock_order", "apply_order"]
+__all__ = ["OverlapScheduler", "stock_order", "apply_order"]
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """A scheduling decision: the node order and what the limits forced."""
-
-    order: list[int]
-    # Reduce-scatter waits emitted early because the reduce-scatter byte limit was reached.
-    forced_waits: int
-    # Largest all-gather output bytes issued but not yet read by compute, at any point.
-    peak_allgather_bytes_in_flight: int
-
-
-def stock_order(annotated: AnnotatedTrace) -> Schedule:
+def stock_order(annotated: AnnotatedTrace) -> list[int]:
     """Thunder's own order (deletions left out): the baseline."""
-    order = [n.index for n in annotated.nodes]
-    return Schedule(order=order, forced_waits=0, peak_allgather_bytes_in_flight=0)
+    return [n.index for n in annotated.nodes]
 
 
 class _InFlight:
@@ -86,8 +73,6 @@ class OverlapScheduler:
         self._unwaited_by_group: dict[int, deque[int]] = {}
         self._allgathers_in_flight = _InFlight()
         self._others_in_flight = _InFlight()
-        self._forced_waits = 0
-        self._peak_allgather_bytes = 0
         # Readiness: how many producers outside its prologue each collective still waits for.
         self._missing_inputs = [0] * len(annotated.collectives)
         self._collectives_reading: dict[int, list[int]] = {}
@@ -126,7 +111,8 @@ class OverlapScheduler:
     # ----------------------------------------------------------------------------------------
     # Phase 2: schedule
 
-    def schedule(self) -> Schedule:
+    def schedule(self) -> list[int]:
+        """Node indices of the annotated trace in execution order."""
         collectives = self.annotated.collectives
         first_use = self._first_use = self.find_first_uses()
         # A gathered parameter occupies memory from its issue until its first reader runs, so it
@@ -163,11 +149,7 @@ class OverlapScheduler:
         for node in self.nodes:
             self._emit(node.index)
         assert len(self._order) == len(self.nodes)
-        return Schedule(
-            order=self._order,
-            forced_waits=self._forced_waits,
-            peak_allgather_bytes_in_flight=self._peak_allgather_bytes,
-        )
+        return self._order
 
     def _issue_ready(self, prefetch_queue: deque[int]) -> None:
         # All-gathers first: they are on the critical path, and a process group runs its
@@ -206,7 +188,6 @@ class OverlapScheduler:
             return
         nbytes = self.annotated.collectives[c].unsharded_bytes
         while self._others_in_flight and self._others_in_flight.total_bytes + nbytes > limit:
-            self._forced_waits += 1
             self._emit_wait_of(self._others_in_flight.oldest())
 
     # ----------------------------------------------------------------------------------------
@@ -270,7 +251,6 @@ class OverlapScheduler:
         self._unwaited_by_group.setdefault(coll.group_key, deque()).append(c)
         if coll.kind is CollectiveKind.ALL_GATHER:
             self._allgathers_in_flight.add(c, coll.unsharded_bytes)
-            self._peak_allgather_bytes = max(self._peak_allgather_bytes, self._allgathers_in_flight.total_bytes)
         else:
             self._others_in_flight.add(c, coll.unsharded_bytes)
 
@@ -292,12 +272,12 @@ class OverlapScheduler:
             self._emit_wait_of(unwaited[0])
 
 
-def apply_order(annotated: AnnotatedTrace, schedule: Schedule, *, provenance: str) -> TraceCtx:
+def apply_order(annotated: AnnotatedTrace, order: list[int], *, provenance: str) -> TraceCtx:
     """Builds the execution trace in the scheduled order, with deletions regenerated."""
     trace = annotated.trace
     is_backward = TraceTag.BACKWARD in trace.tags
     new_trace = from_trace(trace)
-    new_trace.bound_symbols = [annotated.nodes[i].bsym for i in schedule.order]
+    new_trace.bound_symbols = [annotated.nodes[i].bsym for i in order]
     new_trace = del_last_used(new_trace, clear_mutable_collections=is_backward)
     new_trace.set_provenance(TraceProvenance(provenance))
     return new_trace

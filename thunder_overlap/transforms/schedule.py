@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import warnings
 
-from thunder.core.trace import TraceCtx, TraceTag
+from thunder.core.trace import TraceCtx
 from thunder.core.transform_common import Transform
 
 from thunder_overlap.blocks import largest_block_bytes
 from thunder_overlap.classify import classify_trace, find_swallowed_collectives
 from thunder_overlap.config import OverlapConfig, ScheduleLimits
-from thunder_overlap.scheduling import OverlapScheduler, Schedule, apply_order, stock_order
+from thunder_overlap.scheduling import OverlapScheduler, apply_order, stock_order
 
 __all__ = ["OverlapScheduleTransform"]
 
@@ -25,8 +25,6 @@ class OverlapScheduleTransform(Transform):
     def __init__(self, config: OverlapConfig | None = None) -> None:
         self.config = config if config is not None else OverlapConfig()
         self.limits: ScheduleLimits = self.config.limits(largest_block_bytes=None)
-        # The decisions taken for the last forward and backward traces, for reports and tests.
-        self.last_schedules: dict[str, Schedule] = {}
 
     def transform_module(self, model) -> None:
         # The original module still has the unsharded shapes (on meta once FSDP released it).
@@ -53,8 +51,7 @@ class OverlapScheduleTransform(Transform):
         if not annotated.collectives:
             return computation_trace
         if self.config.policy == "stock":
-            schedule = stock_order(annotated)
+            order = stock_order(annotated)
         else:
-            schedule = OverlapScheduler(annotated, self.limits).schedule()
-        self.last_schedules["backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"] = schedule
-        return apply_order(annotated, schedule, provenance=f"thunder_overlap: {self.config.policy} schedule")
+            order = OverlapScheduler(annotated, self.limits).schedule()
+        return apply_order(annotated, order, provenance=f"thunder_overlap: {self.config.policy} schedule")
