@@ -91,7 +91,7 @@ def test_strategies_accept_enums_and_case_insensitive_strings(gloo_group):
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"policy": "greedy"}, ValueError, r"policy must be one of \('heuristic', 'stock'\), got 'greedy'"),
+        ({"policy": "eager"}, ValueError, r"policy must be one of \('memory_aware', 'heuristic', 'greedy', 'just_in_time', 'stock'\), got 'eager'"),
         ({"max_in_flight_allgathers": 0}, ValueError, r"max_in_flight_allgathers must be positive or None .* got 0"),
         ({"max_in_flight_allgathers": 1.5}, TypeError, r"max_in_flight_allgathers must be a int or None, got 1.5"),
         ({"max_in_flight_allgather_bytes": -1}, ValueError, r"max_in_flight_allgather_bytes must be positive"),

@@ -64,9 +64,9 @@ def test_compute_order_is_unchanged_by_scheduling():
     jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3")
     _run(jm)
     for history in (thunder.last_traces(jm), thunder.last_backward_traces(jm)):
-        before = next(t for t in reversed(history) if "heuristic schedule" not in str(t.get_provenance()))
+        before = next(t for t in reversed(history) if "memory_aware schedule" not in str(t.get_provenance()))
         after = history[-1]
-        assert "heuristic schedule" in str(after.get_provenance())
+        assert "memory_aware schedule" in str(after.get_provenance())
         assert _compute_outputs(after) == _compute_outputs(before)
 
 

@@ -88,10 +88,17 @@ class Collective:
     # Bytes of the unsharded tensor: the all-gather output, or the reduce-scatter input.
     unsharded_bytes: int
     prologue: list[int] = field(default_factory=list)
+    # Element type of what it moves (a thunder dtype; None when unknown).
+    dtype: object = None
 
     @property
     def group_key(self) -> int:
         return id(self.process_group)
+
+    @property
+    def bucket_key(self) -> tuple:
+        """Collectives that could share one launch: same kind, process group and dtype."""
+        return self.kind, self.group_key, self.dtype
 
 
 @dataclass
@@ -171,7 +178,9 @@ def find_swallowed_collectives(trace: TraceCtx) -> list[str]:
     """
     swallowed = []
     for bsym in trace.bound_symbols:
-        if _is_collective_start(bsym) or _is_wait(bsym):
+        # A collective's own bound symbol lists its implementation inside; a fusion that
+        # returns a future is no collective of its own, only a region holding one.
+        if (_is_collective_start(bsym) or _is_wait(bsym)) and not bsym.sym.is_fusion:
             continue
         inner = list(_walk(bsym))[1:]
         if any(_is_collective_start(s) or _is_wait(s) for s in inner):
@@ -246,6 +255,7 @@ def _link_collectives(nodes, producer, consumers) -> list[Collective]:
                 wait=wait,
                 process_group=_process_group(bsym),
                 unsharded_bytes=_tensor_bytes(unsharded),
+                dtype=unsharded.dtype,
             )
         )
     return collectives

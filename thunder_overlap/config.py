@@ -2,39 +2,54 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from thunder_overlap.cost_model import CostModel
 
 __all__ = ["OverlapConfig", "ScheduleLimits", "SCHEDULING_POLICIES"]
 
-# "heuristic": prefetch all-gathers in order of first use within the in-flight limits, issue
-# reduce-scatters as soon as their gradient is complete, wait just in time (the Foundation policy).
+# "memory_aware" (default): issue every collective as early as its inputs allow within three
+# limits: a prefetch distance in compute ops (stretched by the cost model for collectives that
+# need more compute to hide), bytes in flight, and a memory budget relative to the
+# just-in-time order's predicted peak; over budget, the oldest reduce-scatter waits are forced.
+# "heuristic": the Foundation policy: prefetch all-gathers in order of first use within the
+# in-flight byte/count limits only, reduce-scatters as soon as their gradient is complete.
+# "greedy": raise every collective, sink every wait, no limit at all: shows what overlap costs
+# in memory when nothing bounds it. For comparisons, not for training.
+# "just_in_time": issue each all-gather right before its first use and wait on each
+# reduce-scatter right after issuing it: no overlap, the least memory; the budget's baseline.
 # "stock": leave Thunder's order alone, for comparisons. With ZeRO3 the backward's re-gathers then
 # all stay at its start, where the rewrite puts them, as Thunder <= 0.2.3 had them before it
 # limited all-gathers in flight: a baseline for overlap, not a memory-sensible configuration.
-SCHEDULING_POLICIES = ("heuristic", "stock")
+SCHEDULING_POLICIES = ("memory_aware", "heuristic", "greedy", "just_in_time", "stock")
+
+_GIB = 1 << 30
 
 
-def _check_optional_limit(name: str, value: object, kind: type) -> None:
+def _check_optional_limit(name: str, value: object, kind: type | tuple[type, ...], *, allow_zero: bool = False) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise TypeError(f"OverlapConfig.{name} must be a {kind.__name__} or None, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"OverlapConfig.{name} must be positive or None (no limit), got {value!r}")
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        accepted = " or ".join(k.__name__ for k in kinds)
+        raise TypeError(f"OverlapConfig.{name} must be a {accepted} or None, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = "non-negative" if allow_zero else "positive"
+        raise ValueError(f"OverlapConfig.{name} must be {bound} or None (no limit), got {value!r}")
 
 
 @dataclass(frozen=True)
 class OverlapConfig:
     """Options of the overlap scheduler.
 
-    The all-gather limits bound what is *in flight*: issued but not yet waited on. A limit of
+    The all-gather limits bound what is *in flight*: issued but not yet used. A limit of
     ``None`` means no limit of that kind. With every all-gather limit ``None`` the byte limit is
     derived from the model as ``prefetch_blocks`` times the unsharded bytes of its largest
     transformer block (see :func:`thunder_overlap.blocks.find_blocks`).
     """
 
     # Scheduling policy, one of SCHEDULING_POLICIES.
-    policy: str = "heuristic"
+    policy: str = "memory_aware"
     # Most all-gathers in flight at once (count).
     max_in_flight_allgathers: int | None = None
     # Most all-gather output bytes in flight at once.
@@ -49,6 +64,24 @@ class OverlapConfig:
     # one from: a few parameters ahead, rather than the whole model gathered at once.
     fallback_in_flight_allgathers: int = 4
 
+    # --- memory_aware only ---------------------------------------------------------------
+    # Prefetch distance: a collective is issued at most this many expensive compute ops
+    # (matmuls, attention) before its first use. 16 is about two transformer blocks of forward
+    # (Inductor's overlap scheduler uses 5 matmuls; Thunder's blocks are coarser units of overlap).
+    max_prefetch_compute_ops: int | None = 16
+    # ... unless the cost model says that is too little compute to hide it: the distance is then
+    # stretched until the compute before the first use is this many times the collective's
+    # estimated time. Above 1 to absorb estimation error; None: never stretch.
+    prefetch_time_margin: float | None = 1.5
+    # Memory budget: predicted peak <= the just-in-time order's peak + max(slack_bytes,
+    # slack_ratio x that peak). Inductor's defaults: 1 GB and 5%.
+    memory_slack_bytes: int = _GIB
+    memory_slack_ratio: float = 0.05
+    # How long ops and collectives take, for stretching the prefetch distance. Default:
+    # CostModel.for_device(the shards' device, world size). A measured model (calibration or a
+    # user hook) may differ between ranks, so rank 0's estimates are broadcast before scheduling.
+    cost_model: CostModel | None = field(default=None, compare=False)
+
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"OverlapConfig.policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
@@ -62,10 +95,22 @@ class OverlapConfig:
             raise TypeError(f"OverlapConfig.prefetch_blocks must be a number, got {self.prefetch_blocks!r}")
         if self.prefetch_blocks <= 0:
             raise ValueError(f"OverlapConfig.prefetch_blocks must be positive, got {self.prefetch_blocks!r}")
+        _check_optional_limit("max_prefetch_compute_ops", self.max_prefetch_compute_ops, int, allow_zero=True)
+        _check_optional_limit("prefetch_time_margin", self.prefetch_time_margin, (int, float))
+        if self.memory_slack_bytes is None or self.memory_slack_ratio is None:
+            raise TypeError("OverlapConfig.memory_slack_bytes and memory_slack_ratio must be numbers, got None")
+        _check_optional_limit("memory_slack_bytes", self.memory_slack_bytes, int, allow_zero=True)
+        _check_optional_limit("memory_slack_ratio", self.memory_slack_ratio, (int, float), allow_zero=True)
+        if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
+            raise TypeError(f"OverlapConfig.cost_model must be a thunder_overlap.CostModel or None, got {self.cost_model!r}")
 
     def limits(self, largest_block_bytes: int | None) -> ScheduleLimits:
-        """Resolves the limits the scheduler applies, given the model's largest block size
-        (None when the model has no repeated blocks)."""
+        """Resolves the limits the policy applies, given the model's largest block size (None
+        when the model has no repeated blocks)."""
+        if self.policy in ("greedy", "stock"):
+            return ScheduleLimits()
+        if self.policy == "just_in_time":
+            return ScheduleLimits(max_prefetch_compute_ops=0, max_reduce_scatters=0)
         block_limit = int(self.prefetch_blocks * largest_block_bytes) if largest_block_bytes else None
         allgather_bytes = self.max_in_flight_allgather_bytes
         allgathers = self.max_in_flight_allgathers
@@ -76,17 +121,45 @@ class OverlapConfig:
         reduce_scatter_bytes = self.max_in_flight_reduce_scatter_bytes
         if reduce_scatter_bytes is None:
             reduce_scatter_bytes = block_limit
-        return ScheduleLimits(
+        limits = ScheduleLimits(
             max_allgathers=allgathers,
             max_allgather_bytes=allgather_bytes,
             max_reduce_scatter_bytes=reduce_scatter_bytes,
         )
+        if self.policy == "heuristic":
+            return limits
+        return ScheduleLimits(
+            max_allgathers=limits.max_allgathers,
+            max_allgather_bytes=limits.max_allgather_bytes,
+            max_reduce_scatter_bytes=limits.max_reduce_scatter_bytes,
+            max_prefetch_compute_ops=self.max_prefetch_compute_ops,
+            prefetch_time_margin=self.prefetch_time_margin,
+            memory_budget=MemoryBudgetRule(self.memory_slack_bytes, float(self.memory_slack_ratio)),
+        )
+
+
+@dataclass(frozen=True)
+class MemoryBudgetRule:
+    """Predicted peak may exceed the just-in-time order's by max(slack_bytes, slack_ratio x peak)."""
+
+    slack_bytes: int
+    slack_ratio: float
+
+    def budget(self, baseline_peak_bytes: int) -> int:
+        return baseline_peak_bytes + max(self.slack_bytes, int(self.slack_ratio * baseline_peak_bytes))
 
 
 @dataclass(frozen=True)
 class ScheduleLimits:
-    """Concrete in-flight limits the scheduler enforces (None: unlimited)."""
+    """Concrete limits the scheduler enforces (None: unlimited)."""
 
     max_allgathers: int | None = None
     max_allgather_bytes: int | None = None
     max_reduce_scatter_bytes: int | None = None
+    # Most reduce-scatters in flight (0: wait right after issuing).
+    max_reduce_scatters: int | None = None
+    # Expensive compute ops between a collective's issue and its first use (0: just in time).
+    max_prefetch_compute_ops: int | None = None
+    # Stretch the distance until compute covers this many times the collective's time.
+    prefetch_time_margin: float | None = None
+    memory_budget: MemoryBudgetRule | None = None

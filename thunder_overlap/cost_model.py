@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -271,10 +272,30 @@ class CostModel:
     network: NetworkProfile
     calibration: Calibration | None = None
     user_estimate: UserEstimate | None = None
+    # Milliseconds for a collective, or None to fall back to the network model.
+    collective_estimate: Callable[[Collective], float | None] | None = None
 
     @classmethod
     def named(cls, device: str | DeviceProfile = "h100", network: str | NetworkProfile = "nvlink", **kwargs) -> CostModel:
         return cls(device_profile(device), network_profile(network), **kwargs)
+
+    @classmethod
+    def for_device(cls, device: torch.device | str, world_size: int) -> CostModel:
+        """The scheduler's default: the profile of ``device`` (an H100 for an unknown GPU), over
+        NVLink when the group fits one node (``LOCAL_WORLD_SIZE``, default 8 GPUs) and
+        InfiniBand otherwise; a CPU over loopback gloo."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return cls.named("cpu", "gloo-loopback")
+        name = torch.cuda.get_device_name(device).lower() if torch.cuda.is_available() else ""
+        profile = next((p for p in ("h200", "h100", "a100") if p in name), "h100")
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "8"))
+        return cls.named(profile, "nvlink" if world_size <= local_world_size else "infiniband")
+
+    @property
+    def is_measured(self) -> bool:
+        """True when estimates may differ between ranks (measured, or from a user hook)."""
+        return self.calibration is not None or self.user_estimate is not None or self.collective_estimate is not None
 
     def compute_ms(self, bsym: BoundSymbol) -> float:
         if self.user_estimate is not None:
@@ -298,14 +319,24 @@ class CostModel:
         bytes_s = op_bytes(bsym) / (d.memory_bandwidth * d.bandwidth_efficiency)
         return (max(flops_s, bytes_s) + d.launch_overhead_s) * 1e3
 
-    def collective_ms(self, collective: Collective, world_size: int | None = None) -> float:
-        """Ring time of ``collective`` over its process group (or ``world_size`` ranks)."""
+    def collective_ms(self, collective: Collective, world_size: int | None = None, *, pay_latency: bool = True) -> float:
+        """Ring time of ``collective`` over its process group (or ``world_size`` ranks).
+
+        ``pay_latency=False`` leaves out the per-step latency: a collective that goes out
+        together with one of the same kind, group and dtype is coalesced with it (NCCL groups
+        them, and a bucketing pass would have fused them), so only the first pays it.
+        """
+        if self.collective_estimate is not None:
+            estimate = self.collective_estimate(collective)
+            if estimate is not None:
+                return float(estimate)
         n = world_size if world_size is not None else _group_size(collective)
         if n <= 1:
             return 0.0
         net = self.network
         steps = 2 if collective.kind is CollectiveKind.OTHER else 1  # all-reduce: reduce-scatter + all-gather
-        seconds = steps * (net.latency_s * (n - 1) + (n - 1) / n * collective.unsharded_bytes / net.bus_bandwidth)
+        latency = net.latency_s * (n - 1) if pay_latency else 0.0
+        seconds = steps * (latency + (n - 1) / n * collective.unsharded_bytes / net.bus_bandwidth)
         return seconds * 1e3
 
 

@@ -94,6 +94,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=None, help="default: the model's block size")
     parser.add_argument("--out", default="thunder_overlap_report", help="directory for report.json, report.trace.json, report.png")
     parser.add_argument("--steps", type=int, default=0, help="also print the first N rows of the per-step table")
+    parser.add_argument(
+        "--compare-policies",
+        action="store_true",
+        help="also schedule with every policy (stock, just_in_time, heuristic, greedy, memory_aware) and print them side by side",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.world_size <= MAX_WORLD_SIZE:
         raise UsageError(f"--world-size {args.world_size} is impossible; accepted: 1 to {MAX_WORLD_SIZE} ranks")
@@ -132,9 +137,12 @@ def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def trace_model(model: nn.Module, *, world_size: int, sharding: str, bucketing: str, idx_shape: tuple[int, int]):
-    """Traces ``model`` (on meta) with thunder_overlap's FSDP on a fake group of ``world_size``;
-    returns the jitted module, whose last traces the report reads."""
+def trace_model(
+    model: nn.Module, *, world_size: int, sharding: str, bucketing: str, idx_shape: tuple[int, int], config=None
+):
+    """Traces ``model`` (on meta) with thunder_overlap's FSDP on a fake group of ``world_size``
+    and ``config`` (an OverlapConfig; give it the report's cost model, as the meta device has no
+    profile of its own); returns the jitted module, whose last traces the report reads."""
     import thunder
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -150,7 +158,7 @@ def trace_model(model: nn.Module, *, world_size: int, sharding: str, bucketing: 
     torch.backends.cuda.enable_mem_efficient_sdp(False)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        jm = thunder_overlap.fsdp(model, device="meta", sharding_strategy=sharding, bucketing_strategy=bucketing)
+        jm = thunder_overlap.fsdp(model, device="meta", sharding_strategy=sharding, bucketing_strategy=bucketing, config=config)
         idx = torch.zeros(idx_shape, dtype=torch.long, device="meta")
         thunder.compile_data(jm).get_computation_and_inputs(idx)
         return jm
@@ -163,7 +171,9 @@ def trace_model(model: nn.Module, *, world_size: int, sharding: str, bucketing: 
 def main(argv: list[str] | None = None) -> int:
     """Runs the report command; returns the process exit status."""
     from thunder_overlap.api import parse_bucketing_strategy, parse_sharding_strategy
+    from thunder_overlap.config import OverlapConfig
     from thunder_overlap.cost_model import CostModel
+    from thunder_overlap.policy_comparison import compare_policies
     from thunder_overlap.reporting import report
 
     argv = sys.argv[1:] if argv is None else argv
@@ -187,7 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     layers = args.n_layer or "all"
     _progress(f"tracing forward and backward at world size {args.world_size}, {args.sharding} (about 5 s per layer, {layers} layers)")
     with _Heartbeat("tracing"):
-        jm = trace_model(model, world_size=args.world_size, sharding=args.sharding, bucketing=args.bucketing, idx_shape=(args.batch_size, seq_len))
+        jm = trace_model(
+            model,
+            world_size=args.world_size,
+            sharding=args.sharding,
+            bucketing=args.bucketing,
+            idx_shape=(args.batch_size, seq_len),
+            config=OverlapConfig(cost_model=cost_model),
+        )
     traced = time.perf_counter()
     _progress(f"traced in {traced - start:.1f} s; simulating with {args.device_profile} / {args.network}")
     result = report(jm, cost_model=cost_model)
@@ -201,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     result.to_json(out / "report.json")
     result.to_chrome_trace(out / "report.trace.json")
     written = ["report.json", "report.trace.json"]
+    if args.compare_policies:
+        comparison = compare_policies(jm, cost_model=cost_model, config=OverlapConfig(cost_model=cost_model))
+        print(comparison)
+        comparison.to_json(out / "policies.json")
+        written.append("policies.json")
     try:
         result.to_png(out / "report.png")
         written.append("report.png")

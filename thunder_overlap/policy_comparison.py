@@ -1,0 +1,139 @@
+"""Every scheduling policy on one model's traces, side by side: overlap, time and memory.
+
+The traces Thunder produced before thunder_overlap's scheduling pass (see
+:func:`~thunder_overlap.reporting.unscheduled_trace`) are scheduled again by each policy of
+:data:`~thunder_overlap.config.SCHEDULING_POLICIES` with the same cost model the report
+simulates with, then simulated and memory-estimated like the report's own orders. The
+``just_in_time`` row is the memory budget's baseline; ``greedy`` shows what unbounded overlap
+costs in memory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import thunder
+from thunder.core.trace import TraceCtx
+
+from thunder_overlap.blocks import largest_block_bytes
+from thunder_overlap.classify import classify_trace
+from thunder_overlap.config import OverlapConfig
+from thunder_overlap.cost_model import CostModel
+from thunder_overlap.memory_estimate import MemoryEstimate
+from thunder_overlap.reporting import OrderReport, analyze_trace, unscheduled_trace
+from thunder_overlap.scheduling import OverlapScheduler, ScheduleSummary, apply_order, stock_order
+
+__all__ = ["COMPARED_POLICIES", "PolicyComparison", "PolicyResult", "compare_policies"]
+
+COMPARED_POLICIES = ("stock", "just_in_time", "heuristic", "greedy", "memory_aware")
+_MIB = 2**20
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    policy: str
+    pass_name: str  # "forward" or "backward"
+    report: OrderReport
+    summary: ScheduleSummary | None  # None for "stock", which schedules nothing
+
+    @property
+    def bound_gap(self) -> float:
+        """Predicted time over max(compute, communication), minus one: 0 is ideal overlap."""
+        return self.report.predicted_ms / self.report.bound_ms - 1 if self.report.bound_ms else 0.0
+
+
+@dataclass(frozen=True)
+class PolicyComparison:
+    results: tuple[PolicyResult, ...]
+    device: str
+    network: str
+    world_size: int
+
+    def result(self, policy: str, pass_name: str) -> PolicyResult:
+        for r in self.results:
+            if (r.policy, r.pass_name) == (policy, pass_name):
+                return r
+        raise KeyError(f"no result for policy {policy!r} in pass {pass_name!r}")
+
+    def step_ms(self, policy: str) -> float:
+        return sum(r.report.predicted_ms for r in self.results if r.policy == policy)
+
+    def __str__(self) -> str:
+        head = (
+            f"{'pass':<9} {'policy':<13} {'hidden/hideable':>15} {'exposed ms':>10} {'predicted ms':>12} "
+            f"{'max(C,M) ms':>11} {'gap':>6} {'peak MiB':>9} {'vs JIT':>7}"
+        )
+        lines = [f"world size {self.world_size}, device {self.device}, network {self.network}", head, "-" * len(head)]
+        for r in self.results:
+            o = r.report
+            jit_peak = self.result("just_in_time", r.pass_name).report.peak_bytes
+            lines.append(
+                f"{r.pass_name:<9} {r.policy:<13} {f'{o.hidden}/{o.hideable}':>15} {o.exposed_ms:>10.3f} {o.predicted_ms:>12.3f} "
+                f"{o.bound_ms:>11.3f} {r.bound_gap:>6.1%} {o.peak_bytes / _MIB:>9.1f} {o.peak_bytes / jit_peak - 1 if jit_peak else 0.0:>+7.1%}"
+            )
+        policies = list(dict.fromkeys(r.policy for r in self.results))
+        lines.append("predicted step (forward + backward): " + ", ".join(f"{p} {self.step_ms(p):.3f} ms" for p in policies))
+        return "\n".join(lines)
+
+    def to_json(self, path: str | Path | None = None) -> dict:
+        data = {
+            "device": self.device,
+            "network": self.network,
+            "world_size": self.world_size,
+            "results": [
+                {"policy": r.policy, "pass": r.pass_name, **r.report.summary(), "bound_gap": r.bound_gap,
+                 "forced_waits": r.summary.forced_waits if r.summary else 0}
+                for r in self.results
+            ],
+        }  # fmt: skip
+        if path is not None:
+            Path(path).write_text(json.dumps(data, indent=1))
+        return data
+
+
+def _schedule(trace: TraceCtx, policy: str, config: OverlapConfig, block_bytes: int | None, cost_model: CostModel):
+    annotated = classify_trace(trace)
+    if policy == "stock" or not annotated.collectives:
+        return apply_order(annotated, stock_order(annotated), provenance="stock order"), None
+    limits = replace(config, policy=policy).limits(block_bytes)
+    scheduler = OverlapScheduler(annotated, limits, cost_model)
+    order = scheduler.schedule()
+    return apply_order(annotated, order, provenance=f"thunder_overlap: {policy} schedule"), scheduler.summary
+
+
+def compare_policies(
+    jm,
+    *,
+    cost_model: CostModel,
+    config: OverlapConfig | None = None,
+    policies: tuple[str, ...] = COMPARED_POLICIES,
+) -> PolicyComparison:
+    """Schedules ``jm``'s last forward and backward traces with each policy and reports them.
+
+    ``config`` supplies the limits (its ``policy`` is replaced by each compared one); the
+    prefetch byte limits are sized from ``jm``'s largest block as in training.
+    """
+    config = config if config is not None else OverlapConfig()
+    if "just_in_time" not in policies:
+        policies = ("just_in_time", *policies)
+    forward, backward = thunder.last_traces(jm), thunder.last_backward_traces(jm)
+    if not forward:
+        raise ValueError("the module has not been run or traced yet: call it once (or trace it) before compare_policies()")
+    block_bytes = largest_block_bytes(jm._model)
+    passes = [("forward", unscheduled_trace(forward))] + ([("backward", unscheduled_trace(backward))] if backward else [])
+    results = []
+    forward_memory: dict[str, MemoryEstimate] = {}
+    for policy in policies:
+        for pass_name, trace in passes:
+            scheduled, summary = _schedule(trace, policy, config, block_bytes, cost_model)
+            report = analyze_trace(scheduled, cost_model, order=policy, after=forward_memory.get(policy))
+            if pass_name == "forward":
+                forward_memory[policy] = report.memory
+            results.append(PolicyResult(policy, pass_name, report, summary))
+    results.sort(key=lambda r: (r.pass_name != "forward", policies.index(r.policy)))
+    world_size = next(
+        (c.process_group.size() for r in results for c in r.report.annotated.collectives if c.process_group is not None), 1
+    )
+    return PolicyComparison(tuple(results), cost_model.device.name, cost_model.network.name, world_size)
