@@ -110,3 +110,38 @@ def test_zero3_measured_peak_is_below_zero2(runs):
     zero2 = runs["zero2"][1][0].peak_step_bytes
     zero3 = runs["zero3"][1][0].peak_step_bytes
     assert 0 < zero3 < zero2
+
+
+class RankDependentCollectiveEstimate:
+    """Measured collective times as two ranks might see them: rank 1 thinks every collective is
+    very slow (stretch prefetch as far as the other limits allow), rank 0 that they are free. On
+    their own these give different schedules (see tests/test_scheduler.py's distance tests)."""
+
+    def __call__(self, collective) -> float:
+        import torch.distributed as dist
+
+        return 1e6 if dist.get_rank() == 1 else 0.0
+
+
+class SlowCollectiveEstimate:
+    def __call__(self, collective) -> float:
+        return 1e6
+
+
+def test_ranks_agree_on_measured_estimates_before_scheduling():
+    from thunder_overlap.config import OverlapConfig
+    from thunder_overlap.cost_model import CostModel
+
+    cost_model = CostModel.named("cpu", "gloo-loopback", collective_estimate=RankDependentCollectiveEstimate())
+    config = OverlapConfig(max_prefetch_compute_ops=1, cost_model=cost_model)
+    setup = TrainSetup(sharding="zero3", model=MODEL, steps=1, config=config, measure_memory=False)
+    ranks = run_local_ranks(train_rank, WORLD_SIZE, (setup,))
+    assert ranks[0].forward_picture == ranks[1].forward_picture
+    assert ranks[0].backward_picture == ranks[1].backward_picture
+    # Not vacuous: with rank 1's estimates on both ranks the schedule is another one.
+    slow = CostModel.named("cpu", "gloo-loopback", collective_estimate=SlowCollectiveEstimate())
+    slow_setup = TrainSetup(
+        sharding="zero3", model=MODEL, steps=1, config=OverlapConfig(max_prefetch_compute_ops=1, cost_model=slow), measure_memory=False
+    )
+    (slow_rank, _) = run_local_ranks(train_rank, WORLD_SIZE, (slow_setup,))
+    assert slow_rank.forward_picture != ranks[0].forward_picture
