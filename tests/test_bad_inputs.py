@@ -98,6 +98,12 @@ def test_strategies_accept_enums_and_case_insensitive_strings(gloo_group):
         ({"max_in_flight_reduce_scatter_bytes": True}, TypeError, r"max_in_flight_reduce_scatter_bytes must be a int"),
         ({"prefetch_blocks": 0}, ValueError, r"prefetch_blocks must be positive, got 0"),
         ({"prefetch_blocks": "2"}, TypeError, r"prefetch_blocks must be a number, got '2'"),
+        ({"check_ranks_agree": "yes"}, TypeError, r"check_ranks_agree must be a bool, got 'yes'"),
+        ({"max_prefetch_compute_ops": -1}, ValueError, r"max_prefetch_compute_ops must be non-negative or None"),
+        ({"prefetch_time_margin": 0}, ValueError, r"prefetch_time_margin must be positive or None"),
+        ({"memory_slack_bytes": None}, TypeError, r"memory_slack_bytes and memory_slack_ratio must be numbers, got None"),
+        ({"memory_slack_ratio": -0.1}, ValueError, r"memory_slack_ratio must be non-negative"),
+        ({"cost_model": "h100"}, TypeError, r"cost_model must be a thunder_overlap.CostModel or None, got 'h100'"),
         ({"fallback_in_flight_allgathers": None}, TypeError, r"fallback_in_flight_allgathers must be an int"),
     ],
 )

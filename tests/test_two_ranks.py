@@ -145,3 +145,24 @@ def test_ranks_agree_on_measured_estimates_before_scheduling():
     )
     (slow_rank, _) = run_local_ranks(train_rank, WORLD_SIZE, (slow_setup,))
     assert slow_rank.forward_picture != ranks[0].forward_picture
+
+
+def _mismatched_models(rank: int, world_size: int) -> str | None:
+    """Each rank builds a different model: their collectives cannot pair up."""
+    from dataclasses import replace
+
+    import thunder_overlap
+
+    torch.manual_seed(0)
+    jm = thunder_overlap.fsdp(TinyGPT(replace(MODEL, n_layer=2 + rank)), device="cpu")
+    try:
+        jm(torch.randint(0, MODEL.vocab_size, (1, 8)))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_that_would_issue_different_collectives_raise_instead_of_hanging():
+    messages = run_local_ranks(_mismatched_models, WORLD_SIZE, ())
+    assert all(m is not None and "would hang" in m for m in messages), messages
+    assert "rank 0 of the process group" in messages[0] and "ranks [1]" in messages[0]

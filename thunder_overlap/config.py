@@ -81,6 +81,10 @@ class OverlapConfig:
     # CostModel.for_device(the shards' device, world size). A measured model (calibration or a
     # user hook) may differ between ranks, so rank 0's estimates are broadcast before scheduling.
     cost_model: CostModel | None = field(default=None, compare=False)
+    # When a trace is compiled, ranks exchange a hash of their collective order (one small
+    # all-gather). Ranks that disagree would hang at the first differing collective; this makes
+    # them raise instead, naming the ranks. Skipped on the fake process group and on one rank.
+    check_ranks_agree: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -101,6 +105,8 @@ class OverlapConfig:
             raise TypeError("OverlapConfig.memory_slack_bytes and memory_slack_ratio must be numbers, got None")
         _check_optional_limit("memory_slack_bytes", self.memory_slack_bytes, int, allow_zero=True)
         _check_optional_limit("memory_slack_ratio", self.memory_slack_ratio, (int, float), allow_zero=True)
+        if not isinstance(self.check_ranks_agree, bool):
+            raise TypeError(f"OverlapConfig.check_ranks_agree must be a bool, got {self.check_ranks_agree!r}")
         if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
             raise TypeError(f"OverlapConfig.cost_model must be a thunder_overlap.CostModel or None, got {self.cost_model!r}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 
 import torch
@@ -12,7 +13,7 @@ from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 
 from thunder_overlap.blocks import largest_block_bytes
-from thunder_overlap.classify import AnnotatedTrace, classify_trace, find_swallowed_collectives
+from thunder_overlap.classify import AnnotatedTrace, NodeKind, classify_trace, find_swallowed_collectives
 from thunder_overlap.config import OverlapConfig, ScheduleLimits
 from thunder_overlap.cost_model import CostModel
 from thunder_overlap.scheduling import OverlapScheduler, ScheduleSummary, apply_order, stock_order
@@ -63,6 +64,8 @@ class OverlapScheduleTransform(Transform):
             scheduler = OverlapScheduler(annotated, self.limits, self._cost_model(annotated))
             order = scheduler.schedule()
             self.summaries["backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"] = scheduler.summary
+        if self.config.check_ranks_agree:
+            _check_ranks_agree(annotated, order)
         return apply_order(annotated, order, provenance=f"thunder_overlap: {self.config.policy} schedule")
 
     def _cost_model(self, annotated: AnnotatedTrace) -> CostModel | None:
@@ -77,6 +80,35 @@ class OverlapScheduleTransform(Transform):
         if cost_model.is_measured and group is not None:
             return _agreed(cost_model, annotated, group)
         return cost_model
+
+
+def _collective_order_digest(annotated: AnnotatedTrace, order: list[int]) -> str:
+    """What must match across ranks for the collectives to pair up: kind, dtype and shape of
+    each collective, in issue order (where each rank waits is its own business)."""
+    signature = []
+    for index in order:
+        node = annotated.nodes[index]
+        if node.kind is NodeKind.COLLECTIVE:
+            out = node.bsym.flat_proxy_outs[0]
+            signature.append(f"{node.name} {out.dtype} {list(out.shape)}")
+    return hashlib.sha256("\n".join(signature).encode()).hexdigest()
+
+
+def _check_ranks_agree(annotated: AnnotatedTrace, order: list[int]) -> None:
+    group = next((c.process_group for c in annotated.collectives if c.process_group is not None), None)
+    if group is None or group.size() == 1 or dist.get_backend(group) == "fake":
+        return
+    digests: list[str | None] = [None] * group.size()
+    dist.all_gather_object(digests, _collective_order_digest(annotated, order), group=group)
+    if len(set(digests)) > 1:
+        mine = dist.get_rank(group)
+        others = [r for r, d in enumerate(digests) if d != digests[mine]]
+        raise RuntimeError(
+            f"thunder_overlap: rank {mine} of the process group would issue its collectives in another order than "
+            f"ranks {others}, which would hang at the first differing one. Give every rank the same model, inputs "
+            "and OverlapConfig (a measured cost model is agreed automatically), or set check_ranks_agree=False "
+            "to skip this check."
+        )
 
 
 def _agreed(cost_model: CostModel, annotated: AnnotatedTrace, group: dist.ProcessGroup) -> CostModel:
