@@ -126,6 +126,8 @@ class OverlapScheduler:
         self._collective_ms: list[float] | None = None
         self._first_use: list[int] = []
         self.summary = ScheduleSummary()
+        # The execution trace of the returned order when the budget check built it already.
+        self.checked_trace: TraceCtx | None = None
 
     # ----------------------------------------------------------------------------------------
     # Phase 1: first uses
@@ -186,9 +188,11 @@ class OverlapScheduler:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             self.summary.attempts = attempt
             order = self._walk(MemoryProfile(baseline, budget - held_back))
-            peak = estimate_memory(apply_order(self.annotated, order, provenance="thunder_overlap: budget check")).peak_bytes
+            trace = apply_order(self.annotated, order, provenance="thunder_overlap: memory_aware schedule")
+            peak = estimate_memory(trace).peak_bytes
             if peak <= budget:
                 self.summary.peak_bytes = peak
+                self.checked_trace = trace
                 return order
             held_back += peak - budget
         self.summary.fell_back_to_just_in_time = True

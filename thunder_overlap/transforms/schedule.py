@@ -58,15 +58,19 @@ class OverlapScheduleTransform(Transform):
         annotated = classify_trace(computation_trace)
         if not annotated.collectives:
             return computation_trace
+        scheduled = None
         if self.config.policy == "stock":
             order = stock_order(annotated)
         else:
             scheduler = OverlapScheduler(annotated, self.limits, self._cost_model(annotated))
             order = scheduler.schedule()
+            scheduled = scheduler.checked_trace
             self.summaries["backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"] = scheduler.summary
         if self.config.check_ranks_agree:
             _check_ranks_agree(annotated, order)
-        return apply_order(annotated, order, provenance=f"thunder_overlap: {self.config.policy} schedule")
+        if scheduled is None:
+            scheduled = apply_order(annotated, order, provenance=f"thunder_overlap: {self.config.policy} schedule")
+        return scheduled
 
     def _cost_model(self, annotated: AnnotatedTrace) -> CostModel | None:
         if self.limits.prefetch_time_margin is None:
