@@ -37,11 +37,10 @@ def table_rows(comparison: PolicyComparison, network: str, sharding: str, bucket
     rows = []
     for r in comparison.results:
         o = r.report
-        jit_peak = comparison.result("just_in_time", r.pass_name).report.peak_bytes
         rows.append(
             f"| {comparison.world_size}, {network} | {sharding} | {bucketing} | {r.pass_name} | {r.policy} | "
             f"{o.hidden}/{o.hideable} | {o.predicted_ms:.1f} | {o.bound_ms:.1f} | {r.bound_gap:.1%} | "
-            f"{o.peak_bytes / 2**30:.2f} | {o.peak_bytes / jit_peak - 1:+.1%} |"
+            f"{o.peak_bytes / 2**30:.2f} | {comparison.peak_over_just_in_time(r):+.1%} |"
         )
     return rows
 

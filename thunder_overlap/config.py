@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from thunder_overlap.cost_model import CostModel
 
-__all__ = ["OverlapConfig", "ScheduleLimits", "SCHEDULING_POLICIES"]
+__all__ = ["JUST_IN_TIME_LIMITS", "OverlapConfig", "ScheduleLimits", "SCHEDULING_POLICIES"]
 
 # "memory_aware" (default): issue every collective as early as its inputs allow within three
 # limits: a prefetch distance in compute ops (stretched by the cost model for collectives that
@@ -26,16 +26,16 @@ SCHEDULING_POLICIES = ("memory_aware", "heuristic", "greedy", "just_in_time", "s
 _GIB = 1 << 30
 
 
-def _check_optional_limit(name: str, value: object, kind: type | tuple[type, ...], *, allow_zero: bool = False) -> None:
-    if value is None:
+def _check_number(name: str, value: object, kind: type | tuple[type, ...], *, allow_zero: bool = False, optional: bool = True) -> None:
+    if value is None and optional:
         return
     kinds = kind if isinstance(kind, tuple) else (kind,)
+    accepted = " or ".join(("an " if k is int else "a ") + k.__name__ for k in kinds) + (" or None" if optional else "")
     if isinstance(value, bool) or not isinstance(value, kinds):
-        accepted = " or ".join(k.__name__ for k in kinds)
-        raise TypeError(f"OverlapConfig.{name} must be a {accepted} or None, got {value!r}")
+        raise TypeError(f"OverlapConfig.{name} must be {accepted}, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         bound = "non-negative" if allow_zero else "positive"
-        raise ValueError(f"OverlapConfig.{name} must be {bound} or None (no limit), got {value!r}")
+        raise ValueError(f"OverlapConfig.{name} must be {bound}{' or None (no limit)' if optional else ''}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -89,22 +89,18 @@ class OverlapConfig:
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"OverlapConfig.policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
-        _check_optional_limit("max_in_flight_allgathers", self.max_in_flight_allgathers, int)
-        _check_optional_limit("max_in_flight_allgather_bytes", self.max_in_flight_allgather_bytes, int)
-        _check_optional_limit("max_in_flight_reduce_scatter_bytes", self.max_in_flight_reduce_scatter_bytes, int)
-        if self.fallback_in_flight_allgathers is None:
-            raise TypeError("OverlapConfig.fallback_in_flight_allgathers must be an int, got None")
-        _check_optional_limit("fallback_in_flight_allgathers", self.fallback_in_flight_allgathers, int)
+        _check_number("max_in_flight_allgathers", self.max_in_flight_allgathers, int)
+        _check_number("max_in_flight_allgather_bytes", self.max_in_flight_allgather_bytes, int)
+        _check_number("max_in_flight_reduce_scatter_bytes", self.max_in_flight_reduce_scatter_bytes, int)
+        _check_number("fallback_in_flight_allgathers", self.fallback_in_flight_allgathers, int, optional=False)
         if isinstance(self.prefetch_blocks, bool) or not isinstance(self.prefetch_blocks, (int, float)):
             raise TypeError(f"OverlapConfig.prefetch_blocks must be a number, got {self.prefetch_blocks!r}")
         if self.prefetch_blocks <= 0:
             raise ValueError(f"OverlapConfig.prefetch_blocks must be positive, got {self.prefetch_blocks!r}")
-        _check_optional_limit("max_prefetch_compute_ops", self.max_prefetch_compute_ops, int, allow_zero=True)
-        _check_optional_limit("prefetch_time_margin", self.prefetch_time_margin, (int, float))
-        if self.memory_slack_bytes is None or self.memory_slack_ratio is None:
-            raise TypeError("OverlapConfig.memory_slack_bytes and memory_slack_ratio must be numbers, got None")
-        _check_optional_limit("memory_slack_bytes", self.memory_slack_bytes, int, allow_zero=True)
-        _check_optional_limit("memory_slack_ratio", self.memory_slack_ratio, (int, float), allow_zero=True)
+        _check_number("max_prefetch_compute_ops", self.max_prefetch_compute_ops, int, allow_zero=True)
+        _check_number("prefetch_time_margin", self.prefetch_time_margin, (int, float))
+        _check_number("memory_slack_bytes", self.memory_slack_bytes, int, allow_zero=True, optional=False)
+        _check_number("memory_slack_ratio", self.memory_slack_ratio, (int, float), allow_zero=True, optional=False)
         if not isinstance(self.check_ranks_agree, bool):
             raise TypeError(f"OverlapConfig.check_ranks_agree must be a bool, got {self.check_ranks_agree!r}")
         if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
@@ -116,7 +112,7 @@ class OverlapConfig:
         if self.policy in ("greedy", "stock"):
             return ScheduleLimits()
         if self.policy == "just_in_time":
-            return ScheduleLimits(max_prefetch_compute_ops=0, max_reduce_scatters=0)
+            return JUST_IN_TIME_LIMITS
         block_limit = int(self.prefetch_blocks * largest_block_bytes) if largest_block_bytes else None
         allgather_bytes = self.max_in_flight_allgather_bytes
         allgathers = self.max_in_flight_allgathers
@@ -134,10 +130,8 @@ class OverlapConfig:
         )
         if self.policy == "heuristic":
             return limits
-        return ScheduleLimits(
-            max_allgathers=limits.max_allgathers,
-            max_allgather_bytes=limits.max_allgather_bytes,
-            max_reduce_scatter_bytes=limits.max_reduce_scatter_bytes,
+        return replace(
+            limits,
             max_prefetch_compute_ops=self.max_prefetch_compute_ops,
             prefetch_time_margin=self.prefetch_time_margin,
             memory_budget=MemoryBudgetRule(self.memory_slack_bytes, float(self.memory_slack_ratio)),
@@ -169,3 +163,7 @@ class ScheduleLimits:
     # Stretch the distance until compute covers this many times the collective's time.
     prefetch_time_margin: float | None = None
     memory_budget: MemoryBudgetRule | None = None
+
+
+# Each all-gather right before its first use, each reduce-scatter waited right after its issue.
+JUST_IN_TIME_LIMITS = ScheduleLimits(max_prefetch_compute_ops=0, max_reduce_scatters=0)

@@ -34,7 +34,7 @@ from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.executors.passes import del_last_used
 
 from thunder_overlap.classify import AnnotatedTrace, CollectiveKind, NodeKind, is_expensive
-from thunder_overlap.config import ScheduleLimits
+from thunder_overlap.config import JUST_IN_TIME_LIMITS, ScheduleLimits
 from thunder_overlap.cost_model import CostModel
 from thunder_overlap.memory_budget import MemoryProfile, baseline_profile
 from thunder_overlap.memory_estimate import estimate_memory
@@ -45,8 +45,6 @@ __all__ = ["OverlapScheduler", "ScheduleSummary", "apply_order", "just_in_time_o
 # retry holds back the previous attempt's overshoot, which the profile under-predicted.
 MAX_ATTEMPTS = 3
 
-JUST_IN_TIME = ScheduleLimits(max_prefetch_compute_ops=0, max_reduce_scatters=0)
-
 
 def stock_order(annotated: AnnotatedTrace) -> list[int]:
     """Thunder's own order (deletions left out): the baseline."""
@@ -56,17 +54,13 @@ def stock_order(annotated: AnnotatedTrace) -> list[int]:
 def just_in_time_order(annotated: AnnotatedTrace) -> list[int]:
     """Each all-gather right before its first use, each reduce-scatter waited right after its
     issue: no overlap and the least memory, the memory budget's baseline."""
-    return OverlapScheduler(annotated, JUST_IN_TIME).schedule()
+    return OverlapScheduler(annotated, JUST_IN_TIME_LIMITS).schedule()
 
 
 @dataclass
 class ScheduleSummary:
     """What the scheduler decided and why, for reports and tests."""
 
-    # Collectives that some limit kept from being issued earlier, per limit.
-    held_by_distance: int = 0
-    held_by_bytes: int = 0
-    held_by_memory: int = 0
     # Waits emitted before their first use to get under a limit (bytes/count, or the budget).
     forced_waits: int = 0
     forced_waits_for_memory: int = 0
@@ -76,11 +70,20 @@ class ScheduleSummary:
     peak_bytes: int | None = None
     attempts: int = 0
     fell_back_to_just_in_time: bool = False
-    _held: dict[str, set[int]] = field(default_factory=lambda: {"distance": set(), "bytes": set(), "memory": set()}, repr=False)
+    # Collectives that each limit kept from being issued earlier.
+    held: dict[str, set[int]] = field(default_factory=lambda: {"distance": set(), "bytes": set(), "memory": set()})
 
-    def hold(self, reason: str, collective: int) -> None:
-        self._held[reason].add(collective)
-        self.held_by_distance, self.held_by_bytes, self.held_by_memory = (len(self._held[r]) for r in ("distance", "bytes", "memory"))
+    @property
+    def held_by_distance(self) -> int:
+        return len(self.held["distance"])
+
+    @property
+    def held_by_bytes(self) -> int:
+        return len(self.held["bytes"])
+
+    @property
+    def held_by_memory(self) -> int:
+        return len(self.held["memory"])
 
 
 class _InFlight:
@@ -287,17 +290,17 @@ class OverlapScheduler:
         coll = self.annotated.collectives[c]
         first_use = self._first_use[c]
         if not self._within_distance(c, first_use):
-            self.summary.hold("distance", c)
+            self.summary.held["distance"].add(c)
             return False
         in_flight = self._allgathers_in_flight
         if in_flight:  # always allow one, or nothing would ever be prefetched
             too_many = limits.max_allgathers is not None and len(in_flight) + 1 > limits.max_allgathers
             too_big = limits.max_allgather_bytes is not None and in_flight.total_bytes + coll.unsharded_bytes > limits.max_allgather_bytes
             if too_many or too_big:
-                self.summary.hold("bytes", c)
+                self.summary.held["bytes"].add(c)
                 return False
         if self._memory is not None and not self._memory.fits(self._position, first_use - 1, coll.unsharded_bytes):
-            self.summary.hold("memory", c)
+            self.summary.held["memory"].add(c)
             return False
         return True
 
