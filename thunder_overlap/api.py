@@ -18,7 +18,7 @@ from thunder.transforms import MaterializationTransform
 
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.executor import with_collectives_kept_visible
-from thunder_overlap.transforms import OverlapScheduleTransform, Zero3Transform
+from thunder_overlap.transforms import BucketingTransform, OverlapScheduleTransform, Zero3Transform
 
 __all__ = ["fsdp", "fsdp_transforms", "parse_sharding_strategy", "parse_bucketing_strategy"]
 
@@ -69,12 +69,20 @@ def parse_bucketing_strategy(value: FSDPBucketingStrategy | str) -> FSDPBucketin
             f"bucketing_strategy={value!r} is not supported; accepted: FSDPBucketingStrategy.NONE/LAYER/BLOCK "
             f"or one of {sorted(_BUCKETING_NAMES)}"
         )
-    if strategy is not FSDPBucketingStrategy.NONE:
-        raise NotImplementedError(
-            f"bucketing_strategy={value!r} is not implemented yet in thunder_overlap; use 'none' "
-            "(Thunder 0.2.6 ignores bucketing too, so 'none' is what it ran)"
-        )
     return strategy
+
+
+def _parse_bucket_cap_mb(value: float | None, bucketing: FSDPBucketingStrategy) -> int | None:
+    """The cap in bytes; refuses a cap that would have no buckets to apply to."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number of megabytes or None, got {value!r}")
+    if bucketing is FSDPBucketingStrategy.NONE:
+        raise ValueError(
+            f"bucket_cap_mb={value!r} needs bucketing_strategy 'layer' or 'block'; with 'none' there are no buckets to cap"
+        )
+    return int(value * 2**20)
 
 
 @dataclass(frozen=True)
@@ -82,13 +90,22 @@ class _Setup:
     device: torch.device
     process_group: dist.ProcessGroup
     sharding: FSDPType
+    bucketing: FSDPBucketingStrategy
+    bucket_cap_bytes: int | None
     broadcast_from: int | None
     config: OverlapConfig | None
     move_state_dict_to_cpu: bool
 
 
 def _resolve(
-    device, process_group, sharding_strategy, bucketing_strategy, broadcast_from, config, move_state_dict_to_cpu
+    device,
+    process_group,
+    sharding_strategy,
+    bucketing_strategy,
+    broadcast_from,
+    config,
+    move_state_dict_to_cpu,
+    bucket_cap_mb=None,
 ) -> _Setup:
     """Checks every argument of ``fsdp`` and ``FSDPOverlap`` and fills in the defaults."""
     if config is not None and not isinstance(config, OverlapConfig):
@@ -96,7 +113,8 @@ def _resolve(
     if not isinstance(move_state_dict_to_cpu, bool):
         raise TypeError(f"move_state_dict_to_cpu must be a bool, got {move_state_dict_to_cpu!r}")
     sharding = parse_sharding_strategy(sharding_strategy)
-    parse_bucketing_strategy(bucketing_strategy)
+    bucketing = parse_bucketing_strategy(bucketing_strategy)
+    bucket_cap_bytes = _parse_bucket_cap_mb(bucket_cap_mb, bucketing)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "thunder_overlap.fsdp needs an initialised process group: call "
@@ -132,7 +150,9 @@ def _resolve(
             raise TypeError(f"broadcast_from must be a rank (int) or None, got {broadcast_from!r}")
         if not 0 <= broadcast_from < world_size:
             raise ValueError(f"broadcast_from={broadcast_from} is not a rank of this process group (0..{world_size - 1})")
-    return _Setup(device, process_group, sharding, broadcast_from, config, move_state_dict_to_cpu)
+    return _Setup(
+        device, process_group, sharding, bucketing, bucket_cap_bytes, broadcast_from, config, move_state_dict_to_cpu
+    )
 
 
 def fsdp_transforms(
@@ -140,12 +160,15 @@ def fsdp_transforms(
     device: torch.device,
     process_group: dist.ProcessGroup,
     sharding_strategy: FSDPType,
+    bucketing_strategy: FSDPBucketingStrategy = FSDPBucketingStrategy.NONE,
+    bucket_cap_bytes: int | None = None,
     broadcast_from: int | None = None,
     config: OverlapConfig | None = None,
     move_state_dict_to_cpu: bool = False,
 ) -> list[Transform]:
     """The transforms ``fsdp`` applies, for ``thunder.jit(model, transforms=...)``: Thunder's
-    sharding and materialisation, then ZeRO3 re-gathering (ZeRO3 only), then scheduling."""
+    sharding and materialisation, then ZeRO3 re-gathering (ZeRO3 only), bucketing (layer or
+    block only), then scheduling."""
     transforms: list[Transform] = [
         FSDPTransform(
             device=device,
@@ -159,6 +182,10 @@ def fsdp_transforms(
     ]
     if sharding_strategy is FSDPType.ZERO3:
         transforms.append(Zero3Transform())
+    if bucketing_strategy is not FSDPBucketingStrategy.NONE:
+        # After ZeRO3, so that its backward re-gathers are bucketed too; after materialisation,
+        # which may replace the parameters the buckets hold.
+        transforms.append(BucketingTransform(bucketing_strategy.name.lower(), process_group, bucket_cap_bytes))
     transforms.append(OverlapScheduleTransform(config))
     return transforms
 
@@ -168,6 +195,8 @@ def _setup_transforms(setup: _Setup) -> list[Transform]:
         device=setup.device,
         process_group=setup.process_group,
         sharding_strategy=setup.sharding,
+        bucketing_strategy=setup.bucketing,
+        bucket_cap_bytes=setup.bucket_cap_bytes,
         broadcast_from=setup.broadcast_from,
         config=setup.config,
         move_state_dict_to_cpu=setup.move_state_dict_to_cpu,
@@ -184,6 +213,7 @@ def fsdp(
     broadcast_from: int | None = None,
     config: OverlapConfig | None = None,
     move_state_dict_to_cpu: bool = False,
+    bucket_cap_mb: float | None = None,
     **jit_options: Any,
 ) -> ThunderModule:
     """Shards ``model`` like ``thunder.distributed.fsdp`` and overlaps its communication.
@@ -194,11 +224,15 @@ def fsdp(
         device: where shards live; default ``cuda:LOCAL_RANK`` for NCCL, ``cpu`` otherwise.
         sharding_strategy: ``FSDPType.ZERO2``/``ZERO3`` or ``"zero2"``/``"zero3"``. ZeRO3 saves
             only sharded parameters for backward and re-gathers them there.
-        bucketing_strategy: ``"none"`` (``"layer"``/``"block"`` raise NotImplementedError for now).
+        bucketing_strategy: ``"none"`` (one collective per parameter), ``"layer"`` (one per module
+            owning parameters) or ``"block"`` (one per transformer block; other parameters by
+            module). Buckets live in persistent flat buffers whose views are the parameters.
         process_group: the group to shard over; default a copy of the default group.
         broadcast_from: rank whose parameters are broadcast to all before sharding.
         config: scheduler options (:class:`OverlapConfig`).
         move_state_dict_to_cpu: as in Thunder, for ``original_state_dict``.
+        bucket_cap_mb: largest unsharded bucket in MiB (a larger parameter gets a bucket of its
+            own); None for no cap. Needs layer or block bucketing.
         jit_options: passed to ``thunder.jit`` when ``model`` is a plain module.
 
     Returns:
@@ -208,7 +242,14 @@ def fsdp(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module or a thunder.jit module, got {type(model).__name__}")
     setup = _resolve(
-        device, process_group, sharding_strategy, bucketing_strategy, broadcast_from, config, move_state_dict_to_cpu
+        device,
+        process_group,
+        sharding_strategy,
+        bucketing_strategy,
+        broadcast_from,
+        config,
+        move_state_dict_to_cpu,
+        bucket_cap_mb,
     )
     transforms = _setup_transforms(setup)
 

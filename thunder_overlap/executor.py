@@ -4,15 +4,28 @@ Thunder's ``torchcompile`` executor can fuse every op the torch executor runs, c
 included, and then no scheduler can see or move them (NOTES.md). Claiming all-gather,
 reduce-scatter and wait here, ahead of the fusion executors, gives them symbols no fusion
 executor knows. The implementations are the torch executor's; only their names change.
+
+The bucketed collectives that :class:`~thunder_overlap.transforms.BucketingTransform` puts in
+the traces are operators of this executor too; they run on :mod:`thunder_overlap.bucket_buffers`.
 """
 
 from __future__ import annotations
 
+from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.distributed import prims as dist_prims
 from thunder.executors import torchex
 from thunder.extend import Executor, FusionExecutor, OperatorExecutor, register_executor
 
-__all__ = ["overlap_executor", "with_collectives_kept_visible"]
+from thunder_overlap import bucket_buffers
+
+__all__ = [
+    "overlap_executor",
+    "with_collectives_kept_visible",
+    "bucket_all_gather",
+    "bucket_all_gather_wait",
+    "bucket_reduce_scatter",
+    "bucket_reduce_scatter_wait",
+]
 
 overlap_executor = OperatorExecutor("thunder_overlap")
 register_executor(overlap_executor)
@@ -29,6 +42,40 @@ for _prim, _impl in (
 ):
     _op = overlap_executor.register_operator(f"overlap_{_prim.name}", meta=_prim.meta, fn=_impl)
     overlap_executor.register_implementation(_prim, _op, checker=_always)
+
+
+def _bucket_all_gather_meta(bucket_id: int, group, shards: list[TensorProxy], slots: tuple[int, ...]) -> FutureTensorProxy:
+    bucket = bucket_buffers.lookup_bucket(bucket_id)
+    return FutureTensorProxy(shape=(bucket.world_size * bucket.plan.shard_numel,), like=shards[0])
+
+
+def _bucket_all_gather_wait_meta(pending: FutureTensorProxy, bucket_id: int, slots: tuple[int, ...]) -> list[TensorProxy]:
+    bucket = bucket_buffers.lookup_bucket(bucket_id)
+    return [TensorProxy(like=pending, shape=bucket.unsharded_shape(i)) for i in slots]
+
+
+def _bucket_reduce_scatter_meta(bucket_id: int, group, grads: list[TensorProxy], divisor: float | None) -> FutureTensorProxy:
+    bucket = bucket_buffers.lookup_bucket(bucket_id)
+    return FutureTensorProxy(shape=(bucket.plan.shard_numel,), like=grads[0])
+
+
+def _bucket_reduce_scatter_wait_meta(pending: FutureTensorProxy, bucket_id: int, slots: tuple[int, ...]) -> list[TensorProxy]:
+    bucket = bucket_buffers.lookup_bucket(bucket_id)
+    return [TensorProxy(like=pending, shape=bucket.plan.slots[i].shard_shape) for i in slots]
+
+
+bucket_all_gather = overlap_executor.register_operator(
+    "bucket_all_gather", meta=_bucket_all_gather_meta, fn=bucket_buffers.all_gather_bucket
+)
+bucket_all_gather_wait = overlap_executor.register_operator(
+    "bucket_all_gather_wait", meta=_bucket_all_gather_wait_meta, fn=bucket_buffers.wait_all_gather_bucket
+)
+bucket_reduce_scatter = overlap_executor.register_operator(
+    "bucket_reduce_scatter", meta=_bucket_reduce_scatter_meta, fn=bucket_buffers.reduce_scatter_bucket
+)
+bucket_reduce_scatter_wait = overlap_executor.register_operator(
+    "bucket_reduce_scatter_wait", meta=_bucket_reduce_scatter_wait_meta, fn=bucket_buffers.wait_reduce_scatter_bucket
+)
 
 
 def _can_swallow_collectives(executor: Executor) -> bool:

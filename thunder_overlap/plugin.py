@@ -32,9 +32,17 @@ class FSDPOverlap(Plugin):
         broadcast_from: int | None = None,
         config: OverlapConfig | None = None,
         move_state_dict_to_cpu: bool = False,
+        bucket_cap_mb: float | None = None,
     ) -> None:
         self.setup = _resolve(
-            device, process_group, sharding_strategy, bucketing_strategy, broadcast_from, config, move_state_dict_to_cpu
+            device,
+            process_group,
+            sharding_strategy,
+            bucketing_strategy,
+            broadcast_from,
+            config,
+            move_state_dict_to_cpu,
+            bucket_cap_mb,
         )
 
     def setup_executors(self):

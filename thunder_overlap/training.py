@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import thunder
 
-from thunder_overlap.api import fsdp as overlap_fsdp, parse_sharding_strategy
+from thunder_overlap.api import fsdp as overlap_fsdp, parse_bucketing_strategy, parse_sharding_strategy
 from thunder_overlap.classify import NodeKind, classify_trace
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.memory import LiveMemoryTracker
@@ -31,6 +31,7 @@ IMPLEMENTATIONS = ("thunder_overlap", "thunder")
 class TrainSetup:
     impl: str = "thunder_overlap"
     sharding: str = "zero3"
+    bucketing: str = "none"
     model: TinyGPTConfig = field(default_factory=TinyGPTConfig)
     micro_batch: int = 2
     seq_len: int = 32
@@ -45,6 +46,7 @@ class TrainSetup:
         if self.impl not in IMPLEMENTATIONS:
             raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {self.impl!r}")
         parse_sharding_strategy(self.sharding)
+        parse_bucketing_strategy(self.bucketing)
         if self.seq_len > self.model.block_size:
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's block_size={self.model.block_size}")
 
@@ -112,9 +114,14 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
     sharding = parse_sharding_strategy(setup.sharding)
     device = torch.device("cpu")
     if setup.impl == "thunder_overlap":
-        jm = overlap_fsdp(model, device=device, sharding_strategy=sharding, config=setup.config)
+        jm = overlap_fsdp(
+            model, device=device, sharding_strategy=sharding, bucketing_strategy=setup.bucketing, config=setup.config
+        )
     else:
-        jm = thunder.distributed.fsdp(thunder.jit(model), device=device, sharding_strategy=sharding)
+        bucketing = parse_bucketing_strategy(setup.bucketing)
+        jm = thunder.distributed.fsdp(
+            thunder.jit(model), device=device, sharding_strategy=sharding, bucketing_strategy=bucketing
+        )
     optimizer = torch.optim.SGD([p for p in jm.parameters() if p.requires_grad], lr=setup.lr)
 
     rows = slice(rank * setup.micro_batch, (rank + 1) * setup.micro_batch)

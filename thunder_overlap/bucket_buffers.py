@@ -1,0 +1,235 @@
+"""Persistent bucket buffers and the bucketed collectives that run on them.
+
+Each bucket (see :mod:`thunder_overlap.buckets`) owns, for the life of the module:
+
+- ``flat_shard``: this rank's shards back to back. The module's parameters are views of it, so
+  the optimizer updates it in place and the all-gather sends it with no copy-in.
+- ``reduce_input``: where one ``_chunk_cat`` lays out (and pads) the bucket's gradients for the
+  reduce-scatter, allocated on the first backward.
+- gradient shards: the reduce-scatter writes into one, and its views become ``.grad`` (autograd
+  keeps the tensor it is given when ``.grad`` is None). A second one is used only while ``.grad``
+  still aliases the first, which is what accumulation and ``zero_grad(set_to_none=False)`` do.
+
+All-gather outputs come from a :class:`BufferPool` shared by the module's buckets: a buffer is
+handed out again only when no tensor of its storage is alive anymore. ZeRO2 keeps every gathered
+bucket alive until backward, so the pool holds one buffer per bucket; ZeRO3 frees each after its
+last use, so the pool holds no more than were alive at once. After the first step nothing is
+allocated.
+
+The four functions at the bottom are the implementations of the trace operators that
+:class:`~thunder_overlap.transforms.BucketingTransform` puts in place of the per-parameter
+collectives. Their first argument is a bucket id, looked up in a registry, because a trace can
+only carry constants and proxies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from thunder_overlap.buckets import BucketPlan
+
+__all__ = ["BucketBuffers", "BufferPool", "lookup_bucket", "register_bucket"]
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """How many tensors (views included) share ``t``'s storage."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class _Reusable:
+    """A buffer and the number of storage users it has when nothing outside holds a view."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self.idle_users = _storage_users(buffer)
+
+    def is_idle(self) -> bool:
+        return _storage_users(self.buffer) == self.idle_users
+
+
+@dataclass
+class BufferPool:
+    """Flat buffers, reused once no view of theirs is alive.
+
+    ``acquire`` returns a view: a buffer counts as busy for exactly as long as some view of it
+    (the returned one, or any taken from it) is alive.
+    """
+
+    allocations: int = 0
+    allocated_bytes: int = 0
+    _buffers: list[_Reusable] = field(default_factory=list)
+
+    def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        for entry in self._buffers:
+            b = entry.buffer
+            if b.numel() == numel and b.dtype == dtype and b.device == device and entry.is_idle():
+                return b.view(-1)
+        buffer = torch.empty(numel, dtype=dtype, device=device)
+        self._buffers.append(_Reusable(buffer))
+        self.allocations += 1
+        self.allocated_bytes += numel * buffer.element_size()
+        return buffer.view(-1)
+
+    @property
+    def size(self) -> int:
+        return len(self._buffers)
+
+
+@dataclass
+class _Pending:
+    """What a bucketed collective's start returns and its wait consumes."""
+
+    work: dist.Work | None
+    result: torch.Tensor
+
+
+class BucketBuffers:
+    """One bucket's persistent buffers and its collectives."""
+
+    def __init__(
+        self,
+        plan: BucketPlan,
+        flat_shard: torch.Tensor,
+        process_group: dist.ProcessGroup,
+        pool: BufferPool,
+    ) -> None:
+        self.plan = plan
+        self.flat_shard = flat_shard
+        self.process_group = process_group
+        self.world_size = process_group.size()
+        self.pool = pool
+        self.reduce_input: torch.Tensor | None = None
+        self._grad_shards: list[_Reusable] = []
+        self.allocations = 0
+
+    # --- shapes -----------------------------------------------------------------------------
+
+    def unsharded_shape(self, slot: int) -> tuple[int, ...]:
+        rows, *rest = self.plan.slots[slot].shard_shape
+        return (rows * self.world_size, *rest)
+
+    def shard_view(self, slot: int) -> torch.Tensor:
+        s = self.plan.slots[slot]
+        return self.flat_shard[s.offset : s.offset + s.numel].view(s.shard_shape)
+
+    def _check_is_flat_shard(self, shards: list[torch.Tensor], slots: tuple[int, ...]) -> None:
+        for t, slot in zip(shards, slots):
+            if t.data_ptr() != self.shard_view(slot).data_ptr():
+                name = self.plan.slots[slot].name
+                raise RuntimeError(
+                    f"thunder_overlap bucketing: parameter {name!r} no longer lives in bucket "
+                    f"{self.plan.label!r}'s flat buffer (was it replaced, e.g. by load_state_dict(assign=True)?). "
+                    "Load with assign=False (the default), which copies into the existing parameters."
+                )
+
+    # --- all-gather -------------------------------------------------------------------------
+
+    def start_all_gather(self, shards: list[torch.Tensor], slots: tuple[int, ...]) -> _Pending:
+        self._check_is_flat_shard(shards, slots)
+        out = self.pool.acquire(self.world_size * self.plan.shard_numel, self.flat_shard.dtype, self.flat_shard.device)
+        work = dist.all_gather_into_tensor(out, self.flat_shard, group=self.process_group, async_op=True)
+        return _Pending(work, out)
+
+    def finish_all_gather(self, pending: _Pending, slots: tuple[int, ...]) -> list[torch.Tensor]:
+        """Waits, then lays the gathered ranks out parameter by parameter with one copy.
+
+        The gather output is rank-major (every rank's whole flat shard in turn); an unsharded
+        parameter needs its rows from every rank next to each other. With one slot the two
+        layouts coincide and views suffice.
+        """
+        pending.work.wait()
+        gathered = pending.result
+        world, plan = self.world_size, self.plan
+        if len(plan.slots) == 1:
+            return [gathered[: world * plan.shard_numel].view(self.unsharded_shape(0)) for _ in slots]
+        unsharded = self.pool.acquire(gathered.numel(), gathered.dtype, gathered.device)
+        pieces = [unsharded[world * s.offset : world * (s.offset + s.numel)] for s in plan.slots]
+        torch.split_with_sizes_copy(
+            gathered.view(world, plan.shard_numel),
+            [s.numel for s in plan.slots],
+            dim=1,
+            out=[p.view(world, s.numel) for p, s in zip(pieces, plan.slots)],
+        )
+        return [pieces[i].view(self.unsharded_shape(i)) for i in slots]
+
+    # --- reduce-scatter ---------------------------------------------------------------------
+
+    def _free_grad_shard(self) -> torch.Tensor:
+        for entry in self._grad_shards:
+            if entry.is_idle():
+                return entry.buffer.view(-1)
+        buffer = torch.zeros_like(self.flat_shard)
+        self._grad_shards.append(_Reusable(buffer))
+        self.allocations += 1
+        return buffer.view(-1)
+
+    def start_reduce_scatter(self, grads: list[torch.Tensor], divisor: float | None) -> _Pending:
+        """Copies (and pads) every gradient of the bucket into ``reduce_input`` with one
+        ``_chunk_cat``, pre-averages in place and reduce-scatters into a free gradient shard."""
+        if len(grads) != len(self.plan.slots):
+            raise RuntimeError(
+                f"thunder_overlap bucketing: bucket {self.plan.label!r} expects {len(self.plan.slots)} gradients, got {len(grads)}"
+            )
+        if self.reduce_input is None:
+            self.reduce_input = torch.empty(
+                self.world_size * self.plan.shard_numel, dtype=self.flat_shard.dtype, device=self.flat_shard.device
+            )
+            self.allocations += 1
+        laid_out = self.reduce_input.view(self.world_size, self.plan.shard_numel)
+        torch._chunk_cat(grads, dim=0, num_chunks=self.world_size, out=laid_out)
+        if divisor is not None:
+            self.reduce_input.div_(divisor)
+        grad_shard = self._free_grad_shard()
+        work = dist.reduce_scatter_tensor(grad_shard, self.reduce_input, group=self.process_group, async_op=True)
+        return _Pending(work, grad_shard)
+
+    def finish_reduce_scatter(self, pending: _Pending, slots: tuple[int, ...]) -> list[torch.Tensor]:
+        pending.work.wait()
+        grad_shard = pending.result
+        out = []
+        for i in slots:
+            s = self.plan.slots[i]
+            out.append(grad_shard[s.offset : s.offset + s.numel].view(s.shard_shape))
+        return out
+
+
+# Buckets by id. Values are weak: the BucketingTransform that made them keeps them alive as long
+# as its module lives.
+_REGISTRY: weakref.WeakValueDictionary[int, BucketBuffers] = weakref.WeakValueDictionary()
+_ids = itertools.count()
+
+
+def register_bucket(bucket: BucketBuffers) -> int:
+    bucket_id = next(_ids)
+    _REGISTRY[bucket_id] = bucket
+    return bucket_id
+
+
+def lookup_bucket(bucket_id: int) -> BucketBuffers:
+    try:
+        return _REGISTRY[bucket_id]
+    except KeyError:
+        raise RuntimeError(f"thunder_overlap bucketing: bucket {bucket_id} belongs to a module that no longer exists") from None
+
+
+def all_gather_bucket(bucket_id: int, group: dist.ProcessGroup, shards: list[torch.Tensor], slots: tuple[int, ...]) -> _Pending:
+    return lookup_bucket(bucket_id).start_all_gather(shards, slots)
+
+
+def wait_all_gather_bucket(pending: _Pending, bucket_id: int, slots: tuple[int, ...]) -> list[torch.Tensor]:
+    return lookup_bucket(bucket_id).finish_all_gather(pending, slots)
+
+
+def reduce_scatter_bucket(
+    bucket_id: int, group: dist.ProcessGroup, grads: list[torch.Tensor], divisor: float | None
+) -> _Pending:
+    return lookup_bucket(bucket_id).start_reduce_scatter(grads, divisor)
+
+
+def wait_reduce_scatter_bucket(pending: _Pending, bucket_id: int, slots: tuple[int, ...]) -> list[torch.Tensor]:
+    return lookup_bucket(bucket_id).finish_reduce_scatter(pending, slots)
