@@ -43,7 +43,7 @@ def test_cli_on_a_two_layer_llama_at_world_size_8(tmp_path, capsys):
         (["--world-size", "0"], "--world-size 0 is impossible"),
         (["--n-layer", "0"], "--n-layer 0 is impossible"),
         (["--sharding", "zero4"], "sharding_strategy='zero4'"),
-        (["--bucketing", "layer"], "not implemented"),
+        (["--bucketing", "blocks"], "bucketing_strategy='blocks'"),
         (["--network", "carrier-pigeon"], "unknown network 'carrier-pigeon'"),
         (["--device-profile", "tpu"], "unknown device profile 'tpu'"),
         (["--model", "tiny-gpt", "--seq-len", "1000"], "--seq-len 1000"),

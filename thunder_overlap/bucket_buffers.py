@@ -4,17 +4,16 @@ Each bucket (see :mod:`thunder_overlap.buckets`) owns, for the life of the modul
 
 - ``flat_shard``: this rank's shards back to back. The module's parameters are views of it, so
   the optimizer updates it in place and the all-gather sends it with no copy-in.
-- ``reduce_input``: where one ``_chunk_cat`` lays out (and pads) the bucket's gradients for the
-  reduce-scatter, allocated on the first backward.
 - gradient shards: the reduce-scatter writes into one, and its views become ``.grad`` (autograd
   keeps the tensor it is given when ``.grad`` is None). A second one is used only while ``.grad``
   still aliases the first, which is what accumulation and ``zero_grad(set_to_none=False)`` do.
 
-All-gather outputs come from a :class:`BufferPool` shared by the module's buckets: a buffer is
-handed out again only when no tensor of its storage is alive anymore. ZeRO2 keeps every gathered
-bucket alive until backward, so the pool holds one buffer per bucket; ZeRO3 frees each after its
-last use, so the pool holds no more than were alive at once. After the first step nothing is
-allocated.
+Unsharded buffers come from a :class:`BufferPool` shared by the module's buckets: all-gather
+outputs, the parameter-major layout they are copied out into, and the reduce-scatter inputs into
+which one ``_chunk_cat`` lays out (and pads) a bucket's gradients. A buffer is handed out again
+only when no tensor of its storage is alive anymore. ZeRO2 keeps every gathered bucket alive
+until backward, so the pool holds one buffer per bucket; ZeRO3 frees each after its last use,
+so the pool holds no more than were alive at once. After the first step nothing is allocated.
 
 The four functions at the bottom are the implementations of the trace operators that
 :class:`~thunder_overlap.transforms.BucketingTransform` puts in place of the per-parameter
@@ -76,16 +75,18 @@ class BufferPool:
         return buffer.view(-1)
 
     @property
-    def size(self) -> int:
-        return len(self._buffers)
+    def buffers(self) -> list[torch.Tensor]:
+        return [entry.buffer for entry in self._buffers]
 
 
 @dataclass
 class _Pending:
     """What a bucketed collective's start returns and its wait consumes."""
 
-    work: dist.Work | None
+    work: dist.Work
     result: torch.Tensor
+    # A view of the collective's input while it runs, so that its pool buffer stays busy.
+    source: torch.Tensor | None = None
 
 
 class BucketBuffers:
@@ -103,9 +104,12 @@ class BucketBuffers:
         self.process_group = process_group
         self.world_size = process_group.size()
         self.pool = pool
-        self.reduce_input: torch.Tensor | None = None
         self._grad_shards: list[_Reusable] = []
         self.allocations = 0
+
+    @property
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [entry.buffer for entry in self._grad_shards]
 
     # --- shapes -----------------------------------------------------------------------------
 
@@ -175,18 +179,15 @@ class BucketBuffers:
             raise RuntimeError(
                 f"thunder_overlap bucketing: bucket {self.plan.label!r} expects {len(self.plan.slots)} gradients, got {len(grads)}"
             )
-        if self.reduce_input is None:
-            self.reduce_input = torch.empty(
-                self.world_size * self.plan.shard_numel, dtype=self.flat_shard.dtype, device=self.flat_shard.device
-            )
-            self.allocations += 1
-        laid_out = self.reduce_input.view(self.world_size, self.plan.shard_numel)
+        flat = self.flat_shard
+        reduce_input = self.pool.acquire(self.world_size * self.plan.shard_numel, flat.dtype, flat.device)
+        laid_out = reduce_input.view(self.world_size, self.plan.shard_numel)
         torch._chunk_cat(grads, dim=0, num_chunks=self.world_size, out=laid_out)
         if divisor is not None:
-            self.reduce_input.div_(divisor)
+            reduce_input.div_(divisor)
         grad_shard = self._free_grad_shard()
-        work = dist.reduce_scatter_tensor(grad_shard, self.reduce_input, group=self.process_group, async_op=True)
-        return _Pending(work, grad_shard)
+        work = dist.reduce_scatter_tensor(grad_shard, reduce_input, group=self.process_group, async_op=True)
+        return _Pending(work, grad_shard, source=reduce_input)
 
     def finish_reduce_scatter(self, pending: _Pending, slots: tuple[int, ...]) -> list[torch.Tensor]:
         pending.work.wait()

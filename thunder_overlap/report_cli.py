@@ -84,7 +84,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--n-layer", type=int, default=None, help="override the number of transformer layers")
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--sharding", default="zero3", help="zero2 or zero3")
-    parser.add_argument("--bucketing", default="none", help="none (layer and block are not implemented yet)")
+    parser.add_argument("--bucketing", default="none", help="none, layer or block")
     parser.add_argument("--device-profile", default="h100", help=f"one of {sorted(DEVICE_PROFILES)}")
     parser.add_argument(
         "--network", default="auto", help=f"auto (nvlink up to 8 ranks, else infiniband), {sorted(NETWORK_PROFILES)}, or custom:<latency_us>:<GB/s>"

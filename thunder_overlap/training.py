@@ -8,6 +8,7 @@ any sharding: the ground truth for numerics.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -19,10 +20,12 @@ from thunder_overlap.api import fsdp as overlap_fsdp, parse_bucketing_strategy, 
 from thunder_overlap.classify import NodeKind, classify_trace
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.memory import LiveMemoryTracker
+from thunder_overlap.op_census import COPY_OPS, OpCensus
+from thunder_overlap.transforms import BucketingTransform
 from thunder_overlap.models import TinyGPT, TinyGPTConfig
 from thunder_overlap.schedule_view import ScheduleStats, schedule_picture, schedule_stats
 
-__all__ = ["IMPLEMENTATIONS", "TrainSetup", "RankResult", "train_rank", "train_reference", "collective_sequence"]
+__all__ = ["IMPLEMENTATIONS", "BucketCensus", "TrainSetup", "RankResult", "train_rank", "train_reference", "collective_sequence"]
 
 IMPLEMENTATIONS = ("thunder_overlap", "thunder")
 
@@ -52,6 +55,33 @@ class TrainSetup:
 
 
 @dataclass
+class BucketCensus:
+    """What the last training step (not the first) did to the bucket buffers, op by op."""
+
+    # Bucketed collectives in the final traces.
+    forward_all_gathers: int
+    backward_all_gathers: int
+    reduce_scatters: int
+    buckets: int
+    frozen_buckets: int
+    # Buckets of more than one parameter (only those need a copy-out after gathering).
+    multi_parameter_buckets: int
+    # Copy ops that read or wrote a bucket buffer, by aten op name.
+    bucket_copies: dict[str, int]
+    # Copies the process group makes inside one reduce_scatter_tensor of its own (gloo reduces
+    # into a scratch buffer and copies the rank's chunk out; NCCL makes none).
+    backend_copies_per_reduce_scatter: int
+    # Ops of the step that allocated a storage which is now a bucket buffer.
+    bucket_allocations: int
+    # Every pad of the step (bucketing pads the gradients inside its _chunk_cat).
+    pads: int
+    allocations_after_first_step: int
+    allocations_after_last_step: int
+    # Whether every .grad after the step is a view of its bucket's gradient shard.
+    grads_are_bucket_views: bool
+
+
+@dataclass
 class RankResult:
     rank: int
     losses: list[float]
@@ -67,6 +97,7 @@ class RankResult:
     shards: dict[str, torch.Tensor]
     # Saved-for-backward tensors that are gathered parameters or views of them (ZeRO3: none).
     saved_unsharded: list[str]
+    bucket_census: BucketCensus | None = None
 
 
 def _global_batch(setup: TrainSetup, world_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,16 +156,25 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
     optimizer = torch.optim.SGD([p for p in jm.parameters() if p.requires_grad], lr=setup.lr)
 
     rows = slice(rank * setup.micro_batch, (rank + 1) * setup.micro_batch)
+    bucketing = BucketingTransform.of(jm) if setup.impl == "thunder_overlap" else None
+    census, allocations_after_first_step = OpCensus(), None
     losses, step_ms = [], []
     for step in range(setup.steps):
         idx, targets = _global_batch(setup, world_size, step)
+        counted = bucketing is not None and step == setup.steps - 1 and step > 0
         start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = _loss(jm(idx[rows]), targets[rows])
-        loss.backward()
-        optimizer.step()
+        with census if counted else contextlib.nullcontext():
+            optimizer.zero_grad(set_to_none=True)
+            loss = _loss(jm(idx[rows]), targets[rows])
+            loss.backward()
+            optimizer.step()
         step_ms.append((time.perf_counter() - start) * 1e3)
         losses.append(loss.item())
+        if bucketing is not None and step == 0:
+            allocations_after_first_step = bucketing.allocations
+    bucket_census = None
+    if census.records:
+        bucket_census = _bucket_census(jm, bucketing, census, allocations_after_first_step)
 
     shards = {name: p.detach().clone() for name, p in jm.named_parameters()}
     peak = None
@@ -159,6 +199,40 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
         collectives=collective_sequence(forward) + collective_sequence(backward),
         shards=shards,
         saved_unsharded=saved_unsharded(forward),
+        bucket_census=bucket_census,
+    )
+
+
+def _backend_copies_per_reduce_scatter(group) -> int:
+    world = group.size()
+    source, out = torch.ones(world * 4), torch.empty(4)
+    with OpCensus() as census:
+        torch.distributed.reduce_scatter_tensor(out, source, group=group)
+    return len(census.copies)
+
+
+def _bucket_census(jm, bucketing: BucketingTransform, census: OpCensus, allocations_after_first_step: int) -> BucketCensus:
+    storages = bucketing.buffer_storages()
+    copies: dict[str, int] = {}
+    for record in census.touching(storages):
+        if record.name in COPY_OPS:
+            copies[record.name] = copies.get(record.name, 0) + 1
+    grad_shards = {g.untyped_storage().data_ptr() for b in bucketing.buckets.values() for g in b.grad_shards}
+    grads = [p.grad for p in jm.parameters() if p.requires_grad]
+    return BucketCensus(
+        forward_all_gathers=bucketing.summaries["forward"].all_gathers,
+        backward_all_gathers=bucketing.summaries["backward"].all_gathers,
+        reduce_scatters=bucketing.summaries["backward"].reduce_scatters,
+        buckets=len(bucketing.plans),
+        frozen_buckets=sum(not p.requires_grad for p in bucketing.plans),
+        multi_parameter_buckets=sum(len(p.slots) > 1 for p in bucketing.plans),
+        bucket_copies=copies,
+        backend_copies_per_reduce_scatter=_backend_copies_per_reduce_scatter(bucketing.process_group),
+        bucket_allocations=sum(bool(r.outputs & storages) and r.allocated_bytes > 0 for r in census.records),
+        pads=census.count("constant_pad_nd"),
+        allocations_after_first_step=allocations_after_first_step,
+        allocations_after_last_step=bucketing.allocations,
+        grads_are_bucket_views=all(g is not None and g.untyped_storage().data_ptr() in grad_shards for g in grads),
     )
 
 

@@ -96,6 +96,24 @@ class BucketingTransform(Transform):
     def plans(self) -> list[BucketPlan]:
         return [b.plan for b in self.buckets.values()]
 
+    def buffer_storages(self) -> set[int]:
+        """Data pointers of every persistent buffer: flat shards, gradient shards, the pool."""
+        storages = {b.flat_shard.untyped_storage().data_ptr() for b in self.buckets.values()}
+        storages |= {g.untyped_storage().data_ptr() for b in self.buckets.values() for g in b.grad_shards}
+        return storages | {p.untyped_storage().data_ptr() for p in self.pool.buffers}
+
+    @property
+    def allocations(self) -> int:
+        """Buffers allocated so far, by the pool and for gradient shards."""
+        return self.pool.allocations + sum(b.allocations for b in self.buckets.values())
+
+    @staticmethod
+    def of(module) -> BucketingTransform | None:
+        """The bucketing transform of a module ``thunder_overlap.fsdp`` returned, if any."""
+        from thunder import compile_data
+
+        return next((t for t in compile_data(module).transforms if isinstance(t, BucketingTransform)), None)
+
     # --- module -----------------------------------------------------------------------------
 
     def transform_module(self, model) -> None:

@@ -1,0 +1,204 @@
+"""Bucketing: parity with a single process, one collective per bucket, nothing allocated or
+copied beyond one copy per bucket and direction after the first step, and every user-facing
+feature (accumulation, zero_grad modes, state dicts, retracing) behaving as without buckets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from thunder_overlap.buckets import bucket_owner, plan_buckets
+from thunder_overlap.local_ranks import run_local_ranks
+from thunder_overlap.models import TinyGPT, TinyGPTConfig
+from thunder_overlap.training import TrainSetup, shard_of, train_rank, train_reference
+
+WORLD_SIZE = 2
+MODEL = TinyGPTConfig(n_layer=2)
+CASES = [(sharding, bucketing) for sharding in ("zero2", "zero3") for bucketing in ("layer", "block")]
+
+
+# --- planning -----------------------------------------------------------------------------------
+
+
+def test_block_buckets_hold_whole_blocks_and_layer_buckets_one_module():
+    model = TinyGPT(TinyGPTConfig(n_layer=2))
+    shards = list(model.named_parameters())
+    block = plan_buckets(shards, bucket_owner(model, "block"), world_size=2)
+    layer = plan_buckets(shards, bucket_owner(model, "layer"), world_size=2)
+    assert [p.label for p in block] == ["wte", "wpe (float32, frozen)", "blocks.0", "blocks.1", "norm_f"]
+    assert len(block[2].slots) == len(list(model.blocks[0].parameters()))
+    assert {p.label for p in layer} >= {"blocks.0.attn.qkv", "blocks.1.fc", "norm_f"}
+    assert all(len(p.slots) <= 2 for p in layer)  # weight and bias
+    # Slots lie back to back in the flat shard.
+    for plan in block + layer:
+        offsets = [s.offset for s in plan.slots]
+        assert offsets == [sum(s.numel for s in plan.slots[:i]) for i in range(len(plan.slots))]
+
+
+def test_buckets_split_by_dtype_frozen_and_cap():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model[0].bias.requires_grad_(False)
+    model[1].to(torch.bfloat16)
+    owners = {name: "all" for name, _ in model.named_parameters()}
+    plans = plan_buckets(list(model.named_parameters()), owners, world_size=2)
+    assert [(p.dtype, p.requires_grad, [s.name for s in p.slots]) for p in plans] == [
+        (torch.float32, True, ["0.weight"]),
+        (torch.float32, False, ["0.bias"]),
+        (torch.bfloat16, True, ["1.weight", "1.bias"]),
+    ]
+    # 1.weight is 8*8*2 bytes = 128 unsharded; a 150-byte cap leaves no room for the bias beside it.
+    capped = plan_buckets(list(model.named_parameters()), owners, world_size=2, cap_bytes=150)
+    assert [[s.name for s in p.slots] for p in capped if p.dtype == torch.bfloat16] == [["1.weight"], ["1.bias"]]
+
+
+# --- two ranks ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs():
+    results = {}
+    for sharding, bucketing in CASES:
+        setup = TrainSetup(sharding=sharding, bucketing=bucketing, model=MODEL, steps=3, measure_memory=False)
+        ranks = run_local_ranks(train_rank, WORLD_SIZE, (setup,))
+        results[sharding, bucketing] = (ranks, *train_reference(setup, WORLD_SIZE))
+    return results
+
+
+@pytest.mark.parametrize(("sharding", "bucketing"), CASES)
+def test_bucketed_training_matches_single_process_reference(runs, sharding, bucketing):
+    ranks, reference_losses, reference_state = runs[sharding, bucketing]
+    mean_losses = [sum(r.losses[i] for r in ranks) / len(ranks) for i in range(len(reference_losses))]
+    torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(reference_losses), rtol=1e-5, atol=1e-5)
+    for r in ranks:
+        assert set(r.shards) == set(reference_state)
+        for name, shard in r.shards.items():
+            expected, real_rows = shard_of(reference_state[name], r.rank, WORLD_SIZE)
+            torch.testing.assert_close(shard[:real_rows], expected, rtol=1e-5, atol=1e-6, msg=f"{name} on rank {r.rank}")
+
+
+@pytest.mark.parametrize(("sharding", "bucketing"), CASES)
+def test_one_collective_per_bucket_in_the_final_traces(runs, sharding, bucketing):
+    ranks, _, _ = runs[sharding, bucketing]
+    census = ranks[0].bucket_census
+    names = [c.split("(")[0] for c in ranks[0].collectives]
+    # Every collective is bucketed: nothing per-parameter is left.
+    assert set(names) <= {"bucket_all_gather", "bucket_all_gather_wait", "bucket_reduce_scatter", "bucket_reduce_scatter_wait"}
+    trainable = census.buckets - census.frozen_buckets
+    assert census.forward_all_gathers == census.buckets  # the model reads every parameter
+    assert census.reduce_scatters == trainable
+    assert names.count("bucket_reduce_scatter") == names.count("bucket_reduce_scatter_wait") == trainable
+    assert names.count("bucket_all_gather") == census.forward_all_gathers + census.backward_all_gathers
+    if sharding == "zero3":
+        # Re-gathered: every trainable bucket but the position embedding's is read by backward.
+        assert 0 < census.backward_all_gathers <= trainable
+    else:
+        assert census.backward_all_gathers == 0
+    assert all(r.collectives == ranks[0].collectives for r in ranks)
+
+
+@pytest.mark.parametrize(("sharding", "bucketing"), CASES)
+def test_steady_state_step_allocates_nothing_and_copies_once_per_bucket(runs, sharding, bucketing):
+    census = runs[sharding, bucketing][0][0].bucket_census
+    assert census.allocations_after_last_step == census.allocations_after_first_step
+    assert census.bucket_allocations == 0
+    copies = dict(census.bucket_copies)
+    # Copy-out after a gather: one per multi-parameter bucket and gather (single ones are views).
+    gathers_per_bucket = 2 if sharding == "zero3" else 1
+    assert copies.pop("split_with_sizes_copy") == census.multi_parameter_buckets * gathers_per_bucket
+    # Copy-in before a reduce-scatter, padding included: one per bucket.
+    assert copies.pop("_chunk_cat") == census.reduce_scatters
+    # Whatever is left is the process group's own copy inside each reduce-scatter.
+    assert copies == ({"copy_": census.reduce_scatters} if census.backend_copies_per_reduce_scatter else {})
+    assert census.pads == 0
+    assert census.grads_are_bucket_views
+
+
+# --- what a user does ---------------------------------------------------------------------------
+
+
+def _batch(step: int, micro: int, seq_len: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + micro)
+    tokens = torch.randint(0, MODEL.vocab_size, (2, seq_len + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _loss(jm, idx, targets) -> torch.Tensor:
+    logits = jm(idx)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _user_session(rank: int, world_size: int, bucketing: str) -> dict:
+    """Accumulation with both zero_grad modes, a retrace, state dicts; the same on every model."""
+    import thunder_overlap
+    from thunder_overlap.transforms import BucketingTransform
+
+    torch.manual_seed(0)
+    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3", bucketing_strategy=bucketing)
+    optimizer = torch.optim.SGD([p for p in jm.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    result: dict = {"grads": [], "losses": []}
+    for step in range(3):
+        # Step 0 starts from no gradients; later steps zero them in place, so .grad still aliases
+        # the bucket's gradient shard when the next reduce-scatter writes.
+        optimizer.zero_grad(set_to_none=step == 0)
+        for micro in range(2):
+            loss = _loss(jm, *_batch(step, micro))
+            loss.backward()
+            result["losses"].append(loss.item())
+        result["grads"].append({n: p.grad.clone() for n, p in jm.named_parameters() if p.requires_grad})
+        optimizer.step()
+    bucketing_transform = BucketingTransform.of(jm)
+    allocations = bucketing_transform.allocations if bucketing_transform else 0
+    # A new input shape: Thunder traces again; the buckets and their buffers stay the same.
+    optimizer.zero_grad(set_to_none=True)
+    loss = _loss(jm, *_batch(3, 0, seq_len=8))
+    loss.backward()
+    result["retraced_loss"] = loss.item()
+    result["retraced_grads"] = {n: p.grad.clone() for n, p in jm.named_parameters() if p.requires_grad}
+    if bucketing_transform:
+        result["allocations_added_by_retrace"] = bucketing_transform.allocations - allocations
+    result["original_state_dict"] = {k: v.clone() for k, v in jm.original_state_dict().items()}
+    pointers = [p.data_ptr() for p in jm.parameters()]
+    jm.load_state_dict({k: v * 0.5 for k, v in jm.state_dict().items()})
+    result["load_kept_parameters"] = pointers == [p.data_ptr() for p in jm.parameters()]
+    result["loss_after_load"] = _loss(jm, *_batch(4, 0)).item()
+    if bucketing_transform:
+        jm.load_state_dict({k: v.clone() for k, v in jm.state_dict().items()}, assign=True)
+        try:
+            jm(_batch(4, 0)[0])
+        except RuntimeError as e:
+            result["assign_error"] = str(e)
+    return result
+
+
+@pytest.fixture(scope="module")
+def sessions():
+    return {b: run_local_ranks(_user_session, WORLD_SIZE, (b,)) for b in ("none", "block")}
+
+
+def test_accumulation_zero_grad_modes_and_retrace_match_unbucketed(sessions):
+    for bucketed, plain in zip(sessions["block"], sessions["none"]):
+        torch.testing.assert_close(bucketed["losses"], plain["losses"], rtol=1e-5, atol=1e-6)
+        for step, (b, p) in enumerate(zip(bucketed["grads"], plain["grads"])):
+            for name in p:
+                torch.testing.assert_close(b[name], p[name], rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+        assert bucketed["retraced_loss"] == pytest.approx(plain["retraced_loss"], rel=1e-5)
+        for name in plain["retraced_grads"]:
+            torch.testing.assert_close(bucketed["retraced_grads"][name], plain["retraced_grads"][name], rtol=1e-5, atol=1e-6)
+        assert bucketed["allocations_added_by_retrace"] == 0
+
+
+def test_state_dicts_round_trip_through_the_bucket_buffers(sessions):
+    for bucketed, plain in zip(sessions["block"], sessions["none"]):
+        assert bucketed["original_state_dict"].keys() == plain["original_state_dict"].keys()
+        for name, value in plain["original_state_dict"].items():
+            torch.testing.assert_close(bucketed["original_state_dict"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+        assert bucketed["load_kept_parameters"]
+        assert bucketed["loss_after_load"] == pytest.approx(plain["loss_after_load"], rel=1e-5)
+
+
+def test_replacing_a_parameter_is_a_clear_error(sessions):
+    for bucketed in sessions["block"]:
+        assert "no longer lives in bucket" in bucketed["assign_error"]
+        assert "assign=False" in bucketed["assign_error"]
