@@ -8,7 +8,8 @@ a veth pair whose egress is limited with ``tc htb`` to ``--rate-mbit`` in each d
 fsdp_bench/netns.py). Everything created is removed on exit, also on errors, Ctrl-C and SIGTERM.
 
 Every round runs, one after another (A B A B ... to cancel drift), two calibration runs and then
-each implementation, each a fresh ``benchmark_fsdp.py`` launch with the same model and data:
+each implementation, each a fresh ``benchmark_fsdp.py`` launch with the same model and data
+(``--impls thunder_overlap@none,thunder_overlap@block`` compares bucketing strategies):
 
 - C, ``--impl compute_only``: every rank runs ``thunder.jit`` of the unsharded model on its own
   micro-batch with no communication at all, i.e. exactly an FSDP rank's forward and backward. Its
@@ -36,7 +37,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fsdp_bench.config import SHARD_MODES, TRAINING_IMPLS
+from fsdp_bench.config import BUCKETING_MODES, SHARD_MODES, TRAINING_IMPLS
 from fsdp_bench.launch import run_on_link
 from fsdp_bench.models import TINY_PRESETS
 from fsdp_bench.netns import LinkSpec, SlowLink
@@ -68,17 +69,22 @@ class TestbedConfig:
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        unknown = [i for i in self.impls if i not in TRAINING_IMPLS]
+        unknown = [i for i in self.impls if split_label(i)[0] not in TRAINING_IMPLS or split_label(i)[1] not in BUCKETING_MODES]
         if unknown or not self.impls:
-            raise ValueError(f"--impls {','.join(self.impls)!r}: accepted are one or more of {', '.join(TRAINING_IMPLS)}")
+            raise ValueError(
+                f"--impls {','.join(self.impls)!r}: accepted are one or more of {', '.join(TRAINING_IMPLS)}, "
+                f"each optionally with @bucketing ({', '.join(BUCKETING_MODES)}), e.g. thunder_overlap@block"
+            )
         if self.shard_mode not in SHARD_MODES:
             raise ValueError(f"--shard-mode={self.shard_mode!r}; accepted: {', '.join(SHARD_MODES)}")
         if self.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {self.rounds}")
 
-    def benchmark_args(self, impl: str, json_path: Path) -> list[str]:
+    def benchmark_args(self, label: str, json_path: Path) -> list[str]:
+        impl, bucketing = split_label(label)
         args = {
             "impl": impl,
+            "bucketing_mode": bucketing if impl in TRAINING_IMPLS else None,
             "device": "cpu",
             "model_name": self.model_name,
             "n_layers": self.n_layers,
@@ -92,11 +98,17 @@ class TestbedConfig:
         return [item for key, value in args.items() if value is not None for item in (f"--{key}", str(value))]
 
 
+def split_label(label: str) -> tuple[str, str]:
+    """``"thunder_overlap@block"`` -> ("thunder_overlap", "block"); no ``@`` means no buckets."""
+    impl, _, bucketing = label.partition("@")
+    return impl, bucketing or "none"
+
+
 def _parse_args(argv: list[str]) -> TestbedConfig:
     defaults = TestbedConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--rate-mbit", type=float, default=defaults.rate_mbit, help="htb rate of the link, each direction")
-    p.add_argument("--impls", default=",".join(defaults.impls), help=f"comma-separated, of {', '.join(TRAINING_IMPLS)}")
+    p.add_argument("--impls", default=",".join(defaults.impls), help=f"comma-separated, of {', '.join(TRAINING_IMPLS)}, each optionally @{'|'.join(BUCKETING_MODES)}")
     p.add_argument("--shard-mode", default=defaults.shard_mode, choices=SHARD_MODES)
     p.add_argument("--rounds", type=int, default=defaults.rounds)
     p.add_argument("--model-name", default=defaults.model_name, help=f"presets: {', '.join(TINY_PRESETS)}, or a litgpt name")
@@ -161,7 +173,8 @@ def main(argv: list[str]) -> None:
     simulated = {
         impl: simulator_prediction_ms(
             TestbedSetting(
-                impl=impl,
+                impl=split_label(impl)[0],
+                bucketing=split_label(impl)[1],
                 shard_mode=cfg.shard_mode,
                 model_name=cfg.model_name,
                 n_layers=first["n_layers"],

@@ -117,3 +117,13 @@ def test_bad_config_values(kwargs, error, message):
 def test_unknown_config_option_is_named():
     with pytest.raises(TypeError, match="max_inflight"):
         OverlapConfig(max_inflight=3)
+
+
+def test_no_sync_is_refused_instead_of_dropping_gradients(gloo_group):
+    model = thunder_overlap.fsdp(_model())
+    with thunder.distributed.skip_data_parallel_grad_sync():
+        with pytest.raises(NotImplementedError, match=r"no_sync .*drops the gradients"):
+            model(torch.randn(3, 4)).sum().backward()
+    # Outside it the model trains as usual.
+    model(torch.randn(3, 4)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())

@@ -115,6 +115,23 @@ def test_steady_state_step_allocates_nothing_and_copies_once_per_bucket(runs, sh
     assert census.grads_are_bucket_views
 
 
+@pytest.fixture(scope="module")
+def deep_runs():
+    """Block buckets on a model deeper than the prefetch window (2 blocks)."""
+    setups = {s: TrainSetup(sharding=s, bucketing="block", model=TinyGPTConfig(n_layer=6), steps=2, measure_memory=False) for s in ("zero2", "zero3")}
+    return {s: run_local_ranks(train_rank, WORLD_SIZE, (setup,))[0].bucket_census for s, setup in setups.items()}
+
+
+def test_zero3_pool_holds_only_what_is_alive_at_once(deep_runs):
+    n_blocks = 6
+    block_numel = max(deep_runs["zero3"].bucket_numels)
+    assert deep_runs["zero3"].bucket_numels.count(block_numel) == n_blocks
+    # ZeRO2 keeps every gathered block for backward: one buffer each (plus staging).
+    assert deep_runs["zero2"].pool_buffers[block_numel] >= n_blocks
+    # ZeRO3 frees a block after its last use; buffers are reused as the window moves.
+    assert deep_runs["zero3"].pool_buffers[block_numel] < n_blocks
+
+
 # --- what a user does ---------------------------------------------------------------------------
 
 

@@ -237,9 +237,10 @@ def _link_collectives(nodes, producer, consumers) -> list[Collective]:
         bsym = node.bsym
         kind = _collective_kind(bsym)
         if kind is CollectiveKind.ALL_GATHER:
-            unsharded = next(o for o in bsym.flat_proxy_outs if isinstance(o, FutureTensorProxy))
+            moved = [next(o for o in bsym.flat_proxy_outs if isinstance(o, FutureTensorProxy))]
         else:
-            unsharded = next(a for a in bsym.flat_proxy_args if isinstance(a, TensorProxy))
+            # A bucketed reduce-scatter reads every gradient of its bucket.
+            moved = [a for a in bsym.flat_proxy_args if isinstance(a, TensorProxy)]
         wait = None
         for name in node.outputs:
             for c in consumers.get(name, []):
@@ -254,8 +255,8 @@ def _link_collectives(nodes, producer, consumers) -> list[Collective]:
                 start=node.index,
                 wait=wait,
                 process_group=_process_group(bsym),
-                unsharded_bytes=_tensor_bytes(unsharded),
-                dtype=unsharded.dtype,
+                unsharded_bytes=sum(_tensor_bytes(t) for t in moved),
+                dtype=moved[0].dtype,
             )
         )
     return collectives

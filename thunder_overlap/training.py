@@ -8,6 +8,7 @@ any sharding: the ground truth for numerics.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -77,6 +78,10 @@ class BucketCensus:
     pads: int
     allocations_after_first_step: int
     allocations_after_last_step: int
+    # The shared pool of unsharded buffers: numel -> how many buffers of that size it holds,
+    # and each bucket's unsharded numel.
+    pool_buffers: dict[int, int]
+    bucket_numels: list[int]
     # Whether every .grad after the step is a view of its bucket's gradient shard.
     grads_are_bucket_views: bool
 
@@ -232,6 +237,8 @@ def _bucket_census(jm, bucketing: BucketingTransform, census: OpCensus, allocati
         pads=census.count("constant_pad_nd"),
         allocations_after_first_step=allocations_after_first_step,
         allocations_after_last_step=bucketing.allocations,
+        pool_buffers=dict(collections.Counter(b.numel() for b in bucketing.pool.buffers)),
+        bucket_numels=[b.world_size * b.plan.shard_numel for b in bucketing.buckets.values()],
         grads_are_bucket_views=all(g is not None and g.untyped_storage().data_ptr() in grad_shards for g in grads),
     )
 

@@ -52,7 +52,7 @@ def predict_testbed_step_ms(setting: TestbedSetting) -> float | None:
     block_size = setting.block_size or spec.block_size
     setting = TestbedSetting(**{**setting.__dict__, "block_size": block_size})
     if setting.impl == "thunder_overlap":
-        jm = trace_model(model, world_size=setting.world_size, sharding=setting.shard_mode, bucketing="none", idx_shape=(setting.micro_batch_size, block_size))
+        jm = trace_model(model, world_size=setting.world_size, sharding=setting.shard_mode, bucketing=setting.bucketing, idx_shape=(setting.micro_batch_size, block_size))
     elif setting.impl == "thunder":
         jm = _thunder_traces(model, setting)
     else:

@@ -36,6 +36,7 @@ class TestbedSetting:
     comm_ms: float
     # The implementation's result JSON (one round), with its traces' schedule figures.
     result_json: str
+    bucketing: str = "none"
 
 
 def simulator_prediction_ms(setting: TestbedSetting) -> float | None:

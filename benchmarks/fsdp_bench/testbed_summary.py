@@ -116,12 +116,12 @@ def format_table(summaries: list[ImplSummary], calibration: Calibration) -> str:
         f"max/min = {calibration.balance:.2f}",
         f"serial bound C+M = {calibration.serial_ms:.1f} ms, ideal max(C,M) = {calibration.ideal_ms:.1f} ms",
         "",
-        f"{'impl':<16} {'median ms':>10} {'rounds ms':>15} {'vs thunder':>10} {'gap closed':>10} "
+        f"{'impl':<22} {'median ms':>10} {'rounds ms':>15} {'vs thunder':>10} {'gap closed':>10} "
         f"{'/max(C,M)':>9} {'peak MiB':>9} {'sim ms':>8} {'sim err':>8}",
     ]
     for s in summaries:
         lines.append(
-            f"{s.impl:<16} {s.median_ms:>10.1f} {f'{s.min_round_ms:.0f}-{s.max_round_ms:.0f}':>15} "
+            f"{s.impl:<22} {s.median_ms:>10.1f} {f'{s.min_round_ms:.0f}-{s.max_round_ms:.0f}':>15} "
             f"{_fmt(s.vs_thunder, '.3f'):>10} {s.gap_closed:>10.0%} {s.over_ideal:>9.3f} "
             f"{s.peak_memory_bytes / 2**20:>9.1f} {_fmt(s.simulated_ms, '.1f'):>8} {_fmt(s.simulator_error, '.0%'):>8}"
         )

@@ -1,0 +1,191 @@
+"""What bucketing allocates and copies per iteration, against the two usual ways of doing it.
+
+Two gloo ranks train a TinyGPT; after warm-up steps, one whole step (zero_grad, forward,
+backward, optimizer step) runs under :class:`~thunder_overlap.op_census.OpCensus`, which counts
+every aten op that creates a storage and every copy op with the bytes it writes. Variants:
+
+- ``none``: one collective per parameter (Thunder's FSDP and thunder_overlap without buckets);
+- ``layer``/``block``: thunder_overlap's persistent bucket buffers;
+- ``<strategy>:concat_every_call``: the same buckets, but concatenated into a new buffer on
+  every call, gathered into a new buffer and copied out parameter by parameter (Thunder's old
+  ``pack``/``unpack`` bucketing, NOTES.md);
+- ``<strategy>:allocate_every_iteration``: one copy-in and one copy-out per bucket into buffers
+  taken from the allocator on every call (PyTorch FSDP2's way).
+
+The variants swap only the runtime of the buckets (the class of each
+:class:`~thunder_overlap.bucket_buffers.BucketBuffers`); traces and schedule are the same.
+
+    python benchmarks/bucket_buffers.py --n-layer 8 --out results/bucket_buffers.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from thunder_overlap.bucket_buffers import BucketBuffers, _Pending
+from thunder_overlap.local_ranks import run_local_ranks
+from thunder_overlap.models import TinyGPT, TinyGPTConfig
+from thunder_overlap.op_census import OpCensus
+
+VARIANTS = (
+    "none",
+    "layer",
+    "layer:concat_every_call",
+    "layer:allocate_every_iteration",
+    "block",
+    "block:concat_every_call",
+    "block:allocate_every_iteration",
+)
+
+
+class ConcatEveryCall(BucketBuffers):
+    """Buckets as Thunder's old bucketing ran them: a fresh concatenation per call."""
+
+    def start_all_gather(self, shards, slots):
+        flat = torch.cat([self.shard_view(i).reshape(-1) for i in range(len(self.plan.slots))])
+        out = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        work = torch.distributed.all_gather_into_tensor(out, flat, group=self.process_group, async_op=True)
+        return _Pending(work, out, source=flat)
+
+    def finish_all_gather(self, pending, slots):
+        pending.work.wait()
+        by_rank = pending.result.view(self.world_size, self.plan.shard_numel)
+        # A column slice of the rank-major gather is not contiguous: reshape copies each parameter.
+        return [
+            by_rank[:, s.offset : s.offset + s.numel].reshape(self.unsharded_shape(i))
+            for i, s in ((i, self.plan.slots[i]) for i in slots)
+        ]
+
+    def start_reduce_scatter(self, grads, divisor):
+        rows = [-(-g.shape[0] // self.world_size) * self.world_size for g in grads]
+        padded = [F.pad(g, (0, 0) * (g.ndim - 1) + (0, r - g.shape[0])) for g, r in zip(grads, rows)]
+        flat = torch.cat([p.reshape(self.world_size, -1) for p in padded], dim=1).reshape(-1)
+        if divisor is not None:
+            flat = flat / divisor
+        out = torch.empty(self.plan.shard_numel, dtype=flat.dtype, device=flat.device)
+        work = torch.distributed.reduce_scatter_tensor(out, flat, group=self.process_group, async_op=True)
+        return _Pending(work, out, source=flat)
+
+
+class AllocateEveryIteration(BucketBuffers):
+    """Buckets as PyTorch FSDP2 runs them: one copy each way, buffers from the allocator."""
+
+    def start_all_gather(self, shards, slots):
+        flat = torch.empty_like(self.flat_shard)
+        views = [flat[s.offset : s.offset + s.numel] for s in self.plan.slots]
+        torch._foreach_copy_(views, [self.shard_view(i).reshape(-1) for i in range(len(self.plan.slots))])
+        out = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        work = torch.distributed.all_gather_into_tensor(out, flat, group=self.process_group, async_op=True)
+        return _Pending(work, out, source=flat)
+
+    def finish_all_gather(self, pending, slots):
+        pending.work.wait()
+        world, plan = self.world_size, self.plan
+        unsharded = torch.empty_like(pending.result)
+        pieces = [unsharded[world * s.offset : world * (s.offset + s.numel)] for s in plan.slots]
+        torch.split_with_sizes_copy(
+            pending.result.view(world, plan.shard_numel),
+            [s.numel for s in plan.slots],
+            dim=1,
+            out=[p.view(world, s.numel) for p, s in zip(pieces, plan.slots)],
+        )
+        return [pieces[i].view(self.unsharded_shape(i)) for i in slots]
+
+    def start_reduce_scatter(self, grads, divisor):
+        reduce_input = torch.empty(self.world_size * self.plan.shard_numel, dtype=grads[0].dtype, device=grads[0].device)
+        torch._chunk_cat(grads, dim=0, num_chunks=self.world_size, out=reduce_input.view(self.world_size, -1))
+        if divisor is not None:
+            reduce_input.div_(divisor)
+        out = torch.empty(self.plan.shard_numel, dtype=reduce_input.dtype, device=reduce_input.device)
+        work = torch.distributed.reduce_scatter_tensor(out, reduce_input, group=self.process_group, async_op=True)
+        return _Pending(work, out, source=reduce_input)
+
+
+RUNTIMES = {"concat_every_call": ConcatEveryCall, "allocate_every_iteration": AllocateEveryIteration}
+
+
+@dataclass
+class StepCensus:
+    variant: str
+    allocations: int
+    allocated_mib: float
+    copies: int
+    copied_mib: float
+    step_ms: float
+
+
+def _measure(rank: int, world_size: int, variant: str, sharding: str, model: TinyGPTConfig, steps: int) -> StepCensus:
+    import thunder_overlap
+    from thunder_overlap.transforms import BucketingTransform
+
+    strategy, _, runtime = variant.partition(":")
+    torch.manual_seed(0)
+    jm = thunder_overlap.fsdp(TinyGPT(model), device="cpu", sharding_strategy=sharding, bucketing_strategy=strategy)
+    if runtime:
+        for bucket in BucketingTransform.of(jm).buckets.values():
+            bucket.__class__ = RUNTIMES[runtime]
+    optimizer = torch.optim.SGD([p for p in jm.parameters() if p.requires_grad], lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, model.vocab_size, (4, model.block_size + 1), generator=g)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        logits = jm(tokens[:, :-1])
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    with OpCensus() as census:
+        step()
+    return StepCensus(
+        variant=variant,
+        allocations=census.allocations,
+        allocated_mib=census.allocated_bytes / 2**20,
+        copies=len(census.copies),
+        copied_mib=census.copied_bytes / 2**20,
+        step_ms=statistics.median(times[1:]),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--sharding", default="zero3", choices=("zero2", "zero3"))
+    parser.add_argument("--steps", type=int, default=6, help="timed steps before the counted one (the first is warm-up)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--out", type=Path, default=None, help="also write the markdown table here")
+    args = parser.parse_args()
+    model = TinyGPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, block_size=64)
+
+    lines = [
+        f"TinyGPT {args.n_layer} layers, n_embd {args.n_embd}, {args.sharding}, 2 gloo ranks; one steady-state step (rank 0)",
+        "",
+        "| variant | allocations | MiB allocated | copy ops | MiB copied | step ms (median) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for variant in args.variants:
+        r = run_local_ranks(_measure, 2, (variant, args.sharding, model, args.steps))[0]
+        lines.append(
+            f"| {r.variant} | {r.allocations} | {r.allocated_mib:.2f} | {r.copies} | {r.copied_mib:.2f} | {r.step_ms:.1f} |"
+        )
+        print(lines[-1], flush=True)
+    print("\n".join(lines))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
