@@ -1,4 +1,4 @@
-"""Transformer blocks of a model: the unit of prefetching (and, later, of bucketing)."""
+"""Transformer blocks of a model: the unit of prefetching and of block bucketing."""
 
 from __future__ import annotations
 
