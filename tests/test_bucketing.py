@@ -219,3 +219,52 @@ def test_replacing_a_parameter_is_a_clear_error(sessions):
     for bucketed in sessions["block"]:
         assert "no longer lives in bucket" in bucketed["assign_error"]
         assert "assign=False" in bucketed["assign_error"]
+
+
+# --- one rank: dtypes -----------------------------------------------------------------------------
+
+
+class _MixedPrecisionModel(nn.Module):
+    """An fp32 layer feeding a bf16 layer (with a frozen bias): three dtype/frozen buckets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fp32 = nn.Linear(8, 16)
+        self.bf16 = nn.Linear(16, 4).to(torch.bfloat16)
+        self.bf16.bias.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bf16(torch.relu(self.fp32(x)).to(torch.bfloat16)).float()
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sharding", ["zero2", "zero3"])
+def test_mixed_dtypes_get_buckets_of_their_own_and_train_like_eager(one_rank_group, sharding):
+    import thunder_overlap
+    from thunder_overlap.transforms import BucketingTransform
+
+    torch.manual_seed(0)
+    eager = _MixedPrecisionModel()
+    torch.manual_seed(0)
+    jm = thunder_overlap.fsdp(_MixedPrecisionModel(), sharding_strategy=sharding, bucketing_strategy="block")
+    plans = BucketingTransform.of(jm).plans
+    assert sorted((str(p.dtype), p.requires_grad) for p in plans) == [
+        ("torch.bfloat16", False), ("torch.bfloat16", True), ("torch.float32", True)
+    ]
+    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (eager, jm)]
+    for step in range(3):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+        for model, optimizer in zip((eager, jm), optimizers):
+            optimizer.zero_grad()
+            model(x).square().sum().backward()
+            optimizer.step()
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(jm.get_parameter(name), p, msg=name)
