@@ -266,5 +266,8 @@ def test_mixed_dtypes_get_buckets_of_their_own_and_train_like_eager(one_rank_gro
             optimizer.zero_grad()
             model(x).square().sum().backward()
             optimizer.step()
+    summaries = BucketingTransform.of(jm).summaries
+    assert (summaries["forward"].all_gathers, summaries["backward"].reduce_scatters) == (3, 2)
+    assert not summaries["forward"].unbucketed and not summaries["backward"].unbucketed
     for name, p in eager.named_parameters():
         torch.testing.assert_close(jm.get_parameter(name), p, msg=name)
