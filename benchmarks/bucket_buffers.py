@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from thunder_overlap.bucket_buffers import BucketBuffers, _Pending
+from thunder_overlap.bucket_buffers import BucketBuffers, PendingCollective
 from thunder_overlap.local_ranks import run_local_ranks
 from thunder_overlap.models import TinyGPT, TinyGPTConfig
 from thunder_overlap.op_census import OpCensus
@@ -52,7 +52,7 @@ class ConcatEveryCall(BucketBuffers):
         flat = torch.cat([self.shard_view(i).reshape(-1) for i in range(len(self.plan.slots))])
         out = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
         work = torch.distributed.all_gather_into_tensor(out, flat, group=self.process_group, async_op=True)
-        return _Pending(work, out, source=flat)
+        return PendingCollective(work, out, source=flat)
 
     def finish_all_gather(self, pending, slots):
         pending.work.wait()
@@ -71,7 +71,7 @@ class ConcatEveryCall(BucketBuffers):
             flat = flat / divisor
         out = torch.empty(self.plan.shard_numel, dtype=flat.dtype, device=flat.device)
         work = torch.distributed.reduce_scatter_tensor(out, flat, group=self.process_group, async_op=True)
-        return _Pending(work, out, source=flat)
+        return PendingCollective(work, out, source=flat)
 
 
 class AllocateEveryIteration(BucketBuffers):
@@ -83,7 +83,7 @@ class AllocateEveryIteration(BucketBuffers):
         torch._foreach_copy_(views, [self.shard_view(i).reshape(-1) for i in range(len(self.plan.slots))])
         out = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
         work = torch.distributed.all_gather_into_tensor(out, flat, group=self.process_group, async_op=True)
-        return _Pending(work, out, source=flat)
+        return PendingCollective(work, out, source=flat)
 
     def finish_all_gather(self, pending, slots):
         pending.work.wait()
@@ -105,7 +105,7 @@ class AllocateEveryIteration(BucketBuffers):
             reduce_input.div_(divisor)
         out = torch.empty(self.plan.shard_numel, dtype=reduce_input.dtype, device=reduce_input.device)
         work = torch.distributed.reduce_scatter_tensor(out, reduce_input, group=self.process_group, async_op=True)
-        return _Pending(work, out, source=reduce_input)
+        return PendingCollective(work, out, source=reduce_input)
 
 
 RUNTIMES = {"concat_every_call": ConcatEveryCall, "allocate_every_iteration": AllocateEveryIteration}

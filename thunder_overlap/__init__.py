@@ -3,7 +3,8 @@
     import thunder_overlap
     model = thunder_overlap.fsdp(model, sharding_strategy="zero3")
 
-Data flows one way: model -> Thunder's FSDP transform -> execution traces -> ``classify``
+Data flows one way: model -> Thunder's FSDP transform (and ``buckets``: flat buffers) ->
+execution traces (bucketed collectives) -> ``classify``
 (annotated trace) -> ``scheduling`` (decisions) -> executed trace -> ``schedule_view`` (report).
 """
 
@@ -13,9 +14,10 @@ from thunder_overlap.plugin import FSDPOverlap, register as _register_plugin
 from thunder_overlap.cost_model import CostModel
 from thunder_overlap.reporting import Report, report
 from thunder_overlap.schedule_view import ScheduleStats, schedule_picture, schedule_stats
-from thunder_overlap.transforms import OverlapScheduleTransform, Zero3Transform
+from thunder_overlap.transforms import BucketingTransform, OverlapScheduleTransform, Zero3Transform
 
 __all__ = [
+    "BucketingTransform",
     "CostModel",
     "FSDPOverlap",
     "OverlapConfig",

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from thunder_overlap.buckets import BucketPlan
 
-__all__ = ["BucketBuffers", "BufferPool", "lookup_bucket", "register_bucket"]
+__all__ = ["BucketBuffers", "BufferPool", "PendingCollective", "lookup_bucket", "register_bucket"]
 
 
 def _storage_users(t: torch.Tensor) -> int:
@@ -80,7 +80,7 @@ class BufferPool:
 
 
 @dataclass
-class _Pending:
+class PendingCollective:
     """What a bucketed collective's start returns and its wait consumes."""
 
     work: dist.Work
@@ -133,13 +133,13 @@ class BucketBuffers:
 
     # --- all-gather -------------------------------------------------------------------------
 
-    def start_all_gather(self, shards: list[torch.Tensor], slots: tuple[int, ...]) -> _Pending:
+    def start_all_gather(self, shards: list[torch.Tensor], slots: tuple[int, ...]) -> PendingCollective:
         self._check_is_flat_shard(shards, slots)
         out = self.pool.acquire(self.world_size * self.plan.shard_numel, self.flat_shard.dtype, self.flat_shard.device)
         work = dist.all_gather_into_tensor(out, self.flat_shard, group=self.process_group, async_op=True)
-        return _Pending(work, out)
+        return PendingCollective(work, out)
 
-    def finish_all_gather(self, pending: _Pending, slots: tuple[int, ...]) -> list[torch.Tensor]:
+    def finish_all_gather(self, pending: PendingCollective, slots: tuple[int, ...]) -> list[torch.Tensor]:
         """Waits, then lays the gathered ranks out parameter by parameter with one copy.
 
         The gather output is rank-major (every rank's whole flat shard in turn); an unsharded
@@ -172,7 +172,7 @@ class BucketBuffers:
         self.allocations += 1
         return buffer.view(-1)
 
-    def start_reduce_scatter(self, grads: list[torch.Tensor], divisor: float | None) -> _Pending:
+    def start_reduce_scatter(self, grads: list[torch.Tensor], divisor: float | None) -> PendingCollective:
         """Copies (and pads) every gradient of the bucket into ``reduce_input`` with one
         ``_chunk_cat``, pre-averages in place and reduce-scatters into a free gradient shard."""
         if len(grads) != len(self.plan.slots):
@@ -187,9 +187,9 @@ class BucketBuffers:
             reduce_input.div_(divisor)
         grad_shard = self._free_grad_shard()
         work = dist.reduce_scatter_tensor(grad_shard, reduce_input, group=self.process_group, async_op=True)
-        return _Pending(work, grad_shard, source=reduce_input)
+        return PendingCollective(work, grad_shard, source=reduce_input)
 
-    def finish_reduce_scatter(self, pending: _Pending, slots: tuple[int, ...]) -> list[torch.Tensor]:
+    def finish_reduce_scatter(self, pending: PendingCollective, slots: tuple[int, ...]) -> list[torch.Tensor]:
         pending.work.wait()
         grad_shard = pending.result
         out = []
@@ -218,19 +218,19 @@ def lookup_bucket(bucket_id: int) -> BucketBuffers:
         raise RuntimeError(f"thunder_overlap bucketing: bucket {bucket_id} belongs to a module that no longer exists") from None
 
 
-def all_gather_bucket(bucket_id: int, group: dist.ProcessGroup, shards: list[torch.Tensor], slots: tuple[int, ...]) -> _Pending:
+def all_gather_bucket(bucket_id: int, group: dist.ProcessGroup, shards: list[torch.Tensor], slots: tuple[int, ...]) -> PendingCollective:
     return lookup_bucket(bucket_id).start_all_gather(shards, slots)
 
 
-def wait_all_gather_bucket(pending: _Pending, bucket_id: int, slots: tuple[int, ...]) -> list[torch.Tensor]:
+def wait_all_gather_bucket(pending: PendingCollective, bucket_id: int, slots: tuple[int, ...]) -> list[torch.Tensor]:
     return lookup_bucket(bucket_id).finish_all_gather(pending, slots)
 
 
 def reduce_scatter_bucket(
     bucket_id: int, group: dist.ProcessGroup, grads: list[torch.Tensor], divisor: float | None
-) -> _Pending:
+) -> PendingCollective:
     return lookup_bucket(bucket_id).start_reduce_scatter(grads, divisor)
 
 
-def wait_reduce_scatter_bucket(pending: _Pending, bucket_id: int, slots: tuple[int, ...]) -> list[torch.Tensor]:
+def wait_reduce_scatter_bucket(pending: PendingCollective, bucket_id: int, slots: tuple[int, ...]) -> list[torch.Tensor]:
     return lookup_bucket(bucket_id).finish_reduce_scatter(pending, slots)
