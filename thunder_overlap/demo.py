@@ -1,6 +1,6 @@
 """The demo: 2 gloo ranks train TinyGPT with thunder_overlap and with Thunder's own FSDP.
 
-    python -m thunder_overlap demo [--sharding zero3] [--steps 5] [--n-layer 8]
+    python -m thunder_overlap demo [--sharding zero3] [--bucketing block] [--steps 5] [--n-layer 8]
 
 Prints per-step losses (they agree), ms per step, measured peak memory and a compact picture of
 each forward and backward schedule, so the difference is visible at a glance.
@@ -35,6 +35,9 @@ def _mib(nbytes: int | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m thunder_overlap demo", description=__doc__.splitlines()[0])
     parser.add_argument("--sharding", choices=("zero2", "zero3"), default="zero3")
+    parser.add_argument(
+        "--bucketing", choices=("none", "layer", "block"), default="none", help="thunder_overlap's bucketing strategy"
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--n-layer", type=int, default=8)
     parser.add_argument("--world-size", type=int, default=2)
@@ -45,11 +48,17 @@ def main(argv: list[str] | None = None) -> int:
 
     # Parameters dominate memory in this shape, as they do for FSDP at small micro-batches.
     model = TinyGPTConfig(n_layer=args.n_layer, n_embd=128)
-    print(f"TinyGPT: {args.n_layer} blocks, {args.world_size} gloo ranks on CPU, {args.sharding.upper()}, {args.steps} steps")
+    print(
+        f"TinyGPT: {args.n_layer} blocks, {args.world_size} gloo ranks on CPU, {args.sharding.upper()}, {args.steps} steps, "
+        f"thunder_overlap bucketing {args.bucketing} (Thunder's FSDP ignores its bucketing option, so it runs none)"
+    )
     results: dict[str, RankResult] = {}
     for impl in IMPLS:
         print(f"  compiling and training with {impl} ...", flush=True)
-        setup = TrainSetup(impl=impl, sharding=args.sharding, model=model, micro_batch=1, seq_len=16, steps=args.steps)
+        bucketing = args.bucketing if impl == "thunder_overlap" else "none"
+        setup = TrainSetup(
+            impl=impl, sharding=args.sharding, bucketing=bucketing, model=model, micro_batch=1, seq_len=16, steps=args.steps
+        )
         results[impl] = run_local_ranks(train_rank, args.world_size, (setup,))[0]
 
     print(f"\n{'step':>4}  {'loss thunder':>14}  {'loss overlap':>14}  {'ms thunder':>11}  {'ms overlap':>11}")
