@@ -2,7 +2,10 @@
 
 Two gloo ranks train a TinyGPT; after warm-up steps, one whole step (zero_grad, forward,
 backward, optimizer step) runs under :class:`~thunder_overlap.op_census.OpCensus`, which counts
-every aten op that creates a storage and every copy op with the bytes it writes. Variants:
+every aten op that creates a storage and every copy op with the bytes it writes; then one more
+forward and backward runs under :class:`~thunder_overlap.memory.LiveMemoryTracker` for the peak
+of live tensor bytes, persistent bucket buffers included (the optimizer step is left out: its
+in-place updates would count the parameters too). Variants:
 
 - ``none``: one collective per parameter (Thunder's FSDP and thunder_overlap without buckets);
 - ``layer``/``block``: thunder_overlap's persistent bucket buffers;
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 
 from thunder_overlap.bucket_buffers import BucketBuffers, PendingCollective
 from thunder_overlap.local_ranks import run_local_ranks
+from thunder_overlap.memory import LiveMemoryTracker
 from thunder_overlap.models import TinyGPT, TinyGPTConfig
 from thunder_overlap.op_census import OpCensus
 
@@ -118,6 +122,9 @@ class StepCensus:
     allocated_mib: float
     copies: int
     copied_mib: float
+    # Peak live tensor bytes of a forward+backward: what it allocated plus every pre-existing
+    # buffer it wrote into (the bucket pool and gradient shards).
+    peak_mib: float
     step_ms: float
 
 
@@ -135,10 +142,13 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
     g = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, model.vocab_size, (4, model.block_size + 1), generator=g)
 
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
+    def forward_backward() -> None:
         logits = jm(tokens[:, :-1])
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        forward_backward()
         optimizer.step()
 
     times = []
@@ -148,12 +158,16 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
         times.append((time.perf_counter() - start) * 1e3)
     with OpCensus() as census:
         step()
+    optimizer.zero_grad(set_to_none=True)
+    with LiveMemoryTracker() as memory:
+        forward_backward()
     return StepCensus(
         variant=variant,
         allocations=census.allocations,
         allocated_mib=census.allocated_bytes / 2**20,
         copies=len(census.copies),
         copied_mib=census.copied_bytes / 2**20,
+        peak_mib=memory.peak_bytes / 2**20,
         step_ms=statistics.median(times[1:]),
     )
 
@@ -172,13 +186,13 @@ def main() -> None:
     lines = [
         f"TinyGPT {args.n_layer} layers, n_embd {args.n_embd}, {args.sharding}, 2 gloo ranks; one steady-state step (rank 0)",
         "",
-        "| variant | allocations | MiB allocated | copy ops | MiB copied | step ms (median) |",
-        "|---|---|---|---|---|---|",
+        "| variant | allocations | MiB allocated | copy ops | MiB copied | peak live MiB (fwd+bwd) | step ms (median) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for variant in args.variants:
         r = run_local_ranks(_measure, 2, (variant, args.sharding, model, args.steps))[0]
         lines.append(
-            f"| {r.variant} | {r.allocations} | {r.allocated_mib:.2f} | {r.copies} | {r.copied_mib:.2f} | {r.step_ms:.1f} |"
+            f"| {r.variant} | {r.allocations} | {r.allocated_mib:.2f} | {r.copies} | {r.copied_mib:.2f} | {r.peak_mib:.2f} | {r.step_ms:.1f} |"
         )
         print(lines[-1], flush=True)
     print("\n".join(lines))

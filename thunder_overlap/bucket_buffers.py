@@ -122,8 +122,11 @@ class BucketBuffers:
         return self.flat_shard[s.offset : s.offset + s.numel].view(s.shard_shape)
 
     def _check_is_flat_shard(self, shards: list[torch.Tensor], slots: tuple[int, ...]) -> None:
+        # Pointer arithmetic rather than shard_view: a view made here would be an aten op on
+        # the parameters' storage in every step (memory trackers would count it as new).
+        base, itemsize = self.flat_shard.data_ptr(), self.flat_shard.element_size()
         for t, slot in zip(shards, slots):
-            if t.data_ptr() != self.shard_view(slot).data_ptr():
+            if t.data_ptr() != base + self.plan.slots[slot].offset * itemsize:
                 name = self.plan.slots[slot].name
                 raise RuntimeError(
                     f"thunder_overlap bucketing: parameter {name!r} no longer lives in bucket "
