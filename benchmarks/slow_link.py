@@ -17,7 +17,10 @@ each implementation, each a fresh ``benchmark_fsdp.py`` launch with the same mod
   using the optimizer time the run reports: C = step - (1 - 1/world_size) * optimizer.
 - M, ``--impl comm_only``: thunder_overlap's collectives for this shard mode (ZeRO3: forward
   all-gathers, backward re-gathers and reduce-scatters), replayed in the order and with the
-  in-flight pattern of its traces, with no compute.
+  in-flight pattern of its traces, with no compute. One run per bucketing strategy measured
+  (always ``none``); each implementation is placed between the bounds of its own strategy, and
+  with two or more strategies the simulator fits the link's per-collective latency as well as
+  its bandwidth (fsdp_bench/prediction.py).
 
 It prints, per implementation, the median step time (median over rounds of each run's median),
 its ratio to Thunder's own FSDP, where it lands between the serial bound C + M (gap closed 0%) and
@@ -45,7 +48,6 @@ from fsdp_bench.results import load_results
 from fsdp_bench.simulator_hook import TestbedSetting, simulator_prediction_ms
 from fsdp_bench.testbed_summary import calibrate, format_table, summarize, target_checks
 
-CALIBRATION_SEQUENCE = ("compute_only", "comm_only")
 _REQUIRED_TOOLS = ("ip", "tc", "taskset")
 
 
@@ -80,11 +82,21 @@ class TestbedConfig:
         if self.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {self.rounds}")
 
+    @property
+    def bucketings(self) -> tuple[str, ...]:
+        """Strategies needing a communication-only run: "none" always, and each one measured."""
+        measured = [split_label(i)[1] for i in self.impls]
+        return tuple(dict.fromkeys(["none", *measured]))
+
+    @property
+    def calibration_runs(self) -> tuple[str, ...]:
+        return ("compute_only", *(f"comm_only@{b}" for b in self.bucketings))
+
     def benchmark_args(self, label: str, json_path: Path) -> list[str]:
         impl, bucketing = split_label(label)
         args = {
             "impl": impl,
-            "bucketing_mode": bucketing if impl in TRAINING_IMPLS else None,
+            "bucketing_mode": bucketing if impl != "compute_only" else None,
             "device": "cpu",
             "model_name": self.model_name,
             "n_layers": self.n_layers,
@@ -144,7 +156,7 @@ def _exit_on_signal(signum, _frame) -> None:
 
 
 def _measure(cfg: TestbedConfig, link: SlowLink, out: Path) -> dict[str, list[dict]]:
-    sequence = (*CALIBRATION_SEQUENCE, *cfg.impls)
+    sequence = (*cfg.calibration_runs, *cfg.impls)
     runs: dict[str, list[dict]] = {impl: [] for impl in sequence}
     for round_index in range(cfg.rounds):
         for impl in sequence:
@@ -168,7 +180,11 @@ def main(argv: list[str]) -> None:
         print(f"link: {link.address(0)} <-> {link.address(1)}, {cfg.rate_mbit} Mbit/s each way (htb), cores {cfg.cores}", flush=True)
         runs = _measure(cfg, link, out)
 
-    calibration = calibrate(runs.pop("compute_only"), runs.pop("comm_only"))
+    compute_runs = runs.pop("compute_only")
+    calibrations = {b: calibrate(compute_runs, runs.pop(f"comm_only@{b}")) for b in cfg.bucketings}
+    comm_ms_by_bucketing = {b: c.comm_ms for b, c in calibrations.items()}
+    # Thunder's FSDP runs per parameter whatever its bucketing option says.
+    calibration_of = {impl: calibrations["none" if split_label(impl)[0] == "thunder" else split_label(impl)[1]] for impl in runs}
     first = next(iter(runs.values()))[0]
     simulated = {
         impl: simulator_prediction_ms(
@@ -182,21 +198,23 @@ def main(argv: list[str]) -> None:
                 micro_batch_size=cfg.micro_batch_size,
                 world_size=SlowLink.WORLD_SIZE,
                 rate_mbit=cfg.rate_mbit,
-                compute_ms=calibration.compute_ms,
-                comm_ms=calibration.comm_ms,
+                compute_ms=calibration_of[impl].compute_ms,
+                comm_ms=calibration_of[impl].comm_ms,
                 result_json=str(out / "runs" / f"round0_{impl}.json"),
+                comm_ms_by_bucketing=comm_ms_by_bucketing,
             )
         )
         for impl in runs
     }
-    summaries = summarize(runs, calibration, simulated)
+    summaries = summarize(runs, calibration_of, simulated)
     print()
-    print(format_table(summaries, calibration))
-    checks = target_checks(summaries, calibration)
+    print(format_table(summaries, calibrations))
+    checks = target_checks(summaries, calibrations["none"])
     print("\n".join(checks))
     summary = {
         "config": asdict(cfg),
-        "calibration": asdict(calibration),
+        "calibration": asdict(calibrations["none"]),
+        "calibration_by_bucketing": {b: asdict(c) for b, c in calibrations.items()},
         "implementations": [asdict(s) for s in summaries],
         "targets": checks,
     }

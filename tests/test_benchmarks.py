@@ -75,7 +75,7 @@ def test_testbed_bounds_and_gap_closed():
     assert (calibration.compute_ms, calibration.comm_ms) == (100.0, 80.0)
     assert (calibration.serial_ms, calibration.ideal_ms) == (180.0, 100.0)
     runs = {"thunder": [_run([180.0]), _run([176.0])], "thunder_overlap": [_run([110.0]), _run([120.0])]}
-    summaries = {s.impl: s for s in summarize(runs, calibration, {})}
+    summaries = {s.impl: s for s in summarize(runs, {impl: calibration for impl in runs}, {})}
     assert summaries["thunder"].gap_closed == pytest.approx(2 / 80)  # median of rounds: 178 ms
     assert summaries["thunder_overlap"].gap_closed == pytest.approx(65 / 80)
     assert summaries["thunder_overlap"].vs_thunder == pytest.approx(115 / 178)
@@ -100,11 +100,41 @@ def _prediction(impl: str, compute_ms: float, comm_ms: float) -> float | None:
 
 
 def test_calibrated_simulator_places_schedules_between_the_bounds():
+    from fsdp_bench.models import build_model
+    from fsdp_bench.prediction import _annotated, _communication_ms, fit_link
+
     compute_ms = comm_ms = 1000.0
     overlap = _prediction("thunder_overlap", compute_ms, comm_ms)
     stock = _prediction("thunder", compute_ms, comm_ms)
-    # Thunder's FSDP overlaps next to nothing: near the serial bound C + M.
-    assert 0.9 * (compute_ms + comm_ms) <= stock <= compute_ms + comm_ms + 1e-6
+    # The link is fitted to thunder_overlap's collectives (M). Thunder's ZeRO3 moves fewer bytes
+    # (it re-gathers nothing in backward), and overlaps next to nothing: near its serial bound.
+    block_size = build_model("tiny-gpt", None, None)[1].block_size
+    shape = ("tiny-gpt", 0, block_size, 2, 2, "zero3")
+    link = fit_link({"none": (comm_ms, _annotated("thunder_overlap", "none", *shape))}).network()
+    thunder_comm_ms = _communication_ms(_annotated("thunder", "none", *shape), link)
+    assert thunder_comm_ms < comm_ms
+    assert 0.9 * (compute_ms + thunder_comm_ms) <= stock <= compute_ms + thunder_comm_ms + 1e-6
     # thunder_overlap's schedule closes most of the gap to max(C, M), and cannot beat it.
-    assert max(compute_ms, comm_ms) - 1e-6 <= overlap < 0.8 * stock
+    assert max(compute_ms, comm_ms) - 1e-6 <= overlap < 0.8 * (compute_ms + comm_ms)
     assert _prediction("fsdp2", compute_ms, comm_ms) is None
+
+
+def test_link_fit_recovers_latency_and_bandwidth_from_two_bucketings():
+    from fsdp_bench.prediction import _annotated, _communication_ms, fit_link
+
+    from thunder_overlap.cost_model import NetworkProfile
+
+    shape = ("tiny-gpt", 2, 32, 2, 2, "zero3")
+    traces = {b: _annotated("thunder_overlap", b, *shape) for b in ("none", "block")}
+    link = NetworkProfile("truth", 2e-3, 5e7)
+    measured = {b: _communication_ms(t, link) for b, t in traces.items()}
+    # Same bytes, far fewer collectives: only a latency term can tell the two runs apart.
+    assert measured["block"] < 0.5 * measured["none"]
+    fit = fit_link({b: (measured[b], traces[b]) for b in traces})
+    assert fit.fitted_to == ("block", "none")
+    assert fit.latency_s == pytest.approx(2e-3, rel=1e-6) and fit.bus_bandwidth == pytest.approx(5e7, rel=1e-6)
+    # One run: no latency, the bandwidth alone accounts for that run's M.
+    single = fit_link({"none": (measured["none"], traces["none"])})
+    assert single.latency_s == 0 and single.fitted_to == ("none",)
+    assert _communication_ms(traces["none"], single.network()) == pytest.approx(measured["none"], rel=1e-6)
+

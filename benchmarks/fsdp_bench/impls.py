@@ -14,8 +14,8 @@ Calibration runs of the slow-link testbed:
   at all: each rank does FSDP's per-rank forward and backward. Its optimizer steps the full
   model instead of a 1/world_size shard; the step reports the optimizer time separately
   (``optimizer_ms``) so the testbed can take the difference out.
-- ``comm_only`` (M): thunder_overlap's collectives for this shard mode, replayed in trace order
-  with no compute (:mod:`fsdp_bench.comm_replay`).
+- ``comm_only`` (M): thunder_overlap's collectives for this shard mode and bucketing strategy,
+  replayed in trace order with no compute (:mod:`fsdp_bench.comm_replay`).
 """
 
 from __future__ import annotations

@@ -1,23 +1,30 @@
 """The Measuring stick's simulator, calibrated to the testbed, predicting a run's step time.
 
-Calibration uses the testbed's two measured numbers and nothing else:
+Calibration uses the testbed's measured numbers and nothing else:
 - compute: the CPU cost model's per-op estimates are scaled so that the trace's compute sums to
   the measured compute-only step C (op *proportions* come from the roofline, the total from C);
-- link: a ring with no latency whose bus bandwidth makes the trace's collectives, run back to
-  back, take the measured communication-only step M.
+- link: a ring with a per-collective latency and a bus bandwidth (the cost model's
+  ``latency * (n - 1) + bytes / bandwidth`` form). Each communication-only run M replays one
+  bucketing strategy's collectives back to back; with two or more strategies measured (same
+  bytes, different numbers of collectives) the latency and the bandwidth are fitted to all of
+  them by least squares on relative error. With one, or when the fit is not physical (negative
+  latency), the latency is zero and the bandwidth alone makes that strategy's collectives take M.
 The simulator then places the implementation's own schedule on the two streams; everything the
 prediction says about overlap comes from that schedule.
 """
 
 from __future__ import annotations
 
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
+import functools
+from dataclasses import dataclass
+
 import thunder
 import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from thunder_overlap.api import parse_sharding_strategy
-from thunder_overlap.classify import classify_trace
+from thunder_overlap.classify import AnnotatedTrace, classify_trace
 from thunder_overlap.cost_model import CostModel, NetworkProfile, device_profile
 from thunder_overlap.report_cli import trace_model
 from thunder_overlap.simulator import simulate
@@ -25,19 +32,35 @@ from thunder_overlap.simulator import simulate
 from fsdp_bench.models import build_model, math_sdpa
 from fsdp_bench.simulator_hook import TestbedSetting
 
-__all__ = ["predict_testbed_step_ms"]
+__all__ = ["LinkFit", "fit_link", "predict_testbed_step_ms"]
 
-# A bandwidth to price collectives before calibration rescales it; its value cancels out.
+# Unit link parameters: the simulator's communication time is linear in latency and in
+# 1/bandwidth, so pricing the traces once with each unit gives the two coefficients of the fit.
+_UNIT_LATENCY_S = 1e-3
 _REFERENCE_BANDWIDTH = 1e9
+_NO_LATENCY = NetworkProfile("bandwidth only", 0.0, _REFERENCE_BANDWIDTH)
+_NO_TRANSFER = NetworkProfile("latency only", _UNIT_LATENCY_S, 1e30)
 
 
-def _thunder_traces(model, setting: TestbedSetting):
+@dataclass(frozen=True)
+class LinkFit:
+    """The testbed link as the simulator sees it."""
+
+    latency_s: float
+    bus_bandwidth: float  # bytes/s
+    # The bucketing strategies whose communication-only runs it was fitted to.
+    fitted_to: tuple[str, ...]
+
+    def network(self) -> NetworkProfile:
+        return NetworkProfile("testbed", self.latency_s, self.bus_bandwidth)
+
+
+def _thunder_traces(model, world_size: int, shard_mode: str, idx_shape: tuple[int, int]):
     """Thunder's own FSDP traced on meta over a fake group, like report_cli.trace_model."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=setting.world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        sharding = parse_sharding_strategy(setting.shard_mode)
-        jm = thunder.distributed.fsdp(thunder.jit(model), device=torch.device("meta"), sharding_strategy=sharding)
-        idx = torch.zeros((setting.micro_batch_size, setting.block_size), dtype=torch.long, device="meta")
+        jm = thunder.distributed.fsdp(thunder.jit(model), device=torch.device("meta"), sharding_strategy=parse_sharding_strategy(shard_mode))
+        idx = torch.zeros(idx_shape, dtype=torch.long, device="meta")
         with math_sdpa():
             thunder.compile_data(jm).get_computation_and_inputs(idx)
         return jm
@@ -45,28 +68,67 @@ def _thunder_traces(model, setting: TestbedSetting):
         dist.destroy_process_group()
 
 
+@functools.cache
+def _annotated(impl: str, bucketing: str, model_name: str, n_layers: int, block_size: int, micro_batch_size: int, world_size: int, shard_mode: str) -> tuple[AnnotatedTrace, ...]:
+    """Forward and backward of one implementation, traced on meta (cached: the fit and every
+    prediction of one testbed run share them)."""
+    model, _ = build_model(model_name, n_layers or None, block_size or None)
+    idx_shape = (micro_batch_size, block_size)
+    if impl == "thunder":
+        jm = _thunder_traces(model, world_size, shard_mode, idx_shape)
+    else:
+        jm = trace_model(model, world_size=world_size, sharding=shard_mode, bucketing=bucketing, idx_shape=idx_shape)
+    return tuple(classify_trace(t) for t in (thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]))
+
+
+def _communication_ms(annotated: tuple[AnnotatedTrace, ...], network: NetworkProfile) -> float:
+    cost = CostModel(device_profile("cpu"), network)
+    return sum(simulate(a, list(range(len(a.nodes))), cost).communication_ms for a in annotated)
+
+
+def fit_link(comm_ms_by_trace: dict[str, tuple[float, tuple[AnnotatedTrace, ...]]]) -> LinkFit:
+    """Latency and bandwidth that make each strategy's collectives take its measured M.
+
+    ``comm_ms_by_trace`` maps a bucketing strategy to (its measured M, its traces). Minimises
+    the squared relative errors, so a long per-parameter M does not drown a short bucketed one.
+    """
+    names = sorted(comm_ms_by_trace)
+    rows, targets = [], []
+    for name in names:
+        measured, traces = comm_ms_by_trace[name]
+        latency_part = _communication_ms(traces, _NO_TRANSFER)  # ms per unit latency
+        transfer_part = _communication_ms(traces, _NO_LATENCY)  # ms at the reference bandwidth
+        rows.append([latency_part / measured, transfer_part / measured])
+        targets.append(1.0)
+    if len(names) >= 2:
+        solution = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64), torch.tensor(targets, dtype=torch.float64)[:, None]).solution
+        latency_scale, transfer_scale = solution[:, 0].tolist()
+        if latency_scale >= 0 and transfer_scale > 0:
+            return LinkFit(latency_scale * _UNIT_LATENCY_S, _REFERENCE_BANDWIDTH / transfer_scale, tuple(names))
+    # Bandwidth only, to the per-parameter run when there is one (the one M every testbed run has).
+    name = "none" if "none" in comm_ms_by_trace else names[0]
+    measured, traces = comm_ms_by_trace[name]
+    transfer_scale = measured / _communication_ms(traces, _NO_LATENCY)
+    return LinkFit(0.0, _REFERENCE_BANDWIDTH / transfer_scale, (name,))
+
+
 def predict_testbed_step_ms(setting: TestbedSetting) -> float | None:
     """Predicted forward+backward step of ``setting.impl``; None for implementations whose
     schedule is not a Thunder trace (FSDP2)."""
-    model, spec = build_model(setting.model_name, setting.n_layers or None, setting.block_size or None)
-    block_size = setting.block_size or spec.block_size
-    setting = TestbedSetting(**{**setting.__dict__, "block_size": block_size})
-    if setting.impl == "thunder_overlap":
-        jm = trace_model(model, world_size=setting.world_size, sharding=setting.shard_mode, bucketing=setting.bucketing, idx_shape=(setting.micro_batch_size, block_size))
-    elif setting.impl == "thunder":
-        jm = _thunder_traces(model, setting)
-    else:
+    if setting.impl not in ("thunder_overlap", "thunder"):
         return None
-    traces = [thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]]
-    annotated = [classify_trace(t) for t in traces]
+    _, spec = build_model(setting.model_name, setting.n_layers or None, setting.block_size or None)
+    shape = (setting.model_name, setting.n_layers, setting.block_size or spec.block_size, setting.micro_batch_size, setting.world_size, setting.shard_mode)
+    annotated = _annotated(setting.impl, setting.bucketing, *shape)
 
-    reference = CostModel(device_profile("cpu"), NetworkProfile("reference", 0.0, _REFERENCE_BANDWIDTH))
-    raw = [simulate(a, list(range(len(a.nodes))), reference) for a in annotated]
-    compute_scale = setting.compute_ms / sum(s.compute_ms for s in raw)
-    comm_scale = setting.comm_ms / sum(s.communication_ms for s in raw)
+    comm_ms = dict(setting.comm_ms_by_bucketing) or {setting.bucketing: setting.comm_ms}
+    link = fit_link({b: (ms, _annotated("thunder_overlap", b, *shape)) for b, ms in comm_ms.items()})
+
+    reference = CostModel(device_profile("cpu"), _NO_LATENCY)
+    compute_scale = setting.compute_ms / sum(simulate(a, list(range(len(a.nodes))), reference).compute_ms for a in annotated)
     calibrated = CostModel(
         device_profile("cpu"),
-        NetworkProfile("testbed", 0.0, _REFERENCE_BANDWIDTH / comm_scale),
+        link.network(),
         user_estimate=lambda bsym: compute_scale * reference.compute_ms(bsym),
     )
     return sum(simulate(a, list(range(len(a.nodes))), calibrated).step_ms for a in annotated)

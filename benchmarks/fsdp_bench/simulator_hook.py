@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["SIMULATOR_ENTRY_POINT", "TestbedSetting", "simulator_prediction_ms"]
 
@@ -31,12 +31,16 @@ class TestbedSetting:
     world_size: int
     # htb rate of the link in each direction.
     rate_mbit: float
-    # Calibration: per-rank compute with no communication (C) and communication alone (M).
+    # Calibration: per-rank compute with no communication (C) and communication alone with this
+    # implementation's bucketing (M).
     compute_ms: float
     comm_ms: float
     # The implementation's result JSON (one round), with its traces' schedule figures.
     result_json: str
     bucketing: str = "none"
+    # M of every communication-only run, by bucketing strategy ("none" is thunder_overlap's
+    # per-parameter collectives): with two or more the simulator fits a per-collective latency.
+    comm_ms_by_bucketing: dict[str, float] = field(default_factory=dict)
 
 
 def simulator_prediction_ms(setting: TestbedSetting) -> float | None:

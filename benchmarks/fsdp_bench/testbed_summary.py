@@ -85,8 +85,9 @@ class ImplSummary:
         return abs(self.simulated_ms - self.median_ms) / self.median_ms
 
 
-def summarize(runs: dict[str, list[dict]], calibration: Calibration, simulated: dict[str, float | None]) -> list[ImplSummary]:
-    """``runs[impl]`` holds one result JSON per round."""
+def summarize(runs: dict[str, list[dict]], calibrations: dict[str, Calibration], simulated: dict[str, float | None]) -> list[ImplSummary]:
+    """``runs[impl]`` holds one result JSON per round; ``calibrations[impl]`` the C and M that
+    bound it (M measured with the implementation's own bucketing)."""
     medians = {impl: [_round_median(r) for r in rs] for impl, rs in runs.items()}
     step = {impl: statistics.median(m) for impl, m in medians.items()}
     baseline = step.get(BASELINE_IMPL)
@@ -98,8 +99,8 @@ def summarize(runs: dict[str, list[dict]], calibration: Calibration, simulated: 
             max_round_ms=max(medians[impl]),
             peak_memory_bytes=max(r["peak_memory_bytes"] for r in rs),
             vs_thunder=None if baseline is None else step[impl] / baseline,
-            gap_closed=calibration.gap_closed(step[impl]),
-            over_ideal=step[impl] / calibration.ideal_ms,
+            gap_closed=calibrations[impl].gap_closed(step[impl]),
+            over_ideal=step[impl] / calibrations[impl].ideal_ms,
             simulated_ms=simulated.get(impl),
         )
         for impl, rs in runs.items()
@@ -110,11 +111,17 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def format_table(summaries: list[ImplSummary], calibration: Calibration) -> str:
-    lines = [
-        f"C (compute only) = {calibration.compute_ms:.1f} ms, M (communication only) = {calibration.comm_ms:.1f} ms, "
-        f"max/min = {calibration.balance:.2f}",
-        f"serial bound C+M = {calibration.serial_ms:.1f} ms, ideal max(C,M) = {calibration.ideal_ms:.1f} ms",
+def format_table(summaries: list[ImplSummary], calibrations: dict[str, Calibration]) -> str:
+    """``calibrations`` by bucketing strategy; each implementation is placed between the bounds
+    of its own strategy."""
+    lines = []
+    for bucketing, calibration in calibrations.items():
+        lines += [
+            f"bucketing {bucketing}: C (compute only) = {calibration.compute_ms:.1f} ms, "
+            f"M (communication only) = {calibration.comm_ms:.1f} ms, max/min = {calibration.balance:.2f}, "
+            f"serial bound C+M = {calibration.serial_ms:.1f} ms, ideal max(C,M) = {calibration.ideal_ms:.1f} ms",
+        ]
+    lines += [
         "",
         f"{'impl':<22} {'median ms':>10} {'rounds ms':>15} {'vs thunder':>10} {'gap closed':>10} "
         f"{'/max(C,M)':>9} {'peak MiB':>9} {'sim ms':>8} {'sim err':>8}",
