@@ -100,6 +100,21 @@ def test_calibration_times_each_shape_once_and_round_trips(tmp_path):
     assert Calibration("cpu", path=path).lookup(mm) == first
 
 
+def test_calibration_times_ops_whose_names_are_not_identifiers():
+    import thunder
+    import torch
+
+    # The embedding's backward is "torch.ops.aten.embedding_backward" in the backward trace.
+    model = thunder.jit(torch.nn.Embedding(100, 8))
+    model(torch.zeros(4, dtype=torch.long)).sum().backward()
+    (backward,) = [t for t in thunder.last_backward_traces(model)[-1:]]
+    names = [b.sym.name for b in backward.bound_symbols]
+    assert any("." in name for name in names), names
+    calibration = Calibration("cpu", repeats=2)
+    assert calibration.calibrate(backward) >= 1
+    assert any("." in key.split("(")[0] for key in calibration.times_ms)
+
+
 def test_ring_collective_time():
     gather = Collective(CollectiveKind.ALL_GATHER, start=0, wait=1, process_group=_Group(8), unsharded_bytes=8_000_000)
     # 7 steps of 1 us, plus 7/8 of 8 MB at 1 GB/s = 7 ms.

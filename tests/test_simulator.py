@@ -27,9 +27,11 @@ class _Group:
         return 2
 
 
-def _cost_model() -> CostModel:
+def _cost_model(overlap_compute_slowdown: float = 0.0) -> CostModel:
     device = DeviceProfile("test", 1e12, 1e12, 1e9)
-    return CostModel(device, NETWORK, user_estimate=lambda bsym: COMPUTE_MS.get(bsym.sym.name, 0.0))
+    return CostModel(
+        device, NETWORK, user_estimate=lambda bsym: COMPUTE_MS.get(bsym.sym.name, 0.0), overlap_compute_slowdown=overlap_compute_slowdown
+    )
 
 
 def _node(index, kind, name, inputs=(), outputs=(), collective=None) -> TraceNode:
@@ -113,6 +115,19 @@ def test_collectives_of_one_group_queue_on_its_stream():
     assert sim.communication_ms == pytest.approx(4.0)
     assert sim.bound_ms == pytest.approx(5.0)
     assert (sim.hideable, sim.hidden) == (2, 1)
+
+
+def test_compute_beside_a_collective_runs_slower_by_the_overlap_slowdown():
+    # The gather runs 0-2 ms; a (3 ms of work) runs at half speed inside it: 1 ms of work by
+    # 2 ms, the other 2 ms at full speed: a ends at 4 ms, b (after the gather) 4-5 ms.
+    sim = simulate(_one_gather(), [0, 1, 3, 2, 4, 5], _cost_model(overlap_compute_slowdown=1.0))
+    assert [(op.start_ms, op.end_ms) for op in sim.ops if op.name in COMPUTE_MS] == [(0.0, 4.0), (4.0, 5.0)]
+    assert sim.step_ms == pytest.approx(5.0) and sim.compute_ms == pytest.approx(4.0)
+    # Exposed waits do not overlap compute: nothing changes for the serial order.
+    serial = simulate(_one_gather(), [0, 1, 2, 3, 4, 5], _cost_model(overlap_compute_slowdown=1.0))
+    assert serial.step_ms == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="overlap_compute_slowdown must be >= 0.*-0.1"):
+        _cost_model(overlap_compute_slowdown=-0.1)
 
 
 def test_order_must_be_a_permutation():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -194,7 +195,8 @@ class Calibration:
     """Measured milliseconds per op shape on a real device, cached in memory and on disk.
 
     ``measure(bsym)`` runs the op once to warm up, then ``repeats`` times, on random inputs of
-    the right shapes; each distinct ``(op, shapes, constant arguments)`` is timed once.
+    the right shapes, and keeps the median; each distinct ``(op, shapes, constant arguments)``
+    is timed once.
     """
 
     def __init__(self, device: torch.device | str = "cpu", *, path: str | Path | None = None, repeats: int = 3) -> None:
@@ -235,22 +237,31 @@ class Calibration:
             make_trace_executable,
             trace_from_bsym_or_bsyms,
         )
+        from thunder.core.codeutils import SigInfo
+        from thunder.core.trace import tracectx
 
         from thunder_overlap.trace_runner import random_tensor
 
         # A one-op trace, claimed by the torch executor (a no-op for ops it already runs).
         trace = trace_from_bsym_or_bsyms(bsym)
+        # Thunder names the trace's function after the op, and a name like
+        # "torch.ops.aten.embedding_backward" is no Python identifier.
+        with tracectx(trace):
+            trace._siginfo = SigInfo.from_name_and_args("timed_op", trace.args)
         fn = make_trace_executable(trace)
         args = [random_tensor(a, self.device) if isinstance(a, TensorProxy) else a for a in trace.args]
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        times_ms = []
         with torch.no_grad():
             fn(*args)
             sync()
-            start = time.perf_counter()
             for _ in range(self.repeats):
+                start = time.perf_counter()
                 fn(*args)
-            sync()
-        return (time.perf_counter() - start) / self.repeats * 1e3
+                sync()
+                times_ms.append((time.perf_counter() - start) * 1e3)
+        # The median: one slow call (a page fault, the first use of a kernel) does not count.
+        return statistics.median(times_ms)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,6 +285,15 @@ class CostModel:
     user_estimate: UserEstimate | None = None
     # Milliseconds for a collective, or None to fall back to the network model.
     collective_estimate: Callable[[Collective], float | None] | None = None
+    # How much slower compute runs while a collective is in flight (0.2: 20% slower). Overlap is
+    # not free: NCCL's kernels take SMs from the compute beside them, and on a CPU the
+    # communication threads take cores. 0 assumes free overlap; calibrate it by running compute
+    # and communication at once (benchmarks/slow_link.py does).
+    overlap_compute_slowdown: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.overlap_compute_slowdown >= 0:
+            raise ValueError(f"overlap_compute_slowdown must be >= 0 (0: overlap is free), got {self.overlap_compute_slowdown!r}")
 
     @classmethod
     def named(cls, device: str | DeviceProfile = "h100", network: str | NetworkProfile = "nvlink", **kwargs) -> CostModel:

@@ -5,7 +5,9 @@ process group has one communication stream that runs its collectives in issue or
 starts when it is issued (the compute stream reaches it) and its stream is free, and a wait blocks
 the compute stream until the collective is done. What the compute stream spends blocked at a wait
 is that collective's *exposed* time. Collectives of one kind, group and dtype issued back to
-back while the previous one is still in flight are coalesced: they pay the latency once.
+back while the previous one is still in flight are coalesced: they pay the latency once. With
+``CostModel.overlap_compute_slowdown`` > 0, compute runs that much slower while any collective
+is in flight.
 
 A collective is *potentially hideable* when some compute op is neither its ancestor nor its
 descendant in the data-flow graph: only then can any order overlap it. Ancestry is found with one
@@ -14,6 +16,7 @@ bitmask per node over collectives (Python ints), so the cost is O(nodes x collec
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from thunder_overlap.classify import AnnotatedTrace, CollectiveKind, NodeKind
@@ -122,6 +125,25 @@ def potentially_hideable(annotated: AnnotatedTrace) -> list[bool]:
     return [bool(unrelated_somewhere >> i & 1) for i in range(count)]
 
 
+def _slowed_end(start: float, duration: float, busy: list[tuple[float, float]], slowdown: float) -> float:
+    """When a compute op of ``duration`` that starts at ``start`` ends, running ``1 + slowdown``
+    times slower inside the (start-ordered, possibly overlapping) ``busy`` intervals."""
+    now, remaining = start, duration
+    for busy_start, busy_end in busy:
+        if busy_end <= now:
+            continue
+        if busy_start > now:  # full speed until the next collective starts
+            if remaining <= busy_start - now:
+                return now + remaining
+            remaining -= busy_start - now
+            now = busy_start
+        if remaining * (1 + slowdown) <= busy_end - now:
+            return now + remaining * (1 + slowdown)
+        remaining -= (busy_end - now) / (1 + slowdown)
+        now = busy_end
+    return now + remaining
+
+
 def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel) -> Simulation:
     """Runs ``order`` (node indices of ``annotated``) on one compute and per-group comm streams."""
     nodes = annotated.nodes
@@ -137,6 +159,8 @@ def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel)
     ops: list[OpTiming] = []
     now = 0.0
     compute_total = 0.0
+    slowdown = cost_model.overlap_compute_slowdown
+    busy: list[tuple[float, float]] = []  # every collective's (start, end), in start order
     for index in order:
         node = nodes[index]
         if node.kind is NodeKind.COLLECTIVE:
@@ -155,6 +179,8 @@ def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel)
             stream_free[stream] = start + duration
             stream_busy[stream] += duration
             issued[node.collective] = (stream, now, start, start + duration)
+            if slowdown:
+                busy.insert(bisect.bisect(busy, (start, start + duration)), (start, start + duration))
             ops.append(OpTiming(index, node.name, now, now))
         elif node.kind is NodeKind.WAIT:
             end = issued[node.collective][3]
@@ -164,8 +190,9 @@ def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel)
             now += exposed
         else:
             duration = cost_model.compute_ms(node.bsym)
-            ops.append(OpTiming(index, node.name, now, now + duration))
-            now += duration
+            end = _slowed_end(now, duration, busy, slowdown) if slowdown else now + duration
+            ops.append(OpTiming(index, node.name, now, end))
+            now = end
             compute_total += duration
 
     step = max([now, *stream_free])
