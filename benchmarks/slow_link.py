@@ -21,6 +21,9 @@ each implementation, each a fresh ``benchmark_fsdp.py`` launch with the same mod
   (always ``none``); each implementation is placed between the bounds of its own strategy, and
   with two or more strategies the simulator fits the link's per-collective latency as well as
   its bandwidth (fsdp_bench/prediction.py).
+- C with M, ``--impl compute_with_comm``: both at once on every rank, the replay on a second
+  thread, with no dependencies between them. No schedule can beat it; how far it sits above
+  max(C, M) is what communicating takes from computing on this machine (one core per rank).
 
 It prints, per implementation, the median step time (median over rounds of each run's median),
 its ratio to Thunder's own FSDP, where it lands between the serial bound C + M (gap closed 0%) and
@@ -69,6 +72,8 @@ class TestbedConfig:
     out: str = "results/slow_link"
     # Per launch; Thunder compiles in the first iteration of each run.
     timeout_s: float = 600.0
+    # Summarise the runs already in `out` (e.g. with a newer simulator) instead of measuring.
+    from_runs: bool = False
 
     def __post_init__(self) -> None:
         unknown = [i for i in self.impls if split_label(i)[0] not in TRAINING_IMPLS or split_label(i)[1] not in BUCKETING_MODES]
@@ -90,13 +95,13 @@ class TestbedConfig:
 
     @property
     def calibration_runs(self) -> tuple[str, ...]:
-        return ("compute_only", *(f"comm_only@{b}" for b in self.bucketings))
+        return ("compute_only", *(f"{run}@{b}" for b in self.bucketings for run in ("comm_only", "compute_with_comm")))
 
     def benchmark_args(self, label: str, json_path: Path) -> list[str]:
         impl, bucketing = split_label(label)
         args = {
             "impl": impl,
-            "bucketing_mode": bucketing if impl != "compute_only" else None,
+            "bucketing_mode": None if impl == "compute_only" else bucketing,
             "device": "cpu",
             "model_name": self.model_name,
             "n_layers": self.n_layers,
@@ -132,6 +137,7 @@ def _parse_args(argv: list[str]) -> TestbedConfig:
     p.add_argument("--cores", default=",".join(map(str, defaults.cores)), help="core of rank 0, core of rank 1")
     p.add_argument("--out", default=defaults.out)
     p.add_argument("--timeout-s", type=float, default=defaults.timeout_s)
+    p.add_argument("--from-runs", action="store_true", help="summarise the run JSONs already in --out instead of measuring (no root needed)")
     args = p.parse_args(argv)
     try:
         cores = tuple(int(c) for c in args.cores.split(","))
@@ -170,18 +176,38 @@ def _measure(cfg: TestbedConfig, link: SlowLink, out: Path) -> dict[str, list[di
     return runs
 
 
+def _load_runs(cfg: TestbedConfig, out: Path) -> dict[str, list[dict]]:
+    """The per-round JSONs an earlier measurement with the same options left in ``out`` (runs
+    from before the concurrent calibration existed have none: it is then not measured)."""
+    runs = {}
+    for impl in (*cfg.calibration_runs, *cfg.impls):
+        paths = [out / "runs" / f"round{r}_{impl}.json" for r in range(cfg.rounds)]
+        missing = [str(p) for p in paths if not p.exists()]
+        if missing and impl.startswith("compute_with_comm@") and len(missing) == len(paths):
+            continue
+        if missing:
+            raise SystemExit(f"--from-runs: {', '.join(missing)} not found; measure with the same --impls and --rounds first")
+        runs[impl] = load_results(paths)
+    return runs
+
+
 def main(argv: list[str]) -> None:
     cfg = _parse_args(argv)
-    _check_host()
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _exit_on_signal)
     out = Path(cfg.out)
-    with SlowLink(LinkSpec(cfg.rate_mbit, cfg.cores)) as link:
-        print(f"link: {link.address(0)} <-> {link.address(1)}, {cfg.rate_mbit} Mbit/s each way (htb), cores {cfg.cores}", flush=True)
-        runs = _measure(cfg, link, out)
+    if cfg.from_runs:
+        runs = _load_runs(cfg, out)
+    else:
+        _check_host()
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, _exit_on_signal)
+        with SlowLink(LinkSpec(cfg.rate_mbit, cfg.cores)) as link:
+            print(f"link: {link.address(0)} <-> {link.address(1)}, {cfg.rate_mbit} Mbit/s each way (htb), cores {cfg.cores}", flush=True)
+            runs = _measure(cfg, link, out)
 
     compute_runs = runs.pop("compute_only")
-    calibrations = {b: calibrate(compute_runs, runs.pop(f"comm_only@{b}")) for b in cfg.bucketings}
+    calibrations = {
+        b: calibrate(compute_runs, runs.pop(f"comm_only@{b}"), runs.pop(f"compute_with_comm@{b}", None)) for b in cfg.bucketings
+    }
     comm_ms_by_bucketing = {b: c.comm_ms for b, c in calibrations.items()}
     # Thunder's FSDP runs per parameter whatever its bucketing option says.
     calibration_of = {impl: calibrations["none" if split_label(impl)[0] == "thunder" else split_label(impl)[1]] for impl in runs}
@@ -202,6 +228,7 @@ def main(argv: list[str]) -> None:
                 comm_ms=calibration_of[impl].comm_ms,
                 result_json=str(out / "runs" / f"round0_{impl}.json"),
                 comm_ms_by_bucketing=comm_ms_by_bucketing,
+                concurrent_ms=calibration_of[impl].concurrent_ms,
             )
         )
         for impl in runs

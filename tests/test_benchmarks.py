@@ -15,7 +15,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 from fsdp_bench.config import BenchmarkConfig, parse_args  # noqa: E402
-from fsdp_bench.testbed_summary import Calibration, calibrate, summarize, target_checks  # noqa: E402
+from fsdp_bench.testbed_summary import Calibration, calibrate, format_table, summarize, target_checks  # noqa: E402
 
 # Compile + 2 iterations of the tiny model take about 15 s per run on a 2-core machine.
 RUN_TIMEOUT_S = 180
@@ -35,7 +35,7 @@ def _run_benchmark(tmp_path: Path, impl: str, shard_mode: str) -> dict:
     return json.loads(json_path.read_text())
 
 
-@pytest.mark.parametrize("impl", ["thunder_overlap", "fsdp2"])
+@pytest.mark.parametrize("impl", ["thunder_overlap", "fsdp2", "compute_with_comm"])
 def test_benchmark_writes_sane_json(tmp_path, impl):
     result = _run_benchmark(tmp_path, impl, "zero3")
     assert (result["impl"], result["world_size"], result["device"], result["shard_mode"]) == (impl, 2, "cpu", "zero3")
@@ -46,7 +46,12 @@ def test_benchmark_writes_sane_json(tmp_path, impl):
     # At least the sharded parameters and the optimizer's two moments of them are held.
     assert result["peak_memory_bytes"] > 3 * 4 * 100_000 / 2
     assert math.isfinite(result["final_loss"]) and result["final_loss"] > 0
-    if impl == "thunder_overlap":
+    if impl == "compute_with_comm":
+        # The compute is the unsharded model (the collectives are replayed beside it), and its
+        # optimizer is timed so that the testbed can take out the full-model surplus.
+        assert result["schedule"]["forward"]["allgathers"] == 0
+        assert len(result["optimizer_times_ms"]) == 1
+    elif impl == "thunder_overlap":
         backward = result["schedule"]["backward"]
         assert backward["allgathers"] > 0, "ZeRO3 re-gathers parameters in backward"
         assert backward["reduce_scatters"] > 0
@@ -81,6 +86,16 @@ def test_testbed_bounds_and_gap_closed():
     assert summaries["thunder_overlap"].vs_thunder == pytest.approx(115 / 178)
     checks = target_checks(list(summaries.values()), calibration)
     assert checks[0].startswith("PASS speedup") and checks[1].startswith("PASS step / max(C,M) = 1.150")
+
+
+def test_testbed_places_runs_against_compute_and_comm_at_once():
+    calibration = calibrate([_run([110.0], [20.0])], [_run([80.0])], [_run([130.0, 126.0], [20.0])])
+    # The concurrent run steps the full model's optimizer too: 128 - 10 ms.
+    assert calibration.concurrent_ms == pytest.approx(118.0)
+    runs = {"thunder_overlap": [_run([130.0])]}
+    (summary,) = summarize(runs, {"thunder_overlap": calibration}, {})
+    assert summary.over_concurrent == pytest.approx(130 / 118) and summary.over_ideal == pytest.approx(1.3)
+    assert "C and M at once, no dependencies = 118.0 ms (1.180 x max(C,M))" in format_table([summary], {"none": calibration})
 
 
 def test_testbed_targets_need_balanced_calibration():

@@ -22,9 +22,10 @@ __all__ = [
 # What is being compared: thunder_overlap, Thunder's own FSDP, PyTorch FSDP2 (eager, and with each
 # block torch.compile'd).
 TRAINING_IMPLS = ("thunder_overlap", "thunder", "fsdp2", "fsdp2_compile")
-# Calibration runs of the slow-link testbed: the same per-rank compute with no communication, and
-# thunder_overlap's collectives with no compute (see fsdp_bench.impls).
-CALIBRATION_IMPLS = ("compute_only", "comm_only")
+# Calibration runs of the slow-link testbed: the same per-rank compute with no communication,
+# thunder_overlap's collectives with no compute, and both at once with no dependencies between
+# them (see fsdp_bench.impls).
+CALIBRATION_IMPLS = ("compute_only", "comm_only", "compute_with_comm")
 IMPLS = TRAINING_IMPLS + CALIBRATION_IMPLS
 SHARD_MODES = ("zero2", "zero3")
 BUCKETING_MODES = ("none", "block", "layer")

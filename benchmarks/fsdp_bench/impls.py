@@ -16,12 +16,17 @@ Calibration runs of the slow-link testbed:
   (``optimizer_ms``) so the testbed can take the difference out.
 - ``comm_only`` (M): thunder_overlap's collectives for this shard mode and bucketing strategy,
   replayed in trace order with no compute (:mod:`fsdp_bench.comm_replay`).
+- ``compute_with_comm``: both of the above at once, with no dependency between them (the replay
+  on a second thread). No schedule can beat it: it measures what overlapping costs on this
+  machine (on one core per rank, the communication's CPU work is taken from the compute).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -41,7 +46,7 @@ from fsdp_bench.distributed import RunContext
 from fsdp_bench.models import loss_fn, materialize
 from fsdp_bench.profiling import nvtx_range
 
-__all__ = ["Step", "ModelStep", "make_step"]
+__all__ = ["Step", "ModelStep", "ConcurrentStep", "make_step"]
 
 # Thunder's benchmark_litgpt.py optimizer settings.
 _LEARNING_RATE = 5e-4
@@ -74,6 +79,25 @@ class ModelStep:
             self.optimizer.zero_grad(set_to_none=True)
             self.optimizer_ms.append((time.perf_counter() - start) * 1e3)
         return loss.detach()
+
+
+@dataclass
+class ConcurrentStep:
+    """``compute``'s step on this thread while ``comm`` replays its collectives on another."""
+
+    compute: ModelStep
+    comm: CommReplay
+    _thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(max_workers=1))
+
+    @property
+    def optimizer_ms(self) -> list[float]:
+        return self.compute.optimizer_ms
+
+    def __call__(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        replay = self._thread.submit(self.comm, idx, targets)
+        loss = self.compute(idx, targets)
+        replay.result()
+        return loss
 
 
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -127,6 +151,8 @@ _SHARDERS: dict[str, Callable[[nn.Module, BenchmarkConfig, RunContext], nn.Modul
     "compute_only": _compute_only,
     # Sharded like thunder_overlap; make_step then swaps the training step for the replay.
     "comm_only": _thunder_overlap,
+    # Jitted unsharded like compute_only; make_step adds the replay of a sharded copy.
+    "compute_with_comm": _compute_only,
 }
 
 
@@ -143,6 +169,10 @@ def make_step(
 ) -> tuple[nn.Module, Step]:
     """Shards (or jits) the meta ``model`` for ``cfg.impl``; returns it and its training step.
     ``sample`` is one batch, used by ``comm_only`` to produce the traces it replays."""
+    if cfg.impl == "compute_with_comm":
+        replay = _comm_replay(_thunder_overlap(copy.deepcopy(model), cfg, ctx), sample, ctx)
+        compute = _compute_only(model, cfg, ctx)
+        return compute, ConcurrentStep(ModelStep(compute, _optimizer(compute), nvtx=ctx.is_cuda), replay)
     sharded = _SHARDERS[cfg.impl](model, cfg, ctx)
     if cfg.impl == "comm_only":
         return sharded, _comm_replay(sharded, sample, ctx)

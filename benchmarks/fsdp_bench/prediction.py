@@ -2,13 +2,17 @@
 
 Calibration uses the testbed's measured numbers and nothing else:
 - compute: the CPU cost model's per-op estimates are scaled so that the trace's compute sums to
-  the measured compute-only step C (op *proportions* come from the roofline, the total from C);
+  the measured compute-only step C (op *proportions* come from the roofline, the total from C;
+  timing every op on this CPU instead moved the 8-layer prediction by under 0.5%);
 - link: a ring with a per-collective latency and a bus bandwidth (the cost model's
   ``latency * (n - 1) + bytes / bandwidth`` form). Each communication-only run M replays one
   bucketing strategy's collectives back to back; with two or more strategies measured (same
   bytes, different numbers of collectives) the latency and the bandwidth are fitted to all of
   them by least squares on relative error. With one, or when the fit is not physical (negative
   latency), the latency is zero and the bandwidth alone makes that strategy's collectives take M.
+- overlap: when the testbed measured C and M at once (no dependencies between them), compute is
+  slowed by the factor that makes that run's simulation take what it measured: with the
+  communication busy from 0 to M, T = M + C - M / (1 + slowdown) (see fit_overlap_slowdown).
 The simulator then places the implementation's own schedule on the two streams; everything the
 prediction says about overlap comes from that schedule.
 """
@@ -32,7 +36,7 @@ from thunder_overlap.simulator import simulate
 from fsdp_bench.models import build_model, math_sdpa
 from fsdp_bench.simulator_hook import TestbedSetting
 
-__all__ = ["LinkFit", "fit_link", "predict_testbed_step_ms"]
+__all__ = ["LinkFit", "fit_link", "fit_overlap_slowdown", "predict_testbed_step_ms"]
 
 # Unit link parameters: the simulator's communication time is linear in latency and in
 # 1/bandwidth, so pricing the traces once with each unit gives the two coefficients of the fit.
@@ -40,6 +44,9 @@ _UNIT_LATENCY_S = 1e-3
 _REFERENCE_BANDWIDTH = 1e9
 _NO_LATENCY = NetworkProfile("bandwidth only", 0.0, _REFERENCE_BANDWIDTH)
 _NO_TRANSFER = NetworkProfile("latency only", _UNIT_LATENCY_S, 1e30)
+# A concurrent run at the serial bound would mean compute stops beside communication (an
+# infinite slowdown); 10x slower is already indistinguishable from that on the testbed.
+MAX_OVERLAP_SLOWDOWN = 10.0
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,22 @@ def fit_link(comm_ms_by_trace: dict[str, tuple[float, tuple[AnnotatedTrace, ...]
     return LinkFit(0.0, _REFERENCE_BANDWIDTH / transfer_scale, (name,))
 
 
+def fit_overlap_slowdown(compute_ms: float, comm_ms: float, concurrent_ms: float | None) -> float:
+    """How much slower compute runs beside communication, from C, M and the two run at once (T).
+
+    The communication is busy from 0 to M and the compute, slowed by 1 + s while it is, has
+    done M / (1 + s) of its C by then, so T = M + C - M / (1 + s). A T at or under max(C, M)
+    shows no slowdown (0); one at the serial bound C + M means none of the compute progressed
+    beside the communication, and is capped at MAX_OVERLAP_SLOWDOWN.
+    """
+    if concurrent_ms is None or concurrent_ms <= max(compute_ms, comm_ms):
+        return 0.0
+    progressed_ms = comm_ms + compute_ms - concurrent_ms  # compute done while communicating
+    if progressed_ms <= comm_ms / (1 + MAX_OVERLAP_SLOWDOWN):
+        return MAX_OVERLAP_SLOWDOWN
+    return comm_ms / progressed_ms - 1
+
+
 def predict_testbed_step_ms(setting: TestbedSetting) -> float | None:
     """Predicted forward+backward step of ``setting.impl``; None for implementations whose
     schedule is not a Thunder trace (FSDP2)."""
@@ -130,5 +153,6 @@ def predict_testbed_step_ms(setting: TestbedSetting) -> float | None:
         device_profile("cpu"),
         link.network(),
         user_estimate=lambda bsym: compute_scale * reference.compute_ms(bsym),
+        overlap_compute_slowdown=fit_overlap_slowdown(setting.compute_ms, setting.comm_ms, setting.concurrent_ms),
     )
     return sum(simulate(a, list(range(len(a.nodes))), calibrated).step_ms for a in annotated)

@@ -94,7 +94,7 @@ def run_benchmark(cfg: BenchmarkConfig, ctx: RunContext) -> BenchmarkResult:
 
     if cfg.dump_traces and ctx.rank == 0:
         _dump_traces(model, cfg.json_path)
-    optimizer_ms = step.optimizer_ms[cfg.warmup_iters : cfg.max_iters] if isinstance(step, ModelStep) else []
+    optimizer_ms = getattr(step, "optimizer_ms", [])[cfg.warmup_iters : cfg.max_iters]
     return BenchmarkResult(
         impl=cfg.impl,
         model_name=cfg.model_name,

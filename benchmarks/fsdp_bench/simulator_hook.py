@@ -41,6 +41,9 @@ class TestbedSetting:
     # M of every communication-only run, by bucketing strategy ("none" is thunder_overlap's
     # per-parameter collectives): with two or more the simulator fits a per-collective latency.
     comm_ms_by_bucketing: dict[str, float] = field(default_factory=dict)
+    # C and M run at once with no dependencies (this implementation's bucketing), when measured:
+    # what overlapping costs on this machine.
+    concurrent_ms: float | None = None
 
 
 def simulator_prediction_ms(setting: TestbedSetting) -> float | None:

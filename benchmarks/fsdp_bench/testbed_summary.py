@@ -31,6 +31,9 @@ def _round_median(run: dict) -> float:
 class Calibration:
     compute_ms: float  # C
     comm_ms: float  # M
+    # C and M run at once with no dependencies between them: the fastest any schedule can be on
+    # this machine, above max(C, M) by what communicating takes from computing (None: not measured).
+    concurrent_ms: float | None = None
 
     @property
     def serial_ms(self) -> float:
@@ -49,10 +52,11 @@ class Calibration:
         return (self.serial_ms - step_ms) / (self.serial_ms - self.ideal_ms)
 
 
-def calibrate(compute_runs: list[dict], comm_runs: list[dict]) -> Calibration:
-    """C and M, each the median over rounds. A compute-only rank steps the optimizer over the
-    whole model where an FSDP rank steps 1/world_size of it, so C takes out the difference:
-    C = step - (1 - 1/world_size) * optimizer time."""
+def calibrate(compute_runs: list[dict], comm_runs: list[dict], concurrent_runs: list[dict] | None = None) -> Calibration:
+    """C and M (and C with M concurrently), each the median over rounds. A compute-only rank
+    steps the optimizer over the whole model where an FSDP rank steps 1/world_size of it, so C
+    takes out the difference: C = step - (1 - 1/world_size) * optimizer time (and so does the
+    concurrent run)."""
 
     def compute_ms(run: dict) -> float:
         surplus = 1 - 1 / run["world_size"]
@@ -61,6 +65,7 @@ def calibrate(compute_runs: list[dict], comm_runs: list[dict]) -> Calibration:
     return Calibration(
         compute_ms=statistics.median(compute_ms(r) for r in compute_runs),
         comm_ms=statistics.median(_round_median(r) for r in comm_runs),
+        concurrent_ms=statistics.median(compute_ms(r) for r in concurrent_runs) if concurrent_runs else None,
     )
 
 
@@ -77,6 +82,8 @@ class ImplSummary:
     gap_closed: float
     over_ideal: float  # T / max(C, M)
     simulated_ms: float | None
+    # T / (C with M concurrently), when measured.
+    over_concurrent: float | None = None
 
     @property
     def simulator_error(self) -> float | None:
@@ -102,6 +109,7 @@ def summarize(runs: dict[str, list[dict]], calibrations: dict[str, Calibration],
             gap_closed=calibrations[impl].gap_closed(step[impl]),
             over_ideal=step[impl] / calibrations[impl].ideal_ms,
             simulated_ms=simulated.get(impl),
+            over_concurrent=None if calibrations[impl].concurrent_ms is None else step[impl] / calibrations[impl].concurrent_ms,
         )
         for impl, rs in runs.items()
     ]
@@ -116,20 +124,25 @@ def format_table(summaries: list[ImplSummary], calibrations: dict[str, Calibrati
     of its own strategy."""
     lines = []
     for bucketing, calibration in calibrations.items():
-        lines += [
+        lines.append(
             f"bucketing {bucketing}: C (compute only) = {calibration.compute_ms:.1f} ms, "
             f"M (communication only) = {calibration.comm_ms:.1f} ms, max/min = {calibration.balance:.2f}, "
-            f"serial bound C+M = {calibration.serial_ms:.1f} ms, ideal max(C,M) = {calibration.ideal_ms:.1f} ms",
-        ]
+            f"serial bound C+M = {calibration.serial_ms:.1f} ms, ideal max(C,M) = {calibration.ideal_ms:.1f} ms"
+        )
+        if calibration.concurrent_ms is not None:
+            lines.append(
+                f"  C and M at once, no dependencies = {calibration.concurrent_ms:.1f} ms "
+                f"({calibration.concurrent_ms / calibration.ideal_ms:.3f} x max(C,M))"
+            )
     lines += [
         "",
         f"{'impl':<22} {'median ms':>10} {'rounds ms':>15} {'vs thunder':>10} {'gap closed':>10} "
-        f"{'/max(C,M)':>9} {'peak MiB':>9} {'sim ms':>8} {'sim err':>8}",
+        f"{'/max(C,M)':>9} {'/at once':>8} {'peak MiB':>9} {'sim ms':>8} {'sim err':>8}",
     ]
     for s in summaries:
         lines.append(
             f"{s.impl:<22} {s.median_ms:>10.1f} {f'{s.min_round_ms:.0f}-{s.max_round_ms:.0f}':>15} "
-            f"{_fmt(s.vs_thunder, '.3f'):>10} {s.gap_closed:>10.0%} {s.over_ideal:>9.3f} "
+            f"{_fmt(s.vs_thunder, '.3f'):>10} {s.gap_closed:>10.0%} {s.over_ideal:>9.3f} {_fmt(s.over_concurrent, '.3f'):>8} "
             f"{s.peak_memory_bytes / 2**20:>9.1f} {_fmt(s.simulated_ms, '.1f'):>8} {_fmt(s.simulator_error, '.0%'):>8}"
         )
     return "\n".join(lines)
