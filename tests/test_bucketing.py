@@ -4,6 +4,7 @@ feature (accumulation, zero_grad modes, state dicts, retracing) behaving as with
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -221,6 +222,69 @@ def test_state_dicts_round_trip_through_the_bucket_buffers(sessions):
             torch.testing.assert_close(bucketed["original_state_dict"][name], value, rtol=1e-5, atol=1e-6, msg=name)
         assert bucketed["load_kept_parameters"]
         assert bucketed["loss_after_load"] == pytest.approx(plain["loss_after_load"], rel=1e-5)
+
+
+def _no_sync_session(rank: int, world_size: int) -> dict:
+    """Two optimizer steps of three micro-batches, on two identical bucketed ZeRO3 models: one
+    synchronises every backward, the other runs the first two micro-batches under no_sync (Thunder's
+    ``ThunderModule.no_sync`` and ``skip_data_parallel_grad_sync``), counting reduce-scatters."""
+    import thunder
+    import torch.distributed as dist
+
+    import thunder_overlap
+    from thunder_overlap.transforms import BucketingTransform
+
+    sent = []
+    reduce_scatter = dist.reduce_scatter_tensor
+
+    def counted(*args, **kwargs):
+        sent.append(1)
+        return reduce_scatter(*args, **kwargs)
+
+    dist.reduce_scatter_tensor = counted
+    result: dict = {"grads": {}, "sent_per_micro_batch": {}, "grads_none_under_no_sync": []}
+    for mode in ("sync", "no_sync"):
+        torch.manual_seed(0)
+        jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3", bucketing_strategy="block")
+        optimizer = torch.optim.SGD([p for p in jm.parameters() if p.requires_grad], lr=0.05)
+        contexts = [contextlib.nullcontext] * 3
+        if mode == "no_sync":
+            contexts[:2] = [jm.no_sync, thunder.distributed.skip_data_parallel_grad_sync]
+        grads, sent_per_micro_batch = [], []
+        for step in range(2):
+            optimizer.zero_grad(set_to_none=step == 0)
+            for micro, context in enumerate(contexts):
+                before = len(sent)
+                with context():
+                    _loss(jm, *_batch(step, micro + 10 * rank)).backward()
+                sent_per_micro_batch.append(len(sent) - before)
+                if mode == "no_sync" and step == 0 and micro < 2:
+                    result["grads_none_under_no_sync"].append(all(p.grad is None for p in jm.parameters()))
+            grads.append({n: p.grad.clone() for n, p in jm.named_parameters() if p.requires_grad})
+            optimizer.step()
+        result["grads"][mode] = grads
+        result["sent_per_micro_batch"][mode] = sent_per_micro_batch
+    summaries = BucketingTransform.of(jm).summaries
+    result["accumulations"] = summaries["backward (no_sync)"].accumulations
+    result["reduce_scatters_under_no_sync"] = summaries["backward (no_sync)"].reduce_scatters
+    result["reduce_scatters"] = summaries["backward"].reduce_scatters
+    return result
+
+
+def test_no_sync_accumulates_in_the_buckets_and_sends_once():
+    for r in run_local_ranks(_no_sync_session, WORLD_SIZE):
+        trainable_buckets = r["reduce_scatters"]
+        assert trainable_buckets > 0
+        # Under no_sync one local accumulation per bucket replaces each reduce-scatter.
+        assert r["accumulations"] == trainable_buckets and r["reduce_scatters_under_no_sync"] == 0
+        assert r["sent_per_micro_batch"]["sync"] == [trainable_buckets] * 6
+        assert r["sent_per_micro_batch"]["no_sync"] == [0, 0, trainable_buckets] * 2
+        # Thunder hands autograd None under no_sync; the sum arrives with the next backward.
+        assert r["grads_none_under_no_sync"] == [True, True]
+        for step, (got, expected) in enumerate(zip(r["grads"]["no_sync"], r["grads"]["sync"])):
+            assert got.keys() == expected.keys()
+            for name in expected:
+                torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
 
 
 def test_replacing_a_parameter_is_a_clear_error(sessions):

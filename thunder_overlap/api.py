@@ -18,7 +18,7 @@ from thunder.transforms import MaterializationTransform
 
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.executor import with_collectives_kept_visible
-from thunder_overlap.transforms import BucketingTransform, OverlapScheduleTransform, Zero3Transform
+from thunder_overlap.transforms import BucketingTransform, OverlapScheduleTransform, RefuseNoSyncTransform, Zero3Transform
 
 __all__ = ["fsdp", "fsdp_transforms", "parse_sharding_strategy", "parse_bucketing_strategy"]
 
@@ -186,6 +186,8 @@ def fsdp_transforms(
         # After ZeRO3, so that its backward re-gathers are bucketed too; after materialisation,
         # which may replace the parameters the buckets hold.
         transforms.append(BucketingTransform(bucketing_strategy.name.lower(), process_group, bucket_cap_bytes))
+    else:
+        transforms.append(RefuseNoSyncTransform())
     transforms.append(OverlapScheduleTransform(config))
     return transforms
 

@@ -15,7 +15,11 @@ only when no tensor of its storage is alive anymore. ZeRO2 keeps every gathered 
 until backward, so the pool holds one buffer per bucket; ZeRO3 frees each after its last use,
 so the pool holds no more than were alive at once. After the first step nothing is allocated.
 
-The four functions at the bottom are the implementations of the trace operators that
+Under no_sync a bucket's gradients are laid out the same way but summed into
+``unsynced_grads`` (unsharded, as in any data parallelism that skips the reduction) instead of
+being reduce-scattered; the next reduce-scatter of the bucket adds the sum in and frees it.
+
+The five functions at the bottom are the implementations of the trace operators that
 :class:`~thunder_overlap.transforms.BucketingTransform` puts in place of the per-parameter
 collectives. Their first argument is a bucket id, looked up in a registry, because a trace can
 only carry constants and proxies.
@@ -106,6 +110,9 @@ class BucketBuffers:
         self.pool = pool
         self._grad_shards: list[_Reusable] = []
         self.allocations = 0
+        # Gradients summed under no_sync, laid out like a reduce-scatter input; the next
+        # reduce-scatter adds them and lets go.
+        self.unsynced_grads: torch.Tensor | None = None
 
     @property
     def grad_shards(self) -> list[torch.Tensor]:
@@ -175,17 +182,25 @@ class BucketBuffers:
         self.allocations += 1
         return buffer.view(-1)
 
-    def start_reduce_scatter(self, grads: list[torch.Tensor], divisor: float | None) -> PendingCollective:
-        """Copies (and pads) every gradient of the bucket into ``reduce_input`` with one
-        ``_chunk_cat``, pre-averages in place and reduce-scatters into a free gradient shard."""
+    def _lay_out(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Copies (and pads) every gradient of the bucket into a pool buffer with one
+        ``_chunk_cat``: row r of its (world_size, shard_numel) view is what rank r receives."""
         if len(grads) != len(self.plan.slots):
             raise RuntimeError(
                 f"thunder_overlap bucketing: bucket {self.plan.label!r} expects {len(self.plan.slots)} gradients, got {len(grads)}"
             )
         flat = self.flat_shard
-        reduce_input = self.pool.acquire(self.world_size * self.plan.shard_numel, flat.dtype, flat.device)
-        laid_out = reduce_input.view(self.world_size, self.plan.shard_numel)
-        torch._chunk_cat(grads, dim=0, num_chunks=self.world_size, out=laid_out)
+        laid_out = self.pool.acquire(self.world_size * self.plan.shard_numel, flat.dtype, flat.device)
+        torch._chunk_cat(grads, dim=0, num_chunks=self.world_size, out=laid_out.view(self.world_size, self.plan.shard_numel))
+        return laid_out
+
+    def start_reduce_scatter(self, grads: list[torch.Tensor], divisor: float | None) -> PendingCollective:
+        """Lays the gradients out (adding those summed under no_sync), pre-averages in place and
+        reduce-scatters into a free gradient shard."""
+        reduce_input = self._lay_out(grads)
+        if self.unsynced_grads is not None:
+            reduce_input.add_(self.unsynced_grads)
+            self.unsynced_grads = None
         if divisor is not None:
             reduce_input.div_(divisor)
         grad_shard = self._free_grad_shard()
@@ -194,12 +209,27 @@ class BucketBuffers:
 
     def finish_reduce_scatter(self, pending: PendingCollective, slots: tuple[int, ...]) -> list[torch.Tensor]:
         pending.work.wait()
-        grad_shard = pending.result
-        out = []
-        for i in slots:
-            s = self.plan.slots[i]
-            out.append(grad_shard[s.offset : s.offset + s.numel].view(s.shard_shape))
-        return out
+        return self._slot_views(pending.result, slots)
+
+    def _slot_views(self, flat: torch.Tensor, slots: tuple[int, ...]) -> list[torch.Tensor]:
+        return [flat[s.offset : s.offset + s.numel].view(s.shard_shape) for s in (self.plan.slots[i] for i in slots)]
+
+    # --- no_sync ----------------------------------------------------------------------------
+
+    def accumulate_unsynced(self, grads: list[torch.Tensor], slots: tuple[int, ...]) -> list[torch.Tensor]:
+        """Adds the gradients to :attr:`unsynced_grads` instead of reduce-scattering them.
+
+        Returns this rank's part of the sum, shaped like the shards, only so the trace has its
+        gradients to return: Thunder hands autograd None under no_sync.
+        """
+        laid_out = self._lay_out(grads)
+        if self.unsynced_grads is None:
+            self.unsynced_grads = laid_out.clone()
+        else:
+            self.unsynced_grads.add_(laid_out)
+        rank = self.process_group.rank()
+        own = self.unsynced_grads.view(self.world_size, self.plan.shard_numel)[rank]
+        return self._slot_views(own, slots)
 
 
 # Buckets by id. Values are weak: the BucketingTransform that made them keeps them alive as long
@@ -237,3 +267,7 @@ def reduce_scatter_bucket(
 
 def wait_reduce_scatter_bucket(pending: PendingCollective, bucket_id: int, slots: tuple[int, ...]) -> list[torch.Tensor]:
     return lookup_bucket(bucket_id).finish_reduce_scatter(pending, slots)
+
+
+def accumulate_bucket_grads(bucket_id: int, grads: list[torch.Tensor], slots: tuple[int, ...]) -> list[torch.Tensor]:
+    return lookup_bucket(bucket_id).accumulate_unsynced(grads, slots)

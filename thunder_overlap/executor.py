@@ -25,6 +25,7 @@ __all__ = [
     "bucket_all_gather_wait",
     "bucket_reduce_scatter",
     "bucket_reduce_scatter_wait",
+    "bucket_accumulate_grads",
 ]
 
 overlap_executor = OperatorExecutor("thunder_overlap")
@@ -64,6 +65,11 @@ def _bucket_reduce_scatter_wait_meta(pending: FutureTensorProxy, bucket_id: int,
     return [TensorProxy(like=pending, shape=bucket.plan.slots[i].shard_shape) for i in slots]
 
 
+def _bucket_accumulate_grads_meta(bucket_id: int, grads: list[TensorProxy], slots: tuple[int, ...]) -> list[TensorProxy]:
+    bucket = bucket_buffers.lookup_bucket(bucket_id)
+    return [TensorProxy(like=grads[0], shape=bucket.plan.slots[i].shard_shape) for i in slots]
+
+
 bucket_all_gather = overlap_executor.register_operator(
     "bucket_all_gather", meta=_bucket_all_gather_meta, fn=bucket_buffers.all_gather_bucket
 )
@@ -75,6 +81,9 @@ bucket_reduce_scatter = overlap_executor.register_operator(
 )
 bucket_reduce_scatter_wait = overlap_executor.register_operator(
     "bucket_reduce_scatter_wait", meta=_bucket_reduce_scatter_wait_meta, fn=bucket_buffers.wait_reduce_scatter_bucket
+)
+bucket_accumulate_grads = overlap_executor.register_operator(
+    "bucket_accumulate_grads", meta=_bucket_accumulate_grads_meta, fn=bucket_buffers.accumulate_bucket_grads
 )
 
 

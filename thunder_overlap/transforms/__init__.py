@@ -1,7 +1,9 @@
-"""Trace transforms, one per file: ZeRO3 re-gathering, bucketing and overlap scheduling."""
+"""Trace transforms, one per file: ZeRO3 re-gathering, bucketing, overlap scheduling, and the
+refusal of no_sync where there are no buckets to accumulate in."""
 
 from thunder_overlap.transforms.bucketing import BucketingTransform
+from thunder_overlap.transforms.no_sync import RefuseNoSyncTransform
 from thunder_overlap.transforms.schedule import OverlapScheduleTransform
 from thunder_overlap.transforms.zero3 import Zero3Transform
 
-__all__ = ["BucketingTransform", "OverlapScheduleTransform", "Zero3Transform"]
+__all__ = ["BucketingTransform", "OverlapScheduleTransform", "RefuseNoSyncTransform", "Zero3Transform"]

@@ -9,6 +9,8 @@ Thunder's FSDP gathers and reduce-scatters every parameter on its own. This tran
   names of the per-parameter waits (so the unpadding slices and the compute read them as before);
   the pad, pre-average, reduce-scatter and wait of a bucket's gradients become one
   ``bucket_reduce_scatter`` and its wait. ZeRO3's backward re-gathers are bucketed the same way.
+  A backward compiled under no_sync gets one ``bucket_accumulate_grads`` per bucket instead,
+  which sums the gradients locally; the bucket's next reduce-scatter sends the sum.
 
 A bucket's gather starts where its first parameter's did and its reduce-scatter where the last
 gradient's did; :class:`OverlapScheduleTransform`, which runs next, moves them from there.
@@ -31,6 +33,7 @@ from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace, tracectx
 from thunder.core.transform_common import Transform
+from thunder.distributed import get_skip_data_parallel_grad_sync
 from thunder.executors.passes import del_last_used
 
 from thunder_overlap.bucket_buffers import BucketBuffers, BufferPool, register_bucket
@@ -39,6 +42,7 @@ from thunder_overlap.classify import AnnotatedTrace, Collective, CollectiveKind,
 from thunder_overlap.executor import (
     bucket_all_gather,
     bucket_all_gather_wait,
+    bucket_accumulate_grads,
     bucket_reduce_scatter,
     bucket_reduce_scatter_wait,
 )
@@ -52,6 +56,8 @@ class BucketingSummary:
 
     all_gathers: int = 0
     reduce_scatters: int = 0
+    # Buckets whose gradients were summed locally instead (a backward compiled under no_sync).
+    accumulations: int = 0
     # Per-parameter collectives left as they were: (what, why).
     unbucketed: list[tuple[str, str]] = field(default_factory=list)
 
@@ -159,7 +165,10 @@ class BucketingTransform(Transform):
         self._bucket_all_gathers(computation_trace, annotated, summary, new_bsyms, removed)
         if is_backward:
             self._bucket_reduce_scatters(computation_trace, annotated, summary, new_bsyms, removed)
-        self.summaries["backward" if is_backward else "forward"] = summary
+        pass_name = "forward"
+        if is_backward:
+            pass_name = "backward (no_sync)" if get_skip_data_parallel_grad_sync() else "backward"
+        self.summaries[pass_name] = summary
         if not new_bsyms:
             return computation_trace
         return _rebuild(computation_trace, new_bsyms, removed, is_backward)
@@ -201,6 +210,38 @@ class BucketingTransform(Transform):
             summary.all_gathers += 1
 
     def _bucket_reduce_scatters(self, trace, annotated, summary, new_bsyms, removed) -> None:
+        groups = self._reduce_scatter_groups(trace, annotated, summary)
+        unsynced = get_skip_data_parallel_grad_sync()
+        per_parameter = [u for u in summary.unbucketed if u[0].startswith("reduce_scatter")]
+        if unsynced and per_parameter:
+            # Thunder would hand autograd None for these gradients and they would be lost.
+            raise NotImplementedError(
+                "thunder_overlap: under no_sync only bucketed gradients can be accumulated, and these "
+                f"reduce-scatters could not be bucketed: {per_parameter}"
+            )
+        positions = {id(b): i for i, b in enumerate(trace.bound_symbols)}
+        for bucket_id, group in groups:
+            bucket = self.buckets[bucket_id]
+            slots = tuple(m.slot for m in group)
+            sources = [m.source for m in group]
+            outputs = tuple(m.wait.output for m in group)
+            last_start = max(positions[id(m.start)] for m in group)
+            removed.update(positions[id(b)] for m in group for b in (m.start, m.wait, *m.prologue))
+            if unsynced:
+                new_bsyms[last_start].append(bucket_accumulate_grads.bind(bucket_id, sources, slots, output=outputs))
+                summary.accumulations += 1
+                continue
+            with tracectx(trace):
+                future = FutureTensorProxy(shape=(bucket.plan.shard_numel,), like=group[0].source)
+            start = bucket_reduce_scatter.bind(bucket_id, self.process_group, sources, group[0].divisor, output=future)
+            new_bsyms[last_start].append(start)
+            wait = bucket_reduce_scatter_wait.bind(future, bucket_id, slots, output=outputs)
+            new_bsyms[max(positions[id(m.wait)] for m in group)].append(wait)
+            summary.reduce_scatters += 1
+
+    def _reduce_scatter_groups(self, trace, annotated, summary) -> list[tuple[int, list[_Member]]]:
+        """The backward's reduce-scatters by bucket, each bucket's in slot order; whatever cannot
+        be bucketed goes to ``summary.unbucketed``."""
         ret = trace.bound_symbols[-1]
         returned = ret.args[0] if ret.args and isinstance(ret.args[0], (tuple, list)) else ()
         position_of_grad = {g.name: j for j, g in enumerate(returned) if isinstance(g, TensorProxy)}
@@ -213,26 +254,14 @@ class BucketingTransform(Transform):
                 summary.unbucketed.append((f"reduce_scatter({annotated.nodes[c.start].inputs[0]})", problem))
                 continue
             members[member[0]].append(member[1])
-
-        positions = {id(b): i for i, b in enumerate(trace.bound_symbols)}
+        groups = []
         for bucket_id, group in members.items():
-            bucket = self.buckets[bucket_id]
-            problem = _incomplete(bucket.plan, group)
+            problem = _incomplete(self.buckets[bucket_id].plan, group)
             if problem is not None:
                 summary.unbucketed += [(f"reduce_scatter({m.source.name})", problem) for m in group]
                 continue
-            group.sort(key=lambda m: m.slot)
-            slots = tuple(m.slot for m in group)
-            with tracectx(trace):
-                future = FutureTensorProxy(shape=(bucket.plan.shard_numel,), like=group[0].source)
-            start = bucket_reduce_scatter.bind(
-                bucket_id, self.process_group, [m.source for m in group], group[0].divisor, output=future
-            )
-            wait = bucket_reduce_scatter_wait.bind(future, bucket_id, slots, output=tuple(m.wait.output for m in group))
-            new_bsyms[max(positions[id(m.start)] for m in group)].append(start)
-            new_bsyms[max(positions[id(m.wait)] for m in group)].append(wait)
-            removed.update(positions[id(b)] for m in group for b in (m.start, m.wait, *m.prologue))
-            summary.reduce_scatters += 1
+            groups.append((bucket_id, sorted(group, key=lambda m: m.slot)))
+        return groups
 
     def _reduce_scatter_member(
         self, annotated: AnnotatedTrace, c: Collective, position_of_grad: dict[str, int]

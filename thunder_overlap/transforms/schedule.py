@@ -11,7 +11,6 @@ from thunder.core.devices import to_torch_device
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
-from thunder.distributed import get_skip_data_parallel_grad_sync
 
 from thunder_overlap.blocks import largest_block_bytes
 from thunder_overlap.classify import AnnotatedTrace, NodeKind, classify_trace, find_swallowed_collectives
@@ -46,18 +45,6 @@ class OverlapScheduleTransform(Transform):
                 stacklevel=2,
             )
         self.limits = self.config.limits(block_bytes)
-
-    def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
-        # Thunder 0.2.6's FSDP returns None for every gradient computed under no_sync: the
-        # micro-batch is silently lost. Refuse rather than train on part of the data.
-        if get_skip_data_parallel_grad_sync():
-            raise NotImplementedError(
-                "thunder_overlap: no_sync / thunder.distributed.skip_data_parallel_grad_sync() is not supported: "
-                "Thunder 0.2.6's FSDP drops the gradients computed under it (every .grad stays None). "
-                "Accumulate gradients by calling backward() on each micro-batch outside it; each backward "
-                "reduce-scatters and .grad accumulates the shards."
-            )
-        return prologue_trace, computation_trace, epilogue_trace
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         swallowed = find_swallowed_collectives(computation_trace)
