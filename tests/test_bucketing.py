@@ -16,6 +16,7 @@ from thunder_overlap.buckets import bucket_owner, plan_buckets
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.local_ranks import run_local_ranks
 from thunder_overlap.models import TinyGPT, TinyGPTConfig
+from thunder_overlap.op_census import OpCensus
 from thunder_overlap.training import TrainSetup, shard_of, train_rank, train_reference
 
 WORLD_SIZE = 2
@@ -338,6 +339,10 @@ def test_mixed_dtypes_get_buckets_of_their_own_and_train_like_eager(one_rank_gro
             optimizer.zero_grad()
             model(x).square().sum().backward()
             optimizer.step()
+    # On one rank a gathered bucket is already laid out parameter by parameter: no copy-out.
+    with OpCensus() as census:
+        jm(torch.randn(5, 8)).square().sum().backward()
+    assert census.count("split_with_sizes_copy") == 0
     summaries = BucketingTransform.of(jm).summaries
     assert (summaries["forward"].all_gathers, summaries["backward"].reduce_scatters) == (3, 2)
     assert not summaries["forward"].unbucketed and not summaries["backward"].unbucketed

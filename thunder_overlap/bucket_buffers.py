@@ -153,14 +153,15 @@ class BucketBuffers:
         """Waits, then lays the gathered ranks out parameter by parameter with one copy.
 
         The gather output is rank-major (every rank's whole flat shard in turn); an unsharded
-        parameter needs its rows from every rank next to each other. With one slot the two
-        layouts coincide and views suffice.
+        parameter needs its rows from every rank next to each other. With one slot, or one
+        rank, the two layouts coincide and views suffice.
         """
         pending.work.wait()
         gathered = pending.result
         world, plan = self.world_size, self.plan
-        if len(plan.slots) == 1:
-            return [gathered[: world * plan.shard_numel].view(self.unsharded_shape(0)) for _ in slots]
+        if len(plan.slots) == 1 or world == 1:
+            spans = ((world * s.offset, world * (s.offset + s.numel)) for s in (plan.slots[i] for i in slots))
+            return [gathered[begin:end].view(self.unsharded_shape(i)) for i, (begin, end) in zip(slots, spans)]
         unsharded = self.pool.acquire(gathered.numel(), gathered.dtype, gathered.device)
         pieces = [unsharded[world * s.offset : world * (s.offset + s.numel)] for s in plan.slots]
         torch.split_with_sizes_copy(
