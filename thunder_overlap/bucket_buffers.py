@@ -159,17 +159,17 @@ class BucketBuffers:
         pending.work.wait()
         gathered = pending.result
         world, plan = self.world_size, self.plan
-        if len(plan.slots) == 1 or world == 1:
-            spans = ((world * s.offset, world * (s.offset + s.numel)) for s in (plan.slots[i] for i in slots))
-            return [gathered[begin:end].view(self.unsharded_shape(i)) for i, (begin, end) in zip(slots, spans)]
-        unsharded = self.pool.acquire(gathered.numel(), gathered.dtype, gathered.device)
+        unsharded = gathered
+        if len(plan.slots) > 1 and world > 1:
+            unsharded = self.pool.acquire(gathered.numel(), gathered.dtype, gathered.device)
         pieces = [unsharded[world * s.offset : world * (s.offset + s.numel)] for s in plan.slots]
-        torch.split_with_sizes_copy(
-            gathered.view(world, plan.shard_numel),
-            [s.numel for s in plan.slots],
-            dim=1,
-            out=[p.view(world, s.numel) for p, s in zip(pieces, plan.slots)],
-        )
+        if unsharded is not gathered:
+            torch.split_with_sizes_copy(
+                gathered.view(world, plan.shard_numel),
+                [s.numel for s in plan.slots],
+                dim=1,
+                out=[p.view(world, s.numel) for p, s in zip(pieces, plan.slots)],
+            )
         return [pieces[i].view(self.unsharded_shape(i)) for i in slots]
 
     # --- reduce-scatter ---------------------------------------------------------------------
