@@ -19,16 +19,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from thunder_overlap.blocks import largest_block_bytes
-from thunder_overlap.classify import classify_trace
+from thunder_overlap.analysis.blocks import largest_block_bytes
+from thunder_overlap.analysis.classify import classify_trace
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.cost_model import CostModel
-from thunder_overlap.memory_estimate import estimate_memory
-from thunder_overlap.models import Llama, LlamaConfig
-from thunder_overlap.reporting import unscheduled_trace
-from thunder_overlap.report_cli import trace_model
-from thunder_overlap.scheduling import OverlapScheduler
-from thunder_overlap.simulator import simulate
+from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap.analysis.memory_estimate import estimate_memory
+from thunder_overlap.tools.tiny_models import Llama, LlamaConfig
+from thunder_overlap.report.report import unscheduled_trace
+from thunder_overlap.report.cli import trace_model
+from thunder_overlap.scheduling.scheduler import OverlapScheduler
+from thunder_overlap.analysis.simulator import simulate
 
 # Repeat the passes and keep the fastest run: the machine is shared, the minimum is the cost.
 REPEATS = 3

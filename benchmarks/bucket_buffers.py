@@ -1,9 +1,9 @@
 """What bucketing allocates and copies per iteration, against the two usual ways of doing it.
 
 Two gloo ranks train a TinyGPT; after warm-up steps, one whole step (zero_grad, forward,
-backward, optimizer step) runs under :class:`~thunder_overlap.op_census.OpCensus`, which counts
+backward, optimizer step) runs under :class:`~thunder_overlap.tools.op_census.OpCensus`, which counts
 every aten op that creates a storage and every copy op with the bytes it writes; then one more
-forward and backward runs under :class:`~thunder_overlap.memory.LiveMemoryTracker` for the peak
+forward and backward runs under :class:`~thunder_overlap.tools.live_memory.LiveMemoryTracker` for the peak
 of live tensor bytes, persistent bucket buffers included (the optimizer step is left out: its
 in-place updates would count the parameters too). Variants:
 
@@ -16,7 +16,7 @@ in-place updates would count the parameters too). Variants:
   taken from the allocator on every call (PyTorch FSDP2's way).
 
 The variants swap only the runtime of the buckets (the class of each
-:class:`~thunder_overlap.bucket_buffers.BucketBuffers`); traces and schedule are the same.
+:class:`~thunder_overlap.bucketing.buffers.BucketBuffers`); traces and schedule are the same.
 
     python benchmarks/bucket_buffers.py --n-layer 8 --out results/bucket_buffers.md
 """
@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from thunder_overlap.bucket_buffers import BucketBuffers, PendingCollective
-from thunder_overlap.local_ranks import run_local_ranks
-from thunder_overlap.memory import LiveMemoryTracker
-from thunder_overlap.models import TinyGPT, TinyGPTConfig
-from thunder_overlap.op_census import OpCensus
+from thunder_overlap.bucketing.buffers import BucketBuffers, PendingCollective
+from thunder_overlap.tools.local_ranks import run_local_ranks
+from thunder_overlap.tools.live_memory import LiveMemoryTracker
+from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.tools.op_census import OpCensus
 
 VARIANTS = (
     "none",

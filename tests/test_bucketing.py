@@ -12,12 +12,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from thunder_overlap.buckets import bucket_owner, plan_buckets
+from thunder_overlap.bucketing.plan import bucket_owner, plan_buckets
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.local_ranks import run_local_ranks
-from thunder_overlap.models import TinyGPT, TinyGPTConfig
-from thunder_overlap.op_census import OpCensus
-from thunder_overlap.training import TrainSetup, shard_of, train_rank, train_reference
+from thunder_overlap.tools.local_ranks import run_local_ranks
+from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.tools.op_census import OpCensus
+from thunder_overlap.tools.training import TrainSetup, shard_of, train_rank, train_reference
 
 WORLD_SIZE = 2
 MODEL = TinyGPTConfig(n_layer=2)

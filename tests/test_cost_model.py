@@ -8,8 +8,8 @@ from thunder.core import devices, dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
 
-from thunder_overlap.classify import Collective, CollectiveKind
-from thunder_overlap.cost_model import (
+from thunder_overlap.analysis.classify import Collective, CollectiveKind
+from thunder_overlap.analysis.cost_model import (
     Calibration,
     CostModel,
     DeviceProfile,

@@ -12,14 +12,10 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import thunder_overlap
-from thunder_overlap.memory_estimate import (
-    compare_memory,
-    estimate_memory,
-    measure_memory,
-    run_measured,
-)
-from thunder_overlap.models import TinyGPT, TinyGPTConfig
-from thunder_overlap.trace_runner import materialize_inputs
+from thunder_overlap.analysis.memory_estimate import estimate_memory
+from thunder_overlap.tools.memory_check import compare_memory, measure_memory, run_measured
+from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.tools.trace_runner import materialize_inputs
 
 X_BYTES = 64 * 32 * 4  # the f32[64, 32] input of the small functions below
 

@@ -10,10 +10,10 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import thunder_overlap
-from thunder_overlap.classify import NodeKind
-from thunder_overlap.models import TinyGPT, TinyGPTConfig
-from thunder_overlap.reporting import report
-from thunder_overlap.report_cli import main
+from thunder_overlap.analysis.classify import NodeKind
+from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.report.report import report
+from thunder_overlap.report.cli import main
 
 # The command creates (and destroys) its own fake process group, so its tests come first,
 # before the module's group for report() exists.
@@ -109,8 +109,8 @@ def test_report_exports(jitted, tmp_path):
 
 def test_policy_comparison_puts_every_policy_side_by_side(jitted):
     from thunder_overlap.config import OverlapConfig
-    from thunder_overlap.cost_model import CostModel
-    from thunder_overlap.policy_comparison import COMPARED_POLICIES, compare_policies
+    from thunder_overlap.analysis.cost_model import CostModel
+    from thunder_overlap.report.policies import COMPARED_POLICIES, compare_policies
 
     cost_model = CostModel.named("h100", "custom:5:1")
     # A budget with no slack at all: memory_aware may not exceed the just-in-time peak.

@@ -16,9 +16,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import thunder_overlap
 from thunder_overlap import FSDPOverlap, OverlapConfig, schedule_stats
-from thunder_overlap.classify import NodeKind, classify_trace
-from thunder_overlap.models import TinyGPT, TinyGPTConfig
-from thunder_overlap.training import collective_sequence
+from thunder_overlap.analysis.classify import NodeKind, classify_trace
+from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.tools.training import collective_sequence
 
 MODEL = TinyGPTConfig(n_layer=3, n_embd=32)
 COLLECTIVE_WORDS = ("all_gather", "reduce_scatter", "wait")

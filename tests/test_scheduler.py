@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from synthetic_traces import VALUE_BYTES, WORLD_SIZE, build_trace, valid_program
-from thunder_overlap.classify import CollectiveKind, NodeKind, classify_trace, is_expensive
+from thunder_overlap.analysis.classify import CollectiveKind, NodeKind, classify_trace, is_expensive
 from thunder_overlap.config import SCHEDULING_POLICIES, OverlapConfig
-from thunder_overlap.cost_model import CostModel
-from thunder_overlap.memory_estimate import estimate_memory
-from thunder_overlap.scheduling import OverlapScheduler, apply_order, just_in_time_order
-from thunder_overlap.simulator import simulate
+from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap.analysis.memory_estimate import estimate_memory
+from thunder_overlap.scheduling.scheduler import OverlapScheduler, apply_order, just_in_time_order
+from thunder_overlap.analysis.simulator import simulate
 
 COLLECTIVE_MS = 1.0
 

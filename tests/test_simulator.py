@@ -6,15 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from thunder_overlap.classify import (
+from thunder_overlap.analysis.classify import (
     AnnotatedTrace,
     Collective,
     CollectiveKind,
     NodeKind,
     TraceNode,
 )
-from thunder_overlap.cost_model import CostModel, DeviceProfile, NetworkProfile
-from thunder_overlap.simulator import potentially_hideable, simulate
+from thunder_overlap.analysis.cost_model import CostModel, DeviceProfile, NetworkProfile
+from thunder_overlap.analysis.simulator import potentially_hideable, simulate
 
 # On 2 ranks with no latency and 1 GB/s, a collective of 4 MB takes 1/2 * 4 MB / 1 GB/s = 2 ms.
 NETWORK = NetworkProfile("test", latency_s=0.0, bus_bandwidth=1e9)

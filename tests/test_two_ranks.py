@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from thunder_overlap.blocks import largest_block_bytes
-from thunder_overlap.local_ranks import run_local_ranks
-from thunder_overlap.models import TinyGPT, TinyGPTConfig
-from thunder_overlap.training import TrainSetup, shard_of, train_rank, train_reference
+from thunder_overlap.analysis.blocks import largest_block_bytes
+from thunder_overlap.tools.local_ranks import run_local_ranks
+from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.tools.training import TrainSetup, shard_of, train_rank, train_reference
 
 WORLD_SIZE = 2
 MODEL = TinyGPTConfig(n_layer=4)
@@ -130,7 +130,7 @@ class SlowCollectiveEstimate:
 
 def test_ranks_agree_on_measured_estimates_before_scheduling():
     from thunder_overlap.config import OverlapConfig
-    from thunder_overlap.cost_model import CostModel
+    from thunder_overlap.analysis.cost_model import CostModel
 
     cost_model = CostModel.named("cpu", "gloo-loopback", collective_estimate=RankDependentCollectiveEstimate())
     config = OverlapConfig(max_prefetch_compute_ops=1, cost_model=cost_model)

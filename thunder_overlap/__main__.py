@@ -14,11 +14,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     if command == "demo":
-        from thunder_overlap.demo import main as demo_main
+        from thunder_overlap.tools.demo import main as demo_main
 
         return demo_main(rest)
     if command == "report":
-        from thunder_overlap.report_cli import main as report_main
+        from thunder_overlap.report.cli import main as report_main
 
         return report_main(rest)
     raise AssertionError(command)

@@ -17,7 +17,7 @@ from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 from thunder.transforms import MaterializationTransform
 
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.executor import with_collectives_kept_visible
+from thunder_overlap.transforms.executor import with_collectives_kept_visible
 from thunder_overlap.transforms import BucketingTransform, OverlapScheduleTransform, RefuseNoSyncTransform, Zero3Transform
 
 __all__ = ["fsdp", "fsdp_transforms", "parse_sharding_strategy", "parse_bucketing_strategy"]

@@ -9,7 +9,7 @@ from thunder.distributed import FSDPBucketingStrategy, FSDPType
 
 from thunder_overlap.api import _resolve, _setup_transforms
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.executor import overlap_executor
+from thunder_overlap.transforms.executor import overlap_executor
 
 __all__ = ["FSDPOverlap", "PLUGIN_NAME", "register"]
 

@@ -38,7 +38,7 @@ from thunder.distributed import FSDPBucketingStrategy
 
 import thunder_overlap
 from thunder_overlap.api import parse_sharding_strategy
-from thunder_overlap.blocks import find_blocks
+from thunder_overlap.analysis.blocks import find_blocks
 
 from fsdp_bench.comm_replay import CommReplay
 from fsdp_bench.config import BenchmarkConfig

@@ -28,10 +28,10 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from thunder_overlap.api import parse_sharding_strategy
-from thunder_overlap.classify import AnnotatedTrace, classify_trace
-from thunder_overlap.cost_model import CostModel, NetworkProfile, device_profile
-from thunder_overlap.report_cli import trace_model
-from thunder_overlap.simulator import simulate
+from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace
+from thunder_overlap.analysis.cost_model import CostModel, NetworkProfile, device_profile
+from thunder_overlap.report.cli import trace_model
+from thunder_overlap.analysis.simulator import simulate
 
 from fsdp_bench.models import build_model, math_sdpa
 from fsdp_bench.simulator_hook import TestbedSetting

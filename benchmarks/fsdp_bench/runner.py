@@ -10,7 +10,7 @@ import torch
 import thunder
 from thunder.core.module import ThunderModule
 
-from thunder_overlap.schedule_view import schedule_picture, schedule_stats
+from thunder_overlap.report.schedule_view import schedule_picture, schedule_stats
 
 from fsdp_bench.config import BenchmarkConfig
 from fsdp_bench.distributed import RunContext

@@ -3,7 +3,7 @@
 Thunder's FSDP gathers and reduce-scatters every parameter on its own. This transform changes:
 
 - the module: each bucket's shards move into one flat buffer
-  (:class:`~thunder_overlap.bucket_buffers.BucketBuffers`) and the parameters become views of it;
+  (:class:`~thunder_overlap.bucketing.buffers.BucketBuffers`) and the parameters become views of it;
 - the forward and backward execution traces: the all-gathers and waits of a bucket's parameters
   become one ``bucket_all_gather`` and one ``bucket_all_gather_wait``, whose outputs keep the
   names of the per-parameter waits (so the unpadding slices and the compute read them as before);
@@ -36,10 +36,10 @@ from thunder.core.transform_common import Transform
 from thunder.distributed import get_skip_data_parallel_grad_sync
 from thunder.executors.passes import del_last_used
 
-from thunder_overlap.bucket_buffers import BucketBuffers, BufferPool, register_bucket
-from thunder_overlap.buckets import BucketPlan, bucket_owner, plan_buckets
-from thunder_overlap.classify import AnnotatedTrace, Collective, CollectiveKind, classify_trace
-from thunder_overlap.executor import (
+from thunder_overlap.bucketing.buffers import BucketBuffers, BufferPool, register_bucket
+from thunder_overlap.bucketing.plan import BucketPlan, bucket_owner, plan_buckets
+from thunder_overlap.analysis.classify import AnnotatedTrace, Collective, CollectiveKind, classify_trace
+from thunder_overlap.transforms.executor import (
     bucket_all_gather,
     bucket_all_gather_wait,
     bucket_accumulate_grads,
@@ -80,7 +80,7 @@ class BucketingTransform(Transform):
     """Lays buckets out in persistent flat buffers and bucket-wise collectives in the traces.
 
     Args:
-        strategy: ``"layer"`` or ``"block"`` (see :func:`~thunder_overlap.buckets.bucket_owner`).
+        strategy: ``"layer"`` or ``"block"`` (see :func:`~thunder_overlap.bucketing.plan.bucket_owner`).
         process_group: the FSDP process group.
         cap_bytes: largest unsharded bucket size; None for no cap.
     """

@@ -12,11 +12,11 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 
-from thunder_overlap.blocks import largest_block_bytes
-from thunder_overlap.classify import AnnotatedTrace, NodeKind, classify_trace, find_swallowed_collectives
+from thunder_overlap.analysis.blocks import largest_block_bytes
+from thunder_overlap.analysis.classify import AnnotatedTrace, NodeKind, classify_trace, find_swallowed_collectives
 from thunder_overlap.config import OverlapConfig, ScheduleLimits
-from thunder_overlap.cost_model import CostModel
-from thunder_overlap.scheduling import OverlapScheduler, ScheduleSummary, apply_order, stock_order
+from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap.scheduling.scheduler import OverlapScheduler, ScheduleSummary, apply_order, stock_order
 
 __all__ = ["OverlapScheduleTransform"]
 

@@ -24,7 +24,7 @@ from thunder.core.transform_common import Transform
 from thunder.core.transforms import dce
 from thunder.executors.passes import del_last_used
 
-from thunder_overlap.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace
+from thunder_overlap.analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace
 
 __all__ = ["Zero3Transform", "RegatherPlan", "plan_regather"]
 

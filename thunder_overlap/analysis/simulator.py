@@ -19,8 +19,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from thunder_overlap.classify import AnnotatedTrace, CollectiveKind, NodeKind
-from thunder_overlap.cost_model import CostModel
+from thunder_overlap.analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind
+from thunder_overlap.analysis.cost_model import CostModel
 
 __all__ = ["CollectiveTiming", "OpTiming", "Simulation", "potentially_hideable", "simulate"]
 

@@ -1,11 +1,11 @@
-"""Pictures of a :class:`~thunder_overlap.reporting.Report`: a Chrome trace and a PNG."""
+"""Pictures of a :class:`~thunder_overlap.report.report.Report`: a Chrome trace and a PNG."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from thunder_overlap.classify import NodeKind
+from thunder_overlap.analysis.classify import NodeKind
 
 __all__ = ["write_chrome_trace", "write_png"]
 

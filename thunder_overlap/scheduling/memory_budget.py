@@ -3,7 +3,7 @@
 Compute ops keep their order, so memory can be tracked per *segment*: segment ``k`` is compute
 op ``k`` (its anchor) with the collectives, waits and deletions placed just before it. The
 just-in-time order (each all-gather issued right before its first use, each reduce-scatter waited
-right after its issue) is estimated once with :func:`~thunder_overlap.memory_estimate.estimate_memory`;
+right after its issue) is estimated once with :func:`~thunder_overlap.analysis.memory_estimate.estimate_memory`;
 its largest live bytes per segment is the *baseline profile*. Every decision of the scheduler
 then adds to it:
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from thunder.core.trace import TraceCtx
 
-from thunder_overlap.classify import AnnotatedTrace, NodeKind
-from thunder_overlap.memory_estimate import MemoryEstimate
+from thunder_overlap.analysis.classify import AnnotatedTrace, NodeKind
+from thunder_overlap.analysis.memory_estimate import MemoryEstimate
 
 __all__ = ["MemoryProfile", "baseline_profile"]
 

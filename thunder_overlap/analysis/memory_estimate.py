@@ -1,4 +1,4 @@
-"""Predicted memory of an execution trace, and a runtime check of the prediction.
+"""Predicted memory of an execution trace.
 
 :func:`estimate_memory` walks a trace once and follows *storages*, not proxies: a view, a reshape
 that needs no copy, ``shallow_copy``, a collective's wait and an in-place op (``copy_``, ``add_``)
@@ -11,10 +11,8 @@ therefore released with the future, deleted right after its wait, not at its own
 once and never freed. Passing the forward's estimate to the backward's makes tensors saved for
 backward keep their storage sharing and persistence across the two traces.
 
-:func:`measure_memory` runs a trace one bound symbol at a time and records the bytes really alive
-after each one (CPU: every storage followed by :class:`LiveMemoryTracker`; CUDA: the caching
-allocator's counters), and :func:`compare_memory` names the first bound symbol where prediction
-and measurement part.
+(:mod:`thunder_overlap.tools.memory_check` runs a trace and compares what it measures with this
+estimate.)
 """
 
 from __future__ import annotations
@@ -29,20 +27,8 @@ from thunder.core.proxies import CollectionProxy, FutureTensorProxy, Proxy, Tens
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag, tracectx
 
-from thunder_overlap.memory import LiveMemoryTracker
-from thunder_overlap.trace_runner import TraceStepper, materialize_inputs
 
-__all__ = [
-    "CUDA_ALLOCATION_GRANULARITY",
-    "HandedOver",
-    "MemoryComparison",
-    "MemoryEstimate",
-    "MemoryMeasurement",
-    "compare_memory",
-    "estimate_memory",
-    "measure_memory",
-    "run_measured",
-]
+__all__ = ["CUDA_ALLOCATION_GRANULARITY", "HandedOver", "MemoryEstimate", "estimate_memory"]
 
 # The CUDA caching allocator rounds every block up to a multiple of 512 bytes (kMinBlockSize in
 # c10/cuda/CUDACachingAllocator.cpp); estimates compared with CUDA counters round the same way.
@@ -385,117 +371,3 @@ def _alias_source(name, bsym, first, out, shape, books: _Books, is_wait: bool):
     if new_strides is None:  # a reshape that has to copy
         return None, None
     return first.name, new_strides
-
-
-# ---------------------------------------------------------------------------------------------
-# Runtime verification
-
-
-@dataclass
-class MemoryMeasurement:
-    """Bytes really alive after each bound symbol, and at most while it ran."""
-
-    device: str
-    input_bytes: int
-    live_after: list[int]
-    peak_during: list[int]
-
-    @property
-    def peak_bytes(self) -> int:
-        return max(self.peak_during, default=self.input_bytes)
-
-
-@dataclass(frozen=True)
-class MemoryComparison:
-    predicted_peak_bytes: int
-    measured_peak_bytes: int
-    # First bound symbol after which predicted and measured live bytes differ, and its code.
-    first_divergence: int | None
-    first_divergence_code: str | None
-    predicted_at_divergence: int | None = None
-    measured_at_divergence: int | None = None
-
-    @property
-    def peak_error(self) -> float:
-        """(predicted - measured) / measured peak."""
-        return (self.predicted_peak_bytes - self.measured_peak_bytes) / max(self.measured_peak_bytes, 1)
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-
-
-def measure_memory(trace: TraceCtx, args: list | None = None, *, device: torch.device | str = "cpu") -> MemoryMeasurement:
-    """Runs ``trace`` on ``args`` (default: random inputs on ``device``) one bound symbol at a
-    time and records the bytes alive after each, counting the inputs it was given.
-
-    ``args`` is consumed: tensors it alone holds can be freed by the trace, as in Thunder's
-    runtime; keep a reference to those that must persist (parameters)."""
-    measurement, _ = run_measured(trace, args, device=device)
-    return measurement
-
-
-def run_measured(trace: TraceCtx, args: list | None = None, *, device: torch.device | str = "cpu"):
-    """:func:`measure_memory`, also returning what the trace returned."""
-    device = torch.device(device)
-    args = materialize_inputs(trace, device) if args is None else args
-    stepper = TraceStepper(trace)
-    live_after: list[int] = []
-    peak_during: list[int] = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        input_bytes = sum({t.untyped_storage().data_ptr(): _rounded(t) for t in _tensors(args)}.values())
-        for _ in stepper.run(args):
-            live_after.append(torch.cuda.memory_allocated(device) - base + input_bytes)
-            peak_during.append(torch.cuda.max_memory_allocated(device) - base + input_bytes)
-            torch.cuda.reset_peak_memory_stats(device)
-        return MemoryMeasurement(str(device), input_bytes, live_after, peak_during), stepper.result
-    with LiveMemoryTracker() as tracker:
-        _track_all(tracker, args)  # in a function: a loop variable here would keep a tensor alive
-        input_bytes = tracker.current_bytes
-        for _ in stepper.run(args):
-            live_after.append(tracker.current_bytes)
-            peak_during.append(tracker.peak_bytes)
-            tracker.reset_peak()
-    return MemoryMeasurement(str(device), input_bytes, live_after, peak_during), stepper.result
-
-
-def _track_all(tracker: LiveMemoryTracker, args: list) -> None:
-    for t in _tensors(args):
-        tracker.track(t)
-
-
-def _rounded(t: torch.Tensor) -> int:
-    nbytes = t.untyped_storage().nbytes()
-    return -(-nbytes // CUDA_ALLOCATION_GRANULARITY) * CUDA_ALLOCATION_GRANULARITY
-
-
-def compare_memory(estimate: MemoryEstimate, measurement: MemoryMeasurement, *, tolerance_bytes: int = 0) -> MemoryComparison:
-    """Compares live bytes after every bound symbol; the first one off by more than
-    ``tolerance_bytes`` is named. Peaks compare the estimate's peak with the measured one, which
-    also counts temporaries an op allocates and frees inside itself."""
-    first = None
-    for i, (p, m) in enumerate(zip(estimate.live_after, measurement.live_after)):
-        if abs(p - m) > tolerance_bytes:
-            first = i
-            break
-    code = None
-    if first is not None:
-        with tracectx(estimate.trace):
-            code = " ".join(estimate.trace.bound_symbols[first].python(indent=0, print_depth=1)).strip()
-    return MemoryComparison(
-        predicted_peak_bytes=estimate.peak_bytes,
-        measured_peak_bytes=measurement.peak_bytes,
-        first_divergence=first,
-        first_divergence_code=code,
-        predicted_at_divergence=None if first is None else estimate.live_after[first],
-        measured_at_divergence=None if first is None else measurement.live_after[first],
-    )

@@ -6,7 +6,7 @@ reduce-scatter and wait here, ahead of the fusion executors, gives them symbols 
 executor knows. The implementations are the torch executor's; only their names change.
 
 The bucketed collectives that :class:`~thunder_overlap.transforms.BucketingTransform` puts in
-the traces are operators of this executor too; they run on :mod:`thunder_overlap.bucket_buffers`.
+the traces are operators of this executor too; they run on :mod:`thunder_overlap.bucketing.buffers`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from thunder.distributed import prims as dist_prims
 from thunder.executors import torchex
 from thunder.extend import Executor, FusionExecutor, OperatorExecutor, register_executor
 
-from thunder_overlap import bucket_buffers
+from thunder_overlap.bucketing import buffers as bucket_buffers
 
 __all__ = [
     "overlap_executor",

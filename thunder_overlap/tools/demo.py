@@ -12,9 +12,9 @@ import argparse
 import statistics
 import textwrap
 
-from thunder_overlap.local_ranks import run_local_ranks
-from thunder_overlap.models import TinyGPTConfig
-from thunder_overlap.training import RankResult, TrainSetup, train_rank
+from thunder_overlap.tools.local_ranks import run_local_ranks
+from thunder_overlap.tools.tiny_models import TinyGPTConfig
+from thunder_overlap.tools.training import RankResult, TrainSetup, train_rank
 
 IMPLS = ("thunder", "thunder_overlap")
 PICTURE_WIDTH = 96

@@ -28,7 +28,7 @@ from thunder.core import dtypes
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 
-from thunder_overlap.classify import Collective, CollectiveKind
+from thunder_overlap.analysis.classify import Collective, CollectiveKind
 
 __all__ = [
     "DEVICE_PROFILES",
@@ -219,7 +219,7 @@ class Calibration:
     def calibrate(self, trace) -> int:
         """Times every compute op of an execution trace whose shape is not cached yet; returns
         how many were timed. Collectives are left to the network model."""
-        from thunder_overlap.classify import NodeKind, classify_trace
+        from thunder_overlap.analysis.classify import NodeKind, classify_trace
 
         before = len(self.times_ms)
         for node in classify_trace(trace).nodes:
@@ -240,7 +240,7 @@ class Calibration:
         from thunder.core.codeutils import SigInfo
         from thunder.core.trace import tracectx
 
-        from thunder_overlap.trace_runner import random_tensor
+        from thunder_overlap.tools.trace_runner import random_tensor
 
         # A one-op trace, claimed by the torch executor (a no-op for ops it already runs).
         trace = trace_from_bsym_or_bsyms(bsym)

@@ -2,7 +2,7 @@
 
 A bucket is a group of parameter shards that one all-gather and one reduce-scatter move
 together. ``plan_buckets`` groups the sharded parameters of a module by block (a transformer
-block, as :func:`~thunder_overlap.blocks.find_blocks` finds them) or by layer (the module that
+block, as :func:`~thunder_overlap.analysis.blocks.find_blocks` finds them) or by layer (the module that
 owns the parameter), splits each group by dtype and by ``requires_grad`` (a collective moves one
 dtype, and frozen parameters have no gradient to reduce), and then by an optional size cap.
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from thunder_overlap.blocks import find_blocks
+from thunder_overlap.analysis.blocks import find_blocks
 
 __all__ = ["BUCKETING_STRATEGIES", "BucketPlan", "BucketSlot", "bucket_owner", "plan_buckets"]
 

@@ -1,6 +1,6 @@
 """A short, deterministic training run on one rank, shared by the demo, the tests and benchmarks.
 
-``train_rank`` trains :class:`~thunder_overlap.models.TinyGPT` with either thunder_overlap or
+``train_rank`` trains :class:`~thunder_overlap.tools.tiny_models.TinyGPT` with either thunder_overlap or
 Thunder's own FSDP and reports losses, step times, measured peak memory, the final shards and
 the schedule of the final traces. ``train_reference`` runs the same steps in one process without
 any sharding: the ground truth for numerics.
@@ -18,13 +18,13 @@ import torch.nn.functional as F
 import thunder
 
 from thunder_overlap.api import fsdp as overlap_fsdp, parse_bucketing_strategy, parse_sharding_strategy
-from thunder_overlap.classify import NodeKind, classify_trace
+from thunder_overlap.analysis.classify import NodeKind, classify_trace
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.memory import LiveMemoryTracker
-from thunder_overlap.op_census import COPY_OPS, OpCensus
+from thunder_overlap.tools.live_memory import LiveMemoryTracker
+from thunder_overlap.tools.op_census import COPY_OPS, OpCensus
 from thunder_overlap.transforms import BucketingTransform
-from thunder_overlap.models import TinyGPT, TinyGPTConfig
-from thunder_overlap.schedule_view import ScheduleStats, schedule_picture, schedule_stats
+from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.report.schedule_view import ScheduleStats, schedule_picture, schedule_stats
 
 __all__ = ["IMPLEMENTATIONS", "BucketCensus", "TrainSetup", "RankResult", "train_rank", "train_reference", "collective_sequence"]
 

@@ -14,7 +14,7 @@ Compute ops (``NodeKind.COMPUTE``) are emitted in the order Thunder produced the
   earlier one of its group; this keeps every rank's wait order equal to its issue order.
 
 The memory budget is relative to the just-in-time order (:func:`just_in_time_order`): the
-scheduler estimates that order's memory once (:mod:`~thunder_overlap.memory_budget`), tracks what
+scheduler estimates that order's memory once (:mod:`~thunder_overlap.scheduling.memory_budget`), tracks what
 its own decisions add, and checks the final order with the memory estimator; if the model was
 optimistic it schedules again with the overshoot held back, and after ``MAX_ATTEMPTS`` returns the
 just-in-time order itself.
@@ -33,11 +33,11 @@ from itertools import accumulate
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.executors.passes import del_last_used
 
-from thunder_overlap.classify import AnnotatedTrace, CollectiveKind, NodeKind, is_expensive
+from thunder_overlap.analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind, is_expensive
 from thunder_overlap.config import JUST_IN_TIME_LIMITS, ScheduleLimits
-from thunder_overlap.cost_model import CostModel
-from thunder_overlap.memory_budget import MemoryProfile, baseline_profile
-from thunder_overlap.memory_estimate import estimate_memory
+from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap.scheduling.memory_budget import MemoryProfile, baseline_profile
+from thunder_overlap.analysis.memory_estimate import estimate_memory
 
 __all__ = ["OverlapScheduler", "ScheduleSummary", "apply_order", "just_in_time_order", "stock_order"]
 

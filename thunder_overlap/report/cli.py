@@ -35,14 +35,14 @@ class BuiltinModel:
 
 
 def _tiny_gpt(n_layer: int | None) -> nn.Module:
-    from thunder_overlap.models import TinyGPT, TinyGPTConfig
+    from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 
     config = TinyGPTConfig()
     return TinyGPT(replace(config, n_layer=n_layer or config.n_layer))
 
 
 def _llama_2_7b(n_layer: int | None) -> nn.Module:
-    from thunder_overlap.models import Llama, LlamaConfig
+    from thunder_overlap.tools.tiny_models import Llama, LlamaConfig
 
     config = LlamaConfig()
     return Llama(replace(config, n_layer=n_layer or config.n_layer))
@@ -77,7 +77,7 @@ def _litgpt_model(name: str, n_layer: int | None) -> BuiltinModel:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from thunder_overlap.cost_model import DEVICE_PROFILES, NETWORK_PROFILES
+    from thunder_overlap.analysis.cost_model import DEVICE_PROFILES, NETWORK_PROFILES
 
     parser = argparse.ArgumentParser(prog="python -m thunder_overlap report", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-2-7b", help=f"built-in {sorted(BUILTIN_MODELS)} or a litgpt config name")
@@ -172,9 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the report command; returns the process exit status."""
     from thunder_overlap.api import parse_bucketing_strategy, parse_sharding_strategy
     from thunder_overlap.config import OverlapConfig
-    from thunder_overlap.cost_model import CostModel
-    from thunder_overlap.policy_comparison import compare_policies
-    from thunder_overlap.reporting import report
+    from thunder_overlap.analysis.cost_model import CostModel
+    from thunder_overlap.report.policies import compare_policies
+    from thunder_overlap.report.report import report
 
     argv = sys.argv[1:] if argv is None else argv
     try:

@@ -1,7 +1,7 @@
 """Every scheduling policy on one model's traces, side by side: overlap, time and memory.
 
 The traces Thunder produced before thunder_overlap's scheduling pass (see
-:func:`~thunder_overlap.reporting.unscheduled_trace`) are scheduled again by each policy of
+:func:`~thunder_overlap.report.report.unscheduled_trace`) are scheduled again by each policy of
 :data:`~thunder_overlap.config.SCHEDULING_POLICIES` with the same cost model the report
 simulates with, then simulated and memory-estimated like the report's own orders. The
 ``just_in_time`` row is the memory budget's baseline; ``greedy`` shows what unbounded overlap
@@ -17,13 +17,13 @@ from pathlib import Path
 import thunder
 from thunder.core.trace import TraceCtx
 
-from thunder_overlap.blocks import largest_block_bytes
-from thunder_overlap.classify import classify_trace
+from thunder_overlap.analysis.blocks import largest_block_bytes
+from thunder_overlap.analysis.classify import classify_trace
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.cost_model import CostModel
-from thunder_overlap.memory_estimate import MemoryEstimate
-from thunder_overlap.reporting import OrderReport, analyze_trace, unscheduled_trace
-from thunder_overlap.scheduling import OverlapScheduler, ScheduleSummary, apply_order, stock_order
+from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap.analysis.memory_estimate import MemoryEstimate
+from thunder_overlap.report.report import OrderReport, analyze_trace, unscheduled_trace
+from thunder_overlap.scheduling.scheduler import OverlapScheduler, ScheduleSummary, apply_order, stock_order
 
 __all__ = ["COMPARED_POLICIES", "PolicyComparison", "PolicyResult", "compare_policies"]
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import thunder
 from thunder.core.trace import TraceCtx
 
-from thunder_overlap.classify import AnnotatedTrace, NodeKind, classify_trace
-from thunder_overlap.cost_model import CostModel
-from thunder_overlap.memory_estimate import MemoryEstimate, estimate_memory
-from thunder_overlap.simulator import Simulation, simulate
+from thunder_overlap.analysis.classify import AnnotatedTrace, NodeKind, classify_trace
+from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap.analysis.memory_estimate import MemoryEstimate, estimate_memory
+from thunder_overlap.analysis.simulator import Simulation, simulate
 
 __all__ = ["OrderReport", "PassReport", "Report", "analyze_trace", "report", "report_traces", "unscheduled_trace"]
 
@@ -161,13 +161,13 @@ class Report:
     def to_chrome_trace(self, path: str | Path) -> None:
         """A Chrome trace (Perfetto, chrome://tracing): one process per order, one track per
         stream, memory as a counter track."""
-        from thunder_overlap.report_plots import write_chrome_trace
+        from thunder_overlap.report.plots import write_chrome_trace
 
         write_chrome_trace(self, Path(path))
 
     def to_png(self, path: str | Path) -> None:
         """Timeline and memory curve of both orders, forward then backward (needs matplotlib)."""
-        from thunder_overlap.report_plots import write_png
+        from thunder_overlap.report.plots import write_png
 
         write_png(self, Path(path))
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from thunder.core.trace import TraceCtx
 
-from thunder_overlap.classify import CollectiveKind, NodeKind, classify_trace, is_expensive
+from thunder_overlap.analysis.classify import CollectiveKind, NodeKind, classify_trace, is_expensive
 
 __all__ = ["ScheduleStats", "schedule_picture", "schedule_stats"]
 

@@ -1,6 +1,6 @@
 """Persistent bucket buffers and the bucketed collectives that run on them.
 
-Each bucket (see :mod:`thunder_overlap.buckets`) owns, for the life of the module:
+Each bucket (see :mod:`thunder_overlap.bucketing.plan`) owns, for the life of the module:
 
 - ``flat_shard``: this rank's shards back to back. The module's parameters are views of it, so
   the optimizer updates it in place and the all-gather sends it with no copy-in.
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from thunder_overlap.buckets import BucketPlan
+from thunder_overlap.bucketing.plan import BucketPlan
 
 __all__ = ["BucketBuffers", "BufferPool", "PendingCollective", "lookup_bucket", "register_bucket"]
 
