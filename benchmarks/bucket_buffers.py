@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from thunder_overlap.bucketing.buffers import BucketBuffers, PendingCollective
+from thunder_overlap.options import ShardingStrategy
 from thunder_overlap.tools.local_ranks import run_local_ranks
 from thunder_overlap.tools.live_memory import LiveMemoryTracker
 from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
@@ -176,7 +177,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n-layer", type=int, default=8)
     parser.add_argument("--n-embd", type=int, default=128)
-    parser.add_argument("--sharding", default="zero3", choices=("zero2", "zero3"))
+    parser.add_argument("--sharding", default="zero3", choices=ShardingStrategy.names())
     parser.add_argument("--steps", type=int, default=6, help="timed steps before the counted one (the first is warm-up)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown table here")

@@ -9,7 +9,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import thunder_overlap
-from thunder_overlap import FSDPOverlap, OverlapConfig
+from thunder_overlap import BucketingTransform, FSDPOverlap, OverlapConfig, Zero3Transform, schedule_stats
+from thunder_overlap.options import (
+    BucketingStrategy,
+    FSDPOptions,
+    ShardingStrategy,
+    parse_bucketing_strategy,
+    parse_sharding_strategy,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -34,9 +41,19 @@ def gloo_group():
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"sharding_strategy": "zero4"}, ValueError, r"sharding_strategy='zero4'.*zero2.*zero3"),
-        ({"sharding_strategy": 3}, ValueError, r"sharding_strategy=3 .*accepted"),
-        ({"bucketing_strategy": "buckets"}, ValueError, r"bucketing_strategy='buckets'.*block.*layer.*none"),
+        (
+            {"sharding_strategy": "zero4"},
+            ValueError,
+            r"^sharding_strategy must be 'zero2' or 'zero3' \(or FSDPType\.ZERO2/ZERO3\), got 'zero4'$",
+        ),
+        ({"sharding_strategy": 3}, ValueError, r"sharding_strategy must be 'zero2' or 'zero3' .*, got 3$"),
+        (
+            {"bucketing_strategy": "buckets"},
+            ValueError,
+            r"^bucketing_strategy must be 'none', 'layer' or 'block' \(or FSDPBucketingStrategy\.NONE/LAYER/BLOCK\), got 'buckets'$",
+        ),
+        # A member of the other strategy enum is not silently read as its string value.
+        ({"sharding_strategy": BucketingStrategy.NONE}, ValueError, r"sharding_strategy must be .*got <BucketingStrategy.NONE"),
         ({"bucket_cap_mb": 25}, ValueError, r"bucket_cap_mb=25 needs bucketing_strategy 'layer' or 'block'"),
         ({"bucket_cap_mb": 0, "bucketing_strategy": "block"}, ValueError, r"bucket_cap_mb must be a positive .*got 0"),
         ({"bucket_cap_mb": "25", "bucketing_strategy": "layer"}, ValueError, r"bucket_cap_mb must be a positive .*got '25'"),
@@ -58,7 +75,7 @@ def test_bad_fsdp_arguments(gloo_group, kwargs, error, message):
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"sharding_strategy": "zero1"}, ValueError, r"sharding_strategy='zero1'"),
+        ({"sharding_strategy": "zero1"}, ValueError, r"sharding_strategy must be 'zero2' or 'zero3' .*got 'zero1'"),
         ({"config": "fast"}, TypeError, r"config must be a thunder_overlap.OverlapConfig"),
         ({"move_state_dict_to_cpu": 1}, TypeError, r"move_state_dict_to_cpu must be a bool, got 1"),
     ],
@@ -86,8 +103,63 @@ def test_a_model_cannot_be_sharded_twice(gloo_group):
 
 def test_strategies_accept_enums_and_case_insensitive_strings(gloo_group):
     model = thunder_overlap.fsdp(_model(), sharding_strategy="ZeRO3", bucketing_strategy=thunder.distributed.FSDPBucketingStrategy.NONE)
-    out = model(torch.ones(3, 4))
-    assert out.shape == (3, 2)
+    assert any(isinstance(t, Zero3Transform) for t in thunder.compile_data(model).transforms)
+    model(torch.ones(3, 4)).sum().backward()
+    backward = thunder.last_backward_traces(model)[-1]
+    assert schedule_stats(backward).allgathers > 0  # ZeRO3: the backward re-gathers parameters
+
+
+@pytest.mark.parametrize("sharding", ["zero3", "ZERO3", thunder.distributed.FSDPType.ZERO3, ShardingStrategy.ZERO3])
+def test_fsdp_transforms_parse_strategies_like_fsdp(gloo_group, sharding):
+    # It used to compare with `is FSDPType.ZERO3`, so the string "zero3" silently gave ZeRO2.
+    transforms = thunder_overlap.fsdp_transforms(device="cpu", process_group=gloo_group, sharding_strategy=sharding)
+    assert sum(isinstance(t, Zero3Transform) for t in transforms) == 1
+
+
+@pytest.mark.parametrize("bucketing", ["block", "Layer", thunder.distributed.FSDPBucketingStrategy.BLOCK])
+def test_fsdp_transforms_accept_bucketing_strategy_strings_and_enums(gloo_group, bucketing):
+    transforms = thunder_overlap.fsdp_transforms(device="cpu", process_group=gloo_group, bucketing_strategy=bucketing)
+    (bucketing_transform,) = [t for t in transforms if isinstance(t, BucketingTransform)]
+    assert bucketing_transform.strategy is parse_bucketing_strategy(bucketing)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"sharding_strategy": "zero4"}, ValueError, r"^sharding_strategy must be 'zero2' or 'zero3' .*got 'zero4'$"),
+        ({"bucketing_strategy": "flat"}, ValueError, r"^bucketing_strategy must be 'none', 'layer' or 'block' .*got 'flat'$"),
+        ({"device": "potato"}, ValueError, r"device='potato' is not a valid torch device"),
+        # fsdp_transforms used to take the cap in bytes; it now takes fsdp's bucket_cap_mb.
+        ({"bucket_cap_bytes": 2**20}, TypeError, r"bucket_cap_bytes=1048576 is now bucket_cap_mb=1\.0 \(MiB, as in fsdp\)"),
+    ],
+)
+def test_fsdp_transforms_validate_like_fsdp(gloo_group, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        thunder_overlap.fsdp_transforms(process_group=gloo_group, **kwargs)
+
+
+def test_options_object_or_keywords_not_both(gloo_group):
+    options = FSDPOptions.resolve(device="cpu", process_group=gloo_group, sharding_strategy="zero3")
+    with pytest.raises(TypeError, match=r"fsdp_transforms: pass either an FSDPOptions or keywords, not both .*'sharding_strategy'"):
+        thunder_overlap.fsdp_transforms(options, sharding_strategy="zero2")
+    with pytest.raises(TypeError, match=r"FSDPOverlap takes a thunder_overlap.FSDPOptions .*got 'cpu'; pass the other options by keyword"):
+        FSDPOverlap("cpu")
+    assert FSDPOverlap(options).options is options
+
+
+def test_options_must_be_resolved(gloo_group):
+    with pytest.raises(TypeError, match=r"FSDPOptions holds parsed strategies, got sharding='zero3'.*FSDPOptions.resolve"):
+        FSDPOptions(
+            device=torch.device("cpu"), process_group=gloo_group, sharding="zero3", bucketing=BucketingStrategy.NONE,
+            bucket_cap_bytes=None, broadcast_from=None, config=OverlapConfig(), move_state_dict_to_cpu=False,
+        )
+
+
+def test_cli_flags_get_errors_in_cli_terms():
+    with pytest.raises(ValueError, match=r"^--sharding must be zero2 or zero3 \(got 'zero4'\)$"):
+        parse_sharding_strategy("zero4", flag="--sharding")
+    with pytest.raises(ValueError, match=r"^--bucketing must be none, layer or block \(got 'blocks'\)$"):
+        parse_bucketing_strategy("blocks", flag="--bucketing")
 
 
 @pytest.mark.parametrize(
@@ -112,11 +184,6 @@ def test_strategies_accept_enums_and_case_insensitive_strings(gloo_group):
 def test_bad_config_values(kwargs, error, message):
     with pytest.raises(error, match=message):
         OverlapConfig(**kwargs)
-
-
-def test_unknown_config_option_is_named():
-    with pytest.raises(TypeError, match="max_inflight"):
-        OverlapConfig(max_inflight=3)
 
 
 def test_no_sync_without_buckets_is_refused_instead_of_dropping_gradients(gloo_group):

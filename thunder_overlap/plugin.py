@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-from thunder import Plugin
-from thunder.distributed import FSDPBucketingStrategy, FSDPType
+from typing import Any
 
-from thunder_overlap.api import _resolve, _setup_transforms
-from thunder_overlap.config import OverlapConfig
+from thunder import Plugin
+
+from thunder_overlap.api import fsdp_transforms
+from thunder_overlap.options import FSDPOptions, options_from
 from thunder_overlap.transforms.executor import overlap_executor
 
 __all__ = ["FSDPOverlap", "PLUGIN_NAME", "register"]
@@ -17,33 +16,15 @@ PLUGIN_NAME = "fsdp-overlap"
 
 
 class FSDPOverlap(Plugin):
-    """The transforms of :func:`thunder_overlap.fsdp` as a plugin; same arguments and checks.
+    """The transforms of :func:`thunder_overlap.fsdp` as a plugin; same options and checks.
 
-    By name (``plugins="fsdp-overlap"``) it runs with defaults (ZeRO2); pass an instance, e.g.
-    ``plugins=[FSDPOverlap(sharding_strategy="zero3")]``, to choose options.
+    Pass resolved ``options`` or the keywords of :meth:`FSDPOptions.resolve`, e.g.
+    ``plugins=[FSDPOverlap(sharding_strategy="zero3")]``. By name (``plugins="fsdp-overlap"``)
+    it runs with defaults (ZeRO2).
     """
 
-    def __init__(
-        self,
-        device: torch.device | str | None = None,
-        sharding_strategy: FSDPType | str = FSDPType.ZERO2,
-        bucketing_strategy: FSDPBucketingStrategy | str = FSDPBucketingStrategy.NONE,
-        process_group: dist.ProcessGroup | None = None,
-        broadcast_from: int | None = None,
-        config: OverlapConfig | None = None,
-        move_state_dict_to_cpu: bool = False,
-        bucket_cap_mb: float | None = None,
-    ) -> None:
-        self.setup = _resolve(
-            device,
-            process_group,
-            sharding_strategy,
-            bucketing_strategy,
-            broadcast_from,
-            config,
-            move_state_dict_to_cpu,
-            bucket_cap_mb,
-        )
+    def __init__(self, options: FSDPOptions | None = None, /, **option_kwargs: Any) -> None:
+        self.options = options_from(options, option_kwargs, "FSDPOverlap")
 
     def setup_executors(self):
         # Plugin executors come before the recipe's, whose fuser (torch.compile on CPU) could
@@ -51,7 +32,7 @@ class FSDPOverlap(Plugin):
         return [overlap_executor]
 
     def setup_transforms(self):
-        return _setup_transforms(self.setup)
+        return fsdp_transforms(self.options)
 
 
 def register() -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
+from thunder_overlap.options import BucketingStrategy, ShardingStrategy
+
 __all__ = [
     "BenchmarkConfig",
     "TRAINING_IMPLS",
@@ -27,8 +29,8 @@ TRAINING_IMPLS = ("thunder_overlap", "thunder", "fsdp2", "fsdp2_compile")
 # them (see fsdp_bench.impls).
 CALIBRATION_IMPLS = ("compute_only", "comm_only", "compute_with_comm")
 IMPLS = TRAINING_IMPLS + CALIBRATION_IMPLS
-SHARD_MODES = ("zero2", "zero3")
-BUCKETING_MODES = ("none", "block", "layer")
+SHARD_MODES = ShardingStrategy.names()
+BUCKETING_MODES = BucketingStrategy.names()
 # "auto": CUDA (NCCL) when a GPU is visible, else CPU (gloo).
 DEVICES = ("auto", "cpu", "cuda")
 

@@ -34,10 +34,9 @@ import torch
 import torch.nn as nn
 import thunder
 from thunder.core.module import ThunderModule
-from thunder.distributed import FSDPBucketingStrategy
 
 import thunder_overlap
-from thunder_overlap.api import parse_sharding_strategy
+from thunder_overlap.options import parse_bucketing_strategy, parse_sharding_strategy
 from thunder_overlap.analysis.blocks import find_blocks
 
 from fsdp_bench.comm_replay import CommReplay
@@ -115,8 +114,8 @@ def _thunder(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext) -> nn.Modu
     return thunder.distributed.fsdp(
         thunder.jit(model),
         device=ctx.device,
-        sharding_strategy=parse_sharding_strategy(cfg.shard_mode),
-        bucketing_strategy=FSDPBucketingStrategy[cfg.bucketing_mode.upper()],
+        sharding_strategy=parse_sharding_strategy(cfg.shard_mode).thunder_type,
+        bucketing_strategy=parse_bucketing_strategy(cfg.bucketing_mode).thunder_type,
     )
 
 

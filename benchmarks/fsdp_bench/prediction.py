@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from thunder_overlap.api import parse_sharding_strategy
+from thunder_overlap.options import parse_sharding_strategy
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace
 from thunder_overlap.analysis.cost_model import CostModel, NetworkProfile, device_profile
 from thunder_overlap.report.cli import trace_model
@@ -66,7 +66,7 @@ def _thunder_traces(model, world_size: int, shard_mode: str, idx_shape: tuple[in
     """Thunder's own FSDP traced on meta over a fake group, like report_cli.trace_model."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        jm = thunder.distributed.fsdp(thunder.jit(model), device=torch.device("meta"), sharding_strategy=parse_sharding_strategy(shard_mode))
+        jm = thunder.distributed.fsdp(thunder.jit(model), device=torch.device("meta"), sharding_strategy=parse_sharding_strategy(shard_mode).thunder_type)
         idx = torch.zeros(idx_shape, dtype=torch.long, device="meta")
         with math_sdpa():
             thunder.compile_data(jm).get_computation_and_inputs(idx)

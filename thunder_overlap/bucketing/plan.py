@@ -19,10 +19,9 @@ import torch
 import torch.nn as nn
 
 from thunder_overlap.analysis.blocks import find_blocks
+from thunder_overlap.options import BucketingStrategy, parse_bucketing_strategy
 
-__all__ = ["BUCKETING_STRATEGIES", "BucketPlan", "BucketSlot", "bucket_owner", "plan_buckets"]
-
-BUCKETING_STRATEGIES = ("none", "layer", "block")
+__all__ = ["BucketPlan", "BucketSlot", "bucket_owner", "plan_buckets"]
 
 
 @dataclass(frozen=True)
@@ -53,24 +52,18 @@ class BucketPlan:
         """Elements of this rank's flat shard: what the all-gather sends per rank."""
         return sum(s.numel for s in self.slots)
 
-    @property
-    def shard_bytes(self) -> int:
-        return self.shard_numel * self.dtype.itemsize
 
-    def slot_index(self, name: str) -> int:
-        return next(i for i, s in enumerate(self.slots) if s.name == name)
-
-
-def bucket_owner(module: nn.Module, strategy: str) -> dict[str, str]:
+def bucket_owner(module: nn.Module, strategy: BucketingStrategy | str) -> dict[str, str]:
     """Parameter name -> the name of the group it is bucketed with.
 
-    ``"layer"``: the module that owns the parameter. ``"block"``: the transformer block holding
+    ``LAYER``: the module that owns the parameter. ``BLOCK``: the transformer block holding
     it; parameters outside every block (embeddings, final norm, head) fall back to their module.
     Works on the original (possibly meta) module: only names are read.
     """
-    if strategy not in ("layer", "block"):
+    parsed = parse_bucketing_strategy(strategy)
+    if not parsed.has_buckets:
         raise ValueError(f"bucketing strategy {strategy!r} has no buckets; accepted: 'layer', 'block'")
-    block_prefixes = [f"{name}." for name, _ in find_blocks(module)] if strategy == "block" else []
+    block_prefixes = [f"{name}." for name, _ in find_blocks(module)] if parsed is BucketingStrategy.BLOCK else []
     owners: dict[str, str] = {}
     for name, _ in module.named_parameters(remove_duplicate=False):
         block = next((p[:-1] for p in block_prefixes if name.startswith(p)), None)

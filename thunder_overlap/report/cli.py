@@ -170,7 +170,7 @@ def trace_model(
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the report command; returns the process exit status."""
-    from thunder_overlap.api import parse_bucketing_strategy, parse_sharding_strategy
+    from thunder_overlap.options import parse_bucketing_strategy, parse_sharding_strategy
     from thunder_overlap.config import OverlapConfig
     from thunder_overlap.analysis.cost_model import CostModel
     from thunder_overlap.report.policies import compare_policies
@@ -180,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parse(argv)
         cost_model = CostModel.named(args.device_profile, args.network)
-        parse_sharding_strategy(args.sharding)
-        parse_bucketing_strategy(args.bucketing)
+        parse_sharding_strategy(args.sharding, flag="--sharding")
+        parse_bucketing_strategy(args.bucketing, flag="--bucketing")
         spec = BUILTIN_MODELS.get(args.model) or _litgpt_model(args.model, args.n_layer)
         seq_len = args.seq_len or spec.block_size
         if not 1 <= seq_len <= spec.block_size:

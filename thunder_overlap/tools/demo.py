@@ -12,6 +12,7 @@ import argparse
 import statistics
 import textwrap
 
+from thunder_overlap.options import BucketingStrategy, ShardingStrategy
 from thunder_overlap.tools.local_ranks import run_local_ranks
 from thunder_overlap.tools.tiny_models import TinyGPTConfig
 from thunder_overlap.tools.training import RankResult, TrainSetup, train_rank
@@ -34,9 +35,9 @@ def _mib(nbytes: int | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m thunder_overlap demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--sharding", choices=("zero2", "zero3"), default="zero3")
+    parser.add_argument("--sharding", choices=ShardingStrategy.names(), default="zero3")
     parser.add_argument(
-        "--bucketing", choices=("none", "layer", "block"), default="none", help="thunder_overlap's bucketing strategy"
+        "--bucketing", choices=BucketingStrategy.names(), default="none", help="thunder_overlap's bucketing strategy"
     )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--n-layer", type=int, default=8)

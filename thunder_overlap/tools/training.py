@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 import thunder
 
-from thunder_overlap.api import fsdp as overlap_fsdp, parse_bucketing_strategy, parse_sharding_strategy
+from thunder_overlap.api import fsdp as overlap_fsdp
+from thunder_overlap.options import BucketingStrategy, ShardingStrategy, parse_bucketing_strategy, parse_sharding_strategy
 from thunder_overlap.analysis.classify import NodeKind, classify_trace
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.tools.live_memory import LiveMemoryTracker
@@ -34,8 +35,9 @@ IMPLEMENTATIONS = ("thunder_overlap", "thunder")
 @dataclass(frozen=True)
 class TrainSetup:
     impl: str = "thunder_overlap"
-    sharding: str = "zero3"
-    bucketing: str = "none"
+    # Strings (any case) or enums; parsed into ShardingStrategy / BucketingStrategy.
+    sharding: ShardingStrategy | str = ShardingStrategy.ZERO3
+    bucketing: BucketingStrategy | str = BucketingStrategy.NONE
     model: TinyGPTConfig = field(default_factory=TinyGPTConfig)
     micro_batch: int = 2
     seq_len: int = 32
@@ -49,8 +51,8 @@ class TrainSetup:
     def __post_init__(self) -> None:
         if self.impl not in IMPLEMENTATIONS:
             raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {self.impl!r}")
-        parse_sharding_strategy(self.sharding)
-        parse_bucketing_strategy(self.bucketing)
+        object.__setattr__(self, "sharding", parse_sharding_strategy(self.sharding))
+        object.__setattr__(self, "bucketing", parse_bucketing_strategy(self.bucketing))
         if self.seq_len > self.model.block_size:
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's block_size={self.model.block_size}")
 
@@ -147,16 +149,17 @@ def collective_sequence(trace) -> list[str]:
 def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
     """Trains on this rank's slice of each global batch; call inside an initialised process group."""
     model = _build_model(setup)
-    sharding = parse_sharding_strategy(setup.sharding)
     device = torch.device("cpu")
     if setup.impl == "thunder_overlap":
         jm = overlap_fsdp(
-            model, device=device, sharding_strategy=sharding, bucketing_strategy=setup.bucketing, config=setup.config
+            model, device=device, sharding_strategy=setup.sharding, bucketing_strategy=setup.bucketing, config=setup.config
         )
     else:
-        bucketing = parse_bucketing_strategy(setup.bucketing)
         jm = thunder.distributed.fsdp(
-            thunder.jit(model), device=device, sharding_strategy=sharding, bucketing_strategy=bucketing
+            thunder.jit(model),
+            device=device,
+            sharding_strategy=setup.sharding.thunder_type,
+            bucketing_strategy=setup.bucketing.thunder_type,
         )
     optimizer = torch.optim.SGD([p for p in jm.parameters() if p.requires_grad], lr=setup.lr)
 

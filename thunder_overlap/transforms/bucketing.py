@@ -16,11 +16,12 @@ A bucket's gather starts where its first parameter's did and its reduce-scatter 
 gradient's did; :class:`OverlapScheduleTransform`, which runs next, moves them from there.
 Collectives this transform cannot bucket (a parameter it does not know, a gradient that is not
 returned as is, a bucket whose gradients are only partly in the trace) stay per-parameter and are
-listed, with the reason, in :attr:`BucketingTransform.unbucketed`.
+listed, with the reason, in :attr:`BucketingTransform.summaries` and in a warning.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ from thunder.executors.passes import del_last_used
 from thunder_overlap.bucketing.buffers import BucketBuffers, BufferPool, register_bucket
 from thunder_overlap.bucketing.plan import BucketPlan, bucket_owner, plan_buckets
 from thunder_overlap.analysis.classify import AnnotatedTrace, Collective, CollectiveKind, classify_trace
+from thunder_overlap.options import BucketingStrategy, parse_bucketing_strategy
 from thunder_overlap.transforms.executor import (
     bucket_all_gather,
     bucket_all_gather_wait,
@@ -80,13 +82,18 @@ class BucketingTransform(Transform):
     """Lays buckets out in persistent flat buffers and bucket-wise collectives in the traces.
 
     Args:
-        strategy: ``"layer"`` or ``"block"`` (see :func:`~thunder_overlap.bucketing.plan.bucket_owner`).
+        strategy: :attr:`BucketingStrategy.LAYER` or ``BLOCK`` (or their names; see
+            :func:`~thunder_overlap.bucketing.plan.bucket_owner`).
         process_group: the FSDP process group.
         cap_bytes: largest unsharded bucket size; None for no cap.
     """
 
-    def __init__(self, strategy: str, process_group: dist.ProcessGroup, cap_bytes: int | None = None) -> None:
-        self.strategy = strategy
+    def __init__(
+        self, strategy: BucketingStrategy | str, process_group: dist.ProcessGroup, cap_bytes: int | None = None
+    ) -> None:
+        self.strategy = parse_bucketing_strategy(strategy)
+        if not self.strategy.has_buckets:
+            raise ValueError(f"BucketingTransform needs strategy 'layer' or 'block', got {strategy!r}")
         self.process_group = process_group
         self.cap_bytes = cap_bytes
         self.buckets: dict[int, BucketBuffers] = {}
@@ -169,6 +176,13 @@ class BucketingTransform(Transform):
         if is_backward:
             pass_name = "backward (no_sync)" if get_skip_data_parallel_grad_sync() else "backward"
         self.summaries[pass_name] = summary
+        if summary.unbucketed:
+            # Correct but slower (one collective per parameter): say so rather than leave it to summaries.
+            listed = "; ".join(f"{what}: {why}" for what, why in summary.unbucketed)
+            warnings.warn(
+                f"thunder_overlap bucketing ({pass_name}): {len(summary.unbucketed)} collectives stay per-parameter: {listed}",
+                stacklevel=2,
+            )
         if not new_bsyms:
             return computation_trace
         return _rebuild(computation_trace, new_bsyms, removed, is_backward)

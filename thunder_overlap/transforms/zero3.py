@@ -10,6 +10,9 @@ rewrites the pair of execution traces:
   forward use;
 - backward: the same all-gather, wait and view ops are replayed (with the same names) after the
   inputs are unpacked. The scheduler then moves them to where they are needed.
+
+A saved gathered parameter that cannot be replayed this way is an error naming the parameter,
+not a silent fallback to ZeRO2's memory.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from thunder.executors.passes import del_last_used
 
 from thunder_overlap.analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace
 
-__all__ = ["Zero3Transform", "RegatherPlan", "plan_regather"]
+__all__ = ["Zero3Transform", "RegatherPlan", "gathered_shards", "parameter_names_of_inputs", "plan_regather"]
 
 _PARAMETER_CHAIN = (NodeKind.COLLECTIVE, NodeKind.WAIT, NodeKind.EPILOGUE, NodeKind.PROLOGUE)
 
@@ -40,11 +43,13 @@ class RegatherPlan:
     new_saved: tuple[TensorProxy, ...]
     # Forward bound symbols (all-gathers, waits, views) that recompute the dropped tensors.
     replay: tuple[BoundSymbol, ...]
+    # Saved gathered parameters (or views of them) that cannot be replayed: (tensor, why).
+    unreplayable: tuple[tuple[TensorProxy, str], ...] = ()
 
 
-def _recompute_slice(annotated: AnnotatedTrace, name: str) -> set[int] | None:
-    """Nodes that compute ``name`` from trace inputs through a gathered-parameter chain only,
-    or None if ``name`` depends on anything else (an activation, an expensive op)."""
+def _recompute_slice(annotated: AnnotatedTrace, name: str) -> tuple[set[int] | None, str | None]:
+    """Nodes that compute ``name`` from trace inputs through a gathered-parameter chain only, or
+    None and why not (it depends on an activation, an expensive op, another collective)."""
     nodes = annotated.nodes
     needed: set[int] = set()
     stack = [name]
@@ -58,29 +63,54 @@ def _recompute_slice(annotated: AnnotatedTrace, name: str) -> set[int] | None:
             continue
         node = nodes[p]
         if node.kind not in _PARAMETER_CHAIN:
-            return None
+            return None, f"{name} comes from {node.name}, a {node.kind.value} op ZeRO3 does not replay"
         if node.kind is NodeKind.COLLECTIVE:
             if annotated.collectives[node.collective].kind is not CollectiveKind.ALL_GATHER:
-                return None
+                return None, f"{name} comes from {node.name}, which is not an all-gather"
             has_allgather = True
         needed.add(p)
         stack.extend(node.inputs)
-    return needed if has_allgather else None
+    return (needed, None) if has_allgather else (None, "no all-gather computes it")
 
 
-def plan_regather(annotated: AnnotatedTrace) -> RegatherPlan | None:
-    """Finds the saved tensors of a forward trace that a re-gather in backward can replace."""
+def _is_gathered_parameter(annotated: AnnotatedTrace, name: str) -> bool:
+    """A gathered parameter or a cheap function of gathered parameters only (a view, a cast)."""
+    p = annotated.producer.get(name)
+    return p is not None and annotated.nodes[p].kind in (NodeKind.WAIT, NodeKind.EPILOGUE)
+
+
+def gathered_shards(annotated: AnnotatedTrace, name: str) -> list[str]:
+    """Names of the trace inputs that all-gathers ``name`` depends on gathered, in trace order."""
+    shards: set[str] = set()
+    seen: set[int] = set()
+    stack = [name]
+    while stack:
+        p = annotated.producer.get(stack.pop())
+        if p is None or p in seen:
+            continue
+        seen.add(p)
+        node = annotated.nodes[p]
+        if node.kind is NodeKind.COLLECTIVE and annotated.collectives[node.collective].kind is CollectiveKind.ALL_GATHER:
+            shards.update(i for i in node.inputs if annotated.is_input(i))
+        stack.extend(node.inputs)
+    return sorted(shards, key=lambda n: annotated.consumers.get(n, [0])[0])
+
+
+def plan_regather(annotated: AnnotatedTrace) -> RegatherPlan:
+    """Finds the saved tensors of a forward trace that a re-gather in backward can replace, and
+    the gathered parameters among them that it cannot."""
     ret = next(n for n in annotated.nodes if n.kind is NodeKind.RETURN)
     saved_tensors, _ = ret.bsym.args[1]
     dropped: set[str] = set()
     replay: set[int] = set()
+    unreplayable: list[tuple[TensorProxy, str]] = []
     for t in saved_tensors:
-        chain = _recompute_slice(annotated, t.name)
+        chain, why_not = _recompute_slice(annotated, t.name)
         if chain is not None:
             dropped.add(t.name)
             replay |= chain
-    if not dropped:
-        return None
+        elif _is_gathered_parameter(annotated, t.name):
+            unreplayable.append((t, why_not))
 
     kept = [t for t in saved_tensors if t.name not in dropped]
     kept_names = {t.name for t in kept}
@@ -94,6 +124,7 @@ def plan_regather(annotated: AnnotatedTrace) -> RegatherPlan | None:
         old_saved=tuple(saved_tensors),
         new_saved=tuple(kept + sharded_inputs),
         replay=tuple(annotated.nodes[i].bsym for i in sorted(replay)),
+        unreplayable=tuple(unreplayable),
     )
 
 
@@ -139,19 +170,57 @@ def _rewrite_backward(trace: TraceCtx, plan: RegatherPlan) -> TraceCtx:
 
 
 class Zero3Transform(Transform):
-    """Makes the forward save sharded parameters and the backward re-gather them."""
+    """Makes the forward save sharded parameters and the backward re-gather them.
+
+    Raises when the forward would still save a gathered parameter that it cannot re-gather,
+    rather than quietly keeping ZeRO2's memory.
+    """
 
     def __init__(self) -> None:
         self._pending: RegatherPlan | None = None
+        # computation-trace input name -> parameter name, for errors that name parameters
+        self._parameter_of_input: dict[str, str] = {}
+
+    def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
+        self._parameter_of_input.update(parameter_names_of_inputs(prologue_trace, computation_trace))
+        return prologue_trace, computation_trace, epilogue_trace
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
             # Thunder calls this hook for the forward, then for its backward, in one compilation.
-            self._pending = plan_regather(classify_trace(computation_trace))
-            if self._pending is None:
+            annotated = classify_trace(computation_trace)
+            plan = plan_regather(annotated)
+            if plan.unreplayable:
+                raise RuntimeError(self._unreplayable_message(annotated, plan))
+            if not plan.replay:  # the forward saves no gathered parameter: nothing to re-gather
+                self._pending = None
                 return computation_trace
-            return _rewrite_forward(computation_trace, self._pending)
+            self._pending = plan
+            return _rewrite_forward(computation_trace, plan)
         if TraceTag.BACKWARD in computation_trace.tags and self._pending is not None:
             plan, self._pending = self._pending, None
             return _rewrite_backward(computation_trace, plan)
         return computation_trace
+
+    def _unreplayable_message(self, annotated: AnnotatedTrace, plan: RegatherPlan) -> str:
+        problems = []
+        for tensor, why in plan.unreplayable:
+            shards = gathered_shards(annotated, tensor.name)
+            parameters = ", ".join(self._parameter_of_input.get(s, s) for s in shards) or "an unknown parameter"
+            problems.append(f"{tensor.name} (gathered from {parameters}): {why}")
+        return (
+            "thunder_overlap ZeRO3: the forward saves these gathered parameters for backward and cannot re-gather "
+            f"them there, so they would stay unsharded between forward and backward (ZeRO2's memory): "
+            f"{'; '.join(problems)}. Use sharding_strategy='zero2' for this model."
+        )
+
+
+def parameter_names_of_inputs(prologue_trace: TraceCtx, computation_trace: TraceCtx) -> dict[str, str]:
+    """Computation-trace input name -> the name of the module parameter the prologue unpacks into it."""
+    producers = {o.name: b for b in prologue_trace.bound_symbols for o in b.flat_proxy_outs}
+    names: dict[str, str] = {}
+    for out, inp in zip(prologue_trace.output[0], computation_trace.args):
+        bsym = producers.get(getattr(out, "name", None))
+        if bsym is not None and bsym.sym.id is prims.PrimIDs.UNPACK_PARAMETER:
+            names[inp.name] = bsym.args[1]
+    return names

@@ -1,0 +1,283 @@
+"""The options of :func:`thunder_overlap.fsdp`, parsed and checked in one place.
+
+Every public entry point (``fsdp``, ``fsdp_transforms``, ``FSDPOverlap``, the report CLI) turns
+raw user input into these types here and nowhere else:
+
+- :class:`ShardingStrategy` and :class:`BucketingStrategy`, the project's own strategy enums,
+  parsed from the enum itself, a case-insensitive string, or Thunder's ``FSDPType`` /
+  ``FSDPBucketingStrategy``; Thunder's enums are produced again only where Thunder needs them;
+- :class:`FSDPOptions`, the resolved options (device, process group, strategies, ...) that the
+  transforms receive, built by :meth:`FSDPOptions.resolve`.
+
+Errors name the bad value and what is accepted, in the caller's terms: a Python argument
+(``sharding_strategy must be 'zero2' or 'zero3' (or FSDPType.ZERO2/ZERO3), got 'zero4'``) or,
+given ``flag=``, a command-line flag (``--sharding must be zero2 or zero3 (got 'zero4')``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import Enum
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from thunder.distributed import FSDPBucketingStrategy, FSDPType, copy_default_process_group
+
+from thunder_overlap.config import OverlapConfig
+
+__all__ = [
+    "BucketingStrategy",
+    "FSDPOptions",
+    "ShardingStrategy",
+    "options_from",
+    "parse_bucketing_strategy",
+    "parse_sharding_strategy",
+]
+
+
+class _Choice(str, Enum):
+    """A named choice that is also its lower-case string: it compares, hashes and formats as
+    its value, so ``ShardingStrategy.ZERO3 == "zero3"`` and both find the same dict entry."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:
+        return str.__hash__(self)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The accepted strings, in declaration order."""
+        return tuple(member.value for member in cls)
+
+
+class ShardingStrategy(_Choice):
+    """What the forward keeps for backward: ZeRO2 the unsharded parameters, ZeRO3 only shards."""
+
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+
+    @property
+    def thunder_type(self) -> FSDPType:
+        """Thunder's enum, for ``thunder.distributed`` APIs."""
+        return FSDPType[self.name]
+
+
+class BucketingStrategy(_Choice):
+    """How parameters are grouped per collective (see :func:`~thunder_overlap.bucketing.plan.bucket_owner`)."""
+
+    NONE = "none"
+    LAYER = "layer"
+    BLOCK = "block"
+
+    @property
+    def has_buckets(self) -> bool:
+        return self is not BucketingStrategy.NONE
+
+    @property
+    def thunder_type(self) -> FSDPBucketingStrategy:
+        """Thunder's enum, for ``thunder.distributed`` APIs."""
+        return FSDPBucketingStrategy[self.name]
+
+
+_ChoiceT = TypeVar("_ChoiceT", bound=_Choice)
+
+
+def _spoken(names: tuple[str, ...], quote: bool) -> str:
+    """('a', 'b', 'c') -> "'a', 'b' or 'c'" (quote) or "a, b or c"."""
+    words = [repr(n) if quote else n for n in names]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def _parse_choice(choice: type[_ChoiceT], thunder_enum: type[Enum], value: object, argument: str, flag: str | None) -> _ChoiceT:
+    if isinstance(value, choice):
+        return value
+    if isinstance(value, thunder_enum) and value.name.lower() in choice.names():
+        return choice(value.name.lower())
+    if isinstance(value, str) and not isinstance(value, Enum) and value.lower() in choice.names():
+        return choice(value.lower())
+    if flag is not None:
+        raise ValueError(f"{flag} must be {_spoken(choice.names(), quote=False)} (got {value!r})")
+    members = "/".join(member.name for member in choice)
+    raise ValueError(
+        f"{argument} must be {_spoken(choice.names(), quote=True)} "
+        f"(or {thunder_enum.__name__}.{members}), got {value!r}"
+    )
+
+
+def parse_sharding_strategy(value: ShardingStrategy | FSDPType | str, *, flag: str | None = None) -> ShardingStrategy:
+    """The sharding strategy ``value`` names; ``flag`` (e.g. ``"--sharding"``) makes the error
+    speak of that command-line flag instead of the ``sharding_strategy`` argument."""
+    return _parse_choice(ShardingStrategy, FSDPType, value, "sharding_strategy", flag)
+
+
+def parse_bucketing_strategy(
+    value: BucketingStrategy | FSDPBucketingStrategy | str, *, flag: str | None = None
+) -> BucketingStrategy:
+    """The bucketing strategy ``value`` names; ``flag`` as in :func:`parse_sharding_strategy`."""
+    return _parse_choice(BucketingStrategy, FSDPBucketingStrategy, value, "bucketing_strategy", flag)
+
+
+def _parse_bucket_cap_mb(value: float | None, bucketing: BucketingStrategy) -> int | None:
+    """The cap in bytes (None: no cap); refuses a cap that would have no buckets to apply to."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number of megabytes or None, got {value!r}")
+    if not bucketing.has_buckets:
+        raise ValueError(
+            f"bucket_cap_mb={value!r} needs bucketing_strategy 'layer' or 'block'; with 'none' there are no buckets to cap"
+        )
+    return int(value * 2**20)
+
+
+# The device types each backend communicates. "undefined" is what init_process_group() without
+# a backend reports: it then creates gloo for CPU and NCCL for CUDA tensors.
+_BACKEND_DEVICE_TYPES = {"gloo": {"cpu"}, "nccl": {"cuda"}, "undefined": {"cpu", "cuda"}}
+
+
+def _device_types(backend: str) -> set[str] | None:
+    """Device types a backend string such as "gloo" or "cpu:gloo,cuda:nccl" serves; None when
+    unknown (e.g. "fake" for tracing), in which case any device is accepted."""
+    types: set[str] = set()
+    for part in backend.split(","):
+        if ":" in part:
+            types.add(part.split(":", 1)[0])
+        elif part in _BACKEND_DEVICE_TYPES:
+            types |= _BACKEND_DEVICE_TYPES[part]
+        else:
+            return None
+    return types
+
+
+def _cuda_index() -> int:
+    """This process's GPU: LOCAL_RANK (torchrun sets it), else the device the caller selected."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is None:
+        return torch.cuda.current_device()
+    index = int(local_rank)
+    if not 0 <= index < torch.cuda.device_count():
+        raise ValueError(
+            f"LOCAL_RANK={index} names no visible CUDA device ({torch.cuda.device_count()} visible); "
+            "pass device= explicitly"
+        )
+    return index
+
+
+def _resolve_device(device: torch.device | str | None, process_group: dist.ProcessGroup) -> torch.device:
+    backend = str(dist.get_backend(process_group))
+    allowed = _device_types(backend)
+    if device is None:
+        uses_cuda = allowed is not None and "cuda" in allowed and torch.cuda.is_available()
+        device = torch.device("cuda", _cuda_index()) if uses_cuda else torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as e:
+        raise ValueError(f"device={device!r} is not a valid torch device") from e
+    if allowed is not None and device.type not in allowed:
+        raise ValueError(
+            f"device={str(device)!r} does not match the process group backend {backend!r}, "
+            f"which communicates {sorted(allowed)} tensors"
+        )
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", _cuda_index())
+        # NCCL and the object collectives (rank agreement, cost-model broadcast) run on the
+        # current device; left at cuda:0, every rank would use the first GPU.
+        torch.cuda.set_device(device)
+    return device
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """Resolved options of :func:`thunder_overlap.fsdp`; build with :meth:`FSDPOptions.resolve`."""
+
+    device: torch.device
+    process_group: dist.ProcessGroup
+    sharding: ShardingStrategy
+    bucketing: BucketingStrategy
+    # Largest unsharded bucket in bytes; None for no cap (layer/block bucketing only).
+    bucket_cap_bytes: int | None
+    # Rank whose parameters are broadcast before sharding; None for no broadcast.
+    broadcast_from: int | None
+    config: OverlapConfig
+    move_state_dict_to_cpu: bool
+
+    def __post_init__(self) -> None:
+        # Raw user input goes through resolve(); this only catches a hand-built instance.
+        if not isinstance(self.sharding, ShardingStrategy) or not isinstance(self.bucketing, BucketingStrategy):
+            raise TypeError(
+                f"FSDPOptions holds parsed strategies, got sharding={self.sharding!r}, bucketing={self.bucketing!r}; "
+                "build it with FSDPOptions.resolve(...)"
+            )
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        device: torch.device | str | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        sharding_strategy: ShardingStrategy | FSDPType | str = ShardingStrategy.ZERO2,
+        bucketing_strategy: BucketingStrategy | FSDPBucketingStrategy | str = BucketingStrategy.NONE,
+        bucket_cap_mb: float | None = None,
+        broadcast_from: int | None = None,
+        config: OverlapConfig | None = None,
+        move_state_dict_to_cpu: bool = False,
+    ) -> FSDPOptions:
+        """Checks user input and fills in defaults (see :func:`thunder_overlap.fsdp` for each option).
+
+        A CUDA device becomes this process's current device (``torch.cuda.set_device``).
+        """
+        if config is not None and not isinstance(config, OverlapConfig):
+            raise TypeError(f"config must be a thunder_overlap.OverlapConfig or None, got {type(config).__name__}")
+        if not isinstance(move_state_dict_to_cpu, bool):
+            raise TypeError(f"move_state_dict_to_cpu must be a bool, got {move_state_dict_to_cpu!r}")
+        sharding = parse_sharding_strategy(sharding_strategy)
+        bucketing = parse_bucketing_strategy(bucketing_strategy)
+        bucket_cap_bytes = _parse_bucket_cap_mb(bucket_cap_mb, bucketing)
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "thunder_overlap.fsdp needs an initialised process group: call "
+                "torch.distributed.init_process_group(...) first (torchrun sets up the environment for it)"
+            )
+        if process_group is None:
+            process_group = copy_default_process_group()
+        elif not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r}")
+        if broadcast_from is not None:
+            if isinstance(broadcast_from, bool) or not isinstance(broadcast_from, int):
+                raise TypeError(f"broadcast_from must be a rank (int) or None, got {broadcast_from!r}")
+            world_size = dist.get_world_size(process_group)
+            if not 0 <= broadcast_from < world_size:
+                raise ValueError(f"broadcast_from={broadcast_from} is not a rank of this process group (0..{world_size - 1})")
+        return cls(
+            device=_resolve_device(device, process_group),
+            process_group=process_group,
+            sharding=sharding,
+            bucketing=bucketing,
+            bucket_cap_bytes=bucket_cap_bytes,
+            broadcast_from=broadcast_from,
+            config=config if config is not None else OverlapConfig(),
+            move_state_dict_to_cpu=move_state_dict_to_cpu,
+        )
+
+
+def options_from(options: FSDPOptions | None, option_kwargs: dict[str, object], caller: str) -> FSDPOptions:
+    """``options`` as given, or resolved from the keywords of :meth:`FSDPOptions.resolve`: the
+    two ways ``fsdp_transforms`` and ``FSDPOverlap`` accept options (``caller`` names which)."""
+    if options is None:
+        if "bucket_cap_bytes" in option_kwargs:  # fsdp_transforms' keyword before FSDPOptions
+            cap = option_kwargs["bucket_cap_bytes"]
+            mb = f"{cap / 2**20}" if isinstance(cap, (int, float)) else "<MiB>"
+            raise TypeError(f"{caller}: bucket_cap_bytes={cap!r} is now bucket_cap_mb={mb} (MiB, as in fsdp)")
+        return FSDPOptions.resolve(**option_kwargs)
+    if not isinstance(options, FSDPOptions):
+        raise TypeError(
+            f"{caller} takes a thunder_overlap.FSDPOptions as its only positional argument, got {options!r}; "
+            "pass the other options by keyword"
+        )
+    if option_kwargs:
+        raise TypeError(f"{caller}: pass either an FSDPOptions or keywords, not both (got keywords {sorted(option_kwargs)})")
+    return options
