@@ -68,3 +68,14 @@ def test_local_rank_without_its_gpu_is_refused(fake_nccl, monkeypatch, gloo_grou
     with pytest.raises(ValueError, match=r"LOCAL_RANK=5 names no visible CUDA device \(2 visible\); pass device="):
         FSDPOptions.resolve(process_group=gloo_group)
     assert fake_nccl == []
+
+
+def test_the_default_network_is_decided_once(monkeypatch):
+    from thunder_overlap.analysis.cost_model import CostModel, default_network
+
+    assert (default_network(8), default_network(9)) == ("nvlink", "infiniband")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert CostModel.for_device("cuda:0", 8).network.name == "nvlink"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # the scheduler's default follows the real node size
+    assert CostModel.for_device("cuda:0", 8).network.name == "infiniband"
+    assert CostModel.for_device("cpu", 64).network.name == "gloo-loopback"

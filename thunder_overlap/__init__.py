@@ -10,6 +10,7 @@ execution traces (bucketed collectives) -> ``classify``
 
 from thunder_overlap.api import fsdp, fsdp_transforms
 from thunder_overlap.config import OverlapConfig
+from thunder_overlap.options import BucketingStrategy, FSDPOptions, ShardingStrategy
 from thunder_overlap.plugin import FSDPOverlap, register as _register_plugin
 from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.report.report import Report, report
@@ -17,13 +18,16 @@ from thunder_overlap.report.schedule_view import ScheduleStats, schedule_picture
 from thunder_overlap.transforms import BucketingTransform, OverlapScheduleTransform, Zero3Transform
 
 __all__ = [
+    "BucketingStrategy",
     "BucketingTransform",
     "CostModel",
+    "FSDPOptions",
     "FSDPOverlap",
     "OverlapConfig",
     "OverlapScheduleTransform",
     "Report",
     "ScheduleStats",
+    "ShardingStrategy",
     "Zero3Transform",
     "fsdp",
     "fsdp_transforms",

@@ -37,6 +37,7 @@ __all__ = [
     "CostModel",
     "DeviceProfile",
     "NetworkProfile",
+    "default_network",
     "device_profile",
     "network_profile",
     "op_bytes",
@@ -91,6 +92,16 @@ NETWORK_PROFILES: dict[str, NetworkProfile] = {
     "infiniband": NetworkProfile("infiniband", 10e-6, 45e9),
     "gloo-loopback": NetworkProfile("gloo-loopback", 50e-6, 1e9),
 }
+
+
+# GPUs one NVLink domain joins when nothing says otherwise: an 8-GPU H100/A100 node.
+DEFAULT_GPUS_PER_NODE = 8
+
+
+def default_network(world_size: int, gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> str:
+    """The network a GPU group of ``world_size`` is assumed to use: NVLink while it fits one
+    node, InfiniBand beyond. The one place that default is decided (scheduler and report CLI)."""
+    return "nvlink" if world_size <= gpus_per_node else "infiniband"
 
 
 def device_profile(name: str | DeviceProfile) -> DeviceProfile:
@@ -302,15 +313,15 @@ class CostModel:
     @classmethod
     def for_device(cls, device: torch.device | str, world_size: int) -> CostModel:
         """The scheduler's default: the profile of ``device`` (an H100 for an unknown GPU), over
-        NVLink when the group fits one node (``LOCAL_WORLD_SIZE``, default 8 GPUs) and
-        InfiniBand otherwise; a CPU over loopback gloo."""
+        :func:`default_network` with ``LOCAL_WORLD_SIZE`` GPUs per node (default 8); a CPU over
+        loopback gloo."""
         device = torch.device(device)
         if device.type != "cuda":
             return cls.named("cpu", "gloo-loopback")
         name = torch.cuda.get_device_name(device).lower() if torch.cuda.is_available() else ""
         profile = next((p for p in ("h200", "h100", "a100") if p in name), "h100")
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "8"))
-        return cls.named(profile, "nvlink" if world_size <= local_world_size else "infiniband")
+        gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", DEFAULT_GPUS_PER_NODE))
+        return cls.named(profile, default_network(world_size, gpus_per_node))
 
     @property
     def is_measured(self) -> bool:
