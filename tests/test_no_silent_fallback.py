@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import thunder
 import torch
 import torch.distributed as dist
 import torch.nn as nn
