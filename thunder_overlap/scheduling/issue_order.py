@@ -33,6 +33,10 @@ class IssueOrder:
 
     sequences: Mapping[int, Sequence[int]]
 
+    def __post_init__(self) -> None:
+        # Tuples, so that two orders compare equal whatever sequence type they were given in.
+        object.__setattr__(self, "sequences", {key: tuple(s) for key, s in self.sequences.items()})
+
     @classmethod
     def of_schedule(cls, annotated: AnnotatedTrace, order: list[int]) -> IssueOrder:
         """The issue order that ``order`` follows."""

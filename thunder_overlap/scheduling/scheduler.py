@@ -131,7 +131,7 @@ class OverlapScheduler:
             return ScheduleWalk(self.annotated, first_use, self.limits, distance, memory, self.summary, self.issue_order).run()
 
         order = walk(None) if self.limits.memory_budget is None else self._schedule_within_budget(walk)
-        logger.info(
+        logger.debug(
             "scheduled %d collectives around %d compute ops: %s", len(self.annotated.collectives), len(self.anchors), self.summary.describe()
         )
         return order
