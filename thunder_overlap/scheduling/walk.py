@@ -25,6 +25,30 @@ __all__ = ["ScheduleWalk"]
 logger = logging.getLogger(__name__)
 
 
+class _ReadyQueue:
+    """Ready collectives other than all-gathers, earliest in the trace first. Those behind an
+    unissued predecessor in the issue order are set aside until something else is issued."""
+
+    def __init__(self, annotated: AnnotatedTrace) -> None:
+        self._start = [c.start for c in annotated.collectives]
+        self._heap: list[tuple[int, int]] = []
+        self._set_aside: list[int] = []
+
+    def push(self, c: int) -> None:
+        heapq.heappush(self._heap, (self._start[c], c))
+
+    def pop(self) -> int | None:
+        return heapq.heappop(self._heap)[1] if self._heap else None
+
+    def set_aside(self, c: int) -> None:
+        self._set_aside.append(c)
+
+    def requeue_set_aside(self) -> None:
+        for c in self._set_aside:
+            self.push(c)
+        self._set_aside.clear()
+
+
 class ScheduleWalk:
     """One pass over the compute ops of ``annotated``, placing every collective and wait."""
 
@@ -48,8 +72,7 @@ class ScheduleWalk:
         self.reduce_scatters = ReduceScatterLimit(limits.max_reduce_scatters, limits.max_reduce_scatter_bytes)
         self.issue_order = IssueOrderCursor(issue_order, annotated) if issue_order is not None else None
         self.position = 0  # the compute op emitted next
-        self._ready_eager: list[tuple[int, int]] = []  # heap of ready non-all-gather collectives by start
-        self._blocked_eager: list[int] = []  # ready, but behind an unissued predecessor in the issue order
+        self._ready = _ReadyQueue(annotated)
         self.builder = OrderBuilder(annotated, self, self.issue_order)
 
     def run(self) -> list[int]:
@@ -61,7 +84,7 @@ class ScheduleWalk:
         for c in allgathers:
             used_at.setdefault(first_use[c], []).append(c)
         prefetch_queue = deque(sorted(allgathers, key=lambda c: (first_use[c], collectives[c].start)))
-        for c, coll in enumerate(collectives):
+        for c in range(len(collectives)):
             if self.builder.missing_inputs[c] == 0:
                 self.became_ready(c)
 
@@ -100,26 +123,20 @@ class ScheduleWalk:
             logger.debug("prefetch all-gather %d before compute op %d (first use %d)", c, self.position, self.first_use[c])
             self.builder.issue(prefetch_queue.popleft())
         # Off the critical path, and freeing memory once waited on: issue whatever is ready.
-        self._requeue_blocked()
-        while self._ready_eager:
-            _, c = heapq.heappop(self._ready_eager)
+        self._ready.requeue_set_aside()
+        while (c := self._ready.pop()) is not None:
             if c in self.builder.issued:
                 continue
             if self.issue_order is not None and self.issue_order.blocked(c):
                 self._record_hold("issue_order", c)
-                self._blocked_eager.append(c)
+                self._ready.set_aside(c)
                 continue
             coll = self.annotated.collectives[c]
             self._force_waits(lambda: self.reduce_scatters.wait_to_make_room(coll.unsharded_bytes), "reduce-scatter bytes")
             logger.debug("issue %s %d as soon as ready, before compute op %d", coll.kind.value, c, self.position)
             self.builder.issue(c)
             self._force_waits(self.reduce_scatters.wait_over_count, "reduce-scatter count")
-            self._requeue_blocked()  # what c was blocking may go now
-
-    def _requeue_blocked(self) -> None:
-        for c in self._blocked_eager:
-            heapq.heappush(self._ready_eager, (self.annotated.collectives[c].start, c))
-        self._blocked_eager.clear()
+            self._ready.requeue_set_aside()  # what c was blocking may go now
 
     def _hold_allgather(self, c: int) -> bool:
         """Whether a limit holds all-gather ``c`` back before compute op ``self.position``."""
@@ -181,6 +198,5 @@ class ScheduleWalk:
         self.reduce_scatters.in_flight.discard(c)
 
     def became_ready(self, c: int) -> None:
-        coll = self.annotated.collectives[c]
-        if coll.kind is not CollectiveKind.ALL_GATHER:
-            heapq.heappush(self._ready_eager, (coll.start, c))
+        if self.annotated.collectives[c].kind is not CollectiveKind.ALL_GATHER:
+            self._ready.push(c)
