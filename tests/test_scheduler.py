@@ -339,3 +339,31 @@ def test_schedule_trace_dispatches_by_policy():
     assert built == []
     schedule_trace(annotated, OverlapConfig(), largest_block_bytes=None, cost_model=lambda a: built.append(a) or cost_model)
     assert built == [annotated]
+
+
+def test_schedule_trace_logs_its_decisions(caplog):
+    annotated, group = _two_gradients()
+    config = OverlapConfig(policy="just_in_time")
+    with caplog.at_level("INFO", logger="thunder_overlap.scheduling"):
+        schedule_trace(annotated, config, largest_block_bytes=None)
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    assert "forward just_in_time schedule of 3 collectives" in caplog.records[0].getMessage()
+    caplog.clear()
+    with caplog.at_level("DEBUG", logger="thunder_overlap.scheduling"):
+        schedule_trace(annotated, config, largest_block_bytes=None, issue_order=IssueOrder({group: [0, 2, 1]}))
+    debug = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "DEBUG")
+    assert "prefetch all-gather 0" in debug
+    assert "issue_order held back collective 1" in debug
+    assert "forced wait on collective" in debug
+
+
+def test_a_gather_needed_now_first_issues_its_predecessors_in_the_issue_order(caplog):
+    # Two gathers, read in trace order; the issue order asks for the second one first.
+    annotated = classify_trace(build_trace([("gather",), ("gather",), ("matmul", 0, 1), ("matmul", 3, 2)], dist.group.WORLD))
+    group = annotated.collectives[0].group_key
+    with caplog.at_level("DEBUG", logger="thunder_overlap.scheduling"):
+        order = just_in_time_order(annotated, IssueOrder({group: [1, 0]}))
+    assert issue_sequence(annotated, order) == {group: [1, 0]}
+    assert issue_sequence(annotated, just_in_time_order(annotated)) == {group: [0, 1]}
+    _assert_valid_reordering(annotated, order)
+    assert "issue collective 1 before collective 0, which follows it in the issue order" in caplog.text

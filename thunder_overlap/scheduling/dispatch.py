@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from thunder.core.trace import TraceCtx
+from thunder.core.trace import TraceCtx, TraceTag
 
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace
 from thunder_overlap.analysis.cost_model import CostModel
@@ -63,5 +63,8 @@ def schedule_trace(
     scheduled = scheduler.checked_trace
     if scheduled is None:
         scheduled = apply_order(annotated, order, provenance=provenance)
-    logger.info("%s schedule of %d collectives: %s", config.policy, len(annotated.collectives), scheduler.summary.describe())
+    pass_name = "backward" if TraceTag.BACKWARD in annotated.trace.tags else "forward"
+    logger.info(
+        "%s %s schedule of %d collectives: %s", pass_name, config.policy, len(annotated.collectives), scheduler.summary.describe()
+    )
     return ScheduledTrace(scheduled, annotated, order, scheduler.summary)

@@ -9,6 +9,7 @@ nothing; it tells the walk what happened through :class:`OrderEvents`.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Protocol
 
@@ -16,6 +17,8 @@ from thunder_overlap.analysis.classify import AnnotatedTrace, NodeKind
 from thunder_overlap.scheduling.issue_order import IssueOrderCursor
 
 __all__ = ["OrderBuilder", "OrderEvents"]
+
+logger = logging.getLogger(__name__)
 
 
 class OrderEvents(Protocol):
@@ -141,6 +144,7 @@ class OrderBuilder:
                     f"({self._describe(c)}) needs collective {p} ({self._describe(p)}) issued first, which reads the "
                     f"output of {self.nodes[unrun].name} (trace position {unrun}), which has not run"
                 )
+            logger.debug("issue collective %d before collective %d, which follows it in the issue order", p, c)
             self.issue(p)
 
     def _describe(self, c: int) -> str:
