@@ -29,6 +29,7 @@ or timing, so every rank computes the same order as long as they agree on the es
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from thunder.core.trace import TraceCtx
 
@@ -136,7 +137,7 @@ class OverlapScheduler:
         )
         return order
 
-    def _schedule_within_budget(self, walk) -> list[int]:
+    def _schedule_within_budget(self, walk: Callable[[MemoryBudget | None], list[int]]) -> list[int]:
         """Walks until the estimator confirms an order within the budget, holding back each
         attempt's overshoot in the next; the just-in-time order after ``MAX_ATTEMPTS``."""
         baseline, baseline_peak = self.estimate_baseline_memory()

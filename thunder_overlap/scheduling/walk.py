@@ -12,6 +12,8 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import deque
+from collections.abc import Callable
+from typing import Literal
 
 from thunder_overlap.analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind
 from thunder_overlap.config import ScheduleLimits
@@ -152,7 +154,7 @@ class ScheduleWalk:
             return self._record_hold("issue_order", c)
         return False
 
-    def _record_hold(self, limit: str, c: int) -> bool:
+    def _record_hold(self, limit: Literal["distance", "in_flight", "memory", "issue_order"], c: int) -> bool:
         held = getattr(self.summary.held, limit)
         if c not in held:
             held.add(c)
@@ -170,7 +172,7 @@ class ScheduleWalk:
             forced = self._force_waits(lambda: self.memory.wait_to_fit_op(self.position, in_flight), "memory")
             self.summary.forced_waits_for_memory += forced
 
-    def _force_waits(self, next_wait, reason: str) -> int:
+    def _force_waits(self, next_wait: Callable[[], int | None], reason: str) -> int:
         """Waits on ``next_wait()`` until it answers None; how many waits that took."""
         forced = 0
         while (c := next_wait()) is not None:
