@@ -19,6 +19,7 @@ from thunder_overlap.config import SCHEDULING_POLICIES, OverlapConfig
 from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.analysis.memory_estimate import estimate_memory
 from thunder_overlap.scheduling.scheduler import OverlapScheduler, apply_order, just_in_time_order
+from thunder_overlap.scheduling import IssueOrder, issue_sequence, schedule_trace, stock_order
 from thunder_overlap.analysis.simulator import simulate
 
 COLLECTIVE_MS = 1.0
@@ -197,11 +198,7 @@ _CONFIGS = st.one_of(
 )
 
 
-# Derandomized: CI runs the same examples every time; raise max_examples locally to search more.
-@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(choices=_STEPS, config=_CONFIGS, matmul_ms=st.sampled_from([0.25, 1.0, 3.0]))
-def test_every_schedule_is_a_valid_reordering(choices, config, matmul_ms):
-    annotated, order, summary, _ = _schedule(valid_program(choices), config, matmul_ms)
+def _assert_valid_reordering(annotated, order) -> None:
     nodes = annotated.nodes
 
     # The same bound symbols, each once, in an order where every input exists before use.
@@ -222,6 +219,15 @@ def test_every_schedule_is_a_valid_reordering(choices, config, matmul_ms):
     issued = [nodes[i].collective for i in order if nodes[i].kind is NodeKind.COLLECTIVE]
     waited = [nodes[i].collective for i in order if nodes[i].kind is NodeKind.WAIT]
     assert waited == [c for c in issued if annotated.collectives[c].wait is not None]
+
+
+# Derandomized: CI runs the same examples every time; raise max_examples locally to search more.
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(choices=_STEPS, config=_CONFIGS, matmul_ms=st.sampled_from([0.25, 1.0, 3.0]))
+def test_every_schedule_is_a_valid_reordering(choices, config, matmul_ms):
+    annotated, order, summary, _ = _schedule(valid_program(choices), config, matmul_ms)
+    nodes = annotated.nodes
+    _assert_valid_reordering(annotated, order)
 
     # The memory budget holds (it is at least the just-in-time order's own peak).
     if summary.budget_bytes is not None:
@@ -251,3 +257,113 @@ def test_every_schedule_is_a_valid_reordering(choices, config, matmul_ms):
             next_compute = next((order[q] for q in compute_positions if q > p), None)
             needed_next = sum(name in gathered for name in nodes[next_compute].inputs) if next_compute is not None else 0
             assert len(in_flight) <= max(limit, 1, needed_next)
+
+
+# ---------------------------------------------------------------------------------------------
+# A given issue order per process group
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    choices=_STEPS,
+    first=_CONFIGS,
+    second=_CONFIGS,
+    first_ms=st.sampled_from([0.25, 1.0, 3.0]),
+    second_ms=st.sampled_from([0.25, 1.0, 3.0]),
+)
+def test_a_given_issue_order_survives_other_limits_and_estimates(choices, first, second, first_ms, second_ms):
+    annotated, order, _, _ = _schedule(valid_program(choices), first, first_ms)
+    issue_order = IssueOrder.of_schedule(annotated, order)
+    limits = second.limits(None)
+    scheduler = OverlapScheduler(annotated, limits, _cost_model(second_ms), issue_order=issue_order)
+    rescheduled = scheduler.schedule()
+    assert issue_sequence(annotated, rescheduled) == issue_sequence(annotated, order)
+    _assert_valid_reordering(annotated, rescheduled)
+    if scheduler.summary.budget_bytes is not None:
+        assert estimate_memory(apply_order(annotated, rescheduled, provenance="test")).peak_bytes <= scheduler.summary.budget_bytes
+
+
+def _two_gradients() -> tuple:
+    """A gather, then two matmuls whose outputs are reduce-scattered: collectives gather, s1, s2."""
+    program = [("gather",), ("matmul", 0, 1), ("matmul", 2, 1), ("scatter", 2), ("scatter", 3)]
+    annotated = classify_trace(build_trace(program, dist.group.WORLD))
+    kinds = [c.kind for c in annotated.collectives]
+    assert kinds == [CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER, CollectiveKind.REDUCE_SCATTER]
+    return annotated, annotated.collectives[0].group_key
+
+
+def test_a_ready_reduce_scatter_waits_for_its_predecessor_in_the_issue_order():
+    annotated, group = _two_gradients()
+    greedy = OverlapConfig(policy="greedy").limits(None)
+    assert issue_sequence(annotated, OverlapScheduler(annotated, greedy).schedule()) == {group: [0, 1, 2]}
+    scheduler = OverlapScheduler(annotated, greedy, issue_order=IssueOrder({group: [0, 2, 1]}))
+    order = scheduler.schedule()
+    assert issue_sequence(annotated, order) == {group: [0, 2, 1]}
+    assert scheduler.summary.held.issue_order == {1}
+    _assert_valid_reordering(annotated, order)
+
+
+def test_an_issue_order_that_needs_unrun_compute_raises():
+    # The gather's first use is the first matmul, but the order puts a gradient of it first.
+    annotated, group = _two_gradients()
+    scheduler = OverlapScheduler(annotated, OverlapConfig().limits(None), issue_order=IssueOrder({group: [1, 0, 2]}))
+    with pytest.raises(ValueError, match=r"issue order \[1, 0, 2\] cannot be kept: collective 0 .* needs collective 1 .* which has not run"):
+        scheduler.schedule()
+
+
+@pytest.mark.parametrize("sequences", [{"group": [0, 2]}, {"group": [0, 1, 1, 2]}, {"other": [0, 1, 2]}])
+def test_an_issue_order_must_list_each_collective_of_each_group_once(sequences):
+    annotated, group = _two_gradients()
+    issue_order = IssueOrder({group if key == "group" else group + 1: s for key, s in sequences.items()})
+    with pytest.raises(ValueError, match="issue order"):
+        OverlapScheduler(annotated, OverlapConfig().limits(None), issue_order=issue_order)
+
+
+def test_schedule_trace_dispatches_by_policy():
+    annotated, group = _two_gradients()
+    cost_model = _cost_model(1.0)
+    scheduled = schedule_trace(annotated, OverlapConfig(), largest_block_bytes=None, cost_model=cost_model)
+    assert scheduled.order == OverlapScheduler(annotated, OverlapConfig().limits(None), cost_model).schedule()
+    emitted = [b for b in scheduled.trace.bound_symbols if b.sym.name not in ("python_del", "clear_mutable_collection")]
+    assert emitted == [annotated.nodes[i].bsym for i in scheduled.order]
+    assert scheduled.summary.budget_bytes is not None
+
+    stock = schedule_trace(annotated, OverlapConfig(policy="stock"), largest_block_bytes=None)
+    assert (stock.order, stock.summary) == (stock_order(annotated), None)
+    with pytest.raises(ValueError, match="stock policy"):
+        schedule_trace(annotated, OverlapConfig(policy="stock"), largest_block_bytes=None, issue_order=IssueOrder({group: [0, 2, 1]}))
+
+    # A cost model given as a function is built only when the limits stretch prefetching by time.
+    built = []
+    schedule_trace(annotated, OverlapConfig(policy="heuristic"), largest_block_bytes=None, cost_model=built.append)
+    assert built == []
+    schedule_trace(annotated, OverlapConfig(), largest_block_bytes=None, cost_model=lambda a: built.append(a) or cost_model)
+    assert built == [annotated]
+
+
+def test_schedule_trace_logs_its_decisions(caplog):
+    annotated, group = _two_gradients()
+    config = OverlapConfig(policy="just_in_time")
+    with caplog.at_level("INFO", logger="thunder_overlap.scheduling"):
+        schedule_trace(annotated, config, largest_block_bytes=None)
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    assert "forward just_in_time schedule of 3 collectives" in caplog.records[0].getMessage()
+    caplog.clear()
+    with caplog.at_level("DEBUG", logger="thunder_overlap.scheduling"):
+        schedule_trace(annotated, config, largest_block_bytes=None, issue_order=IssueOrder({group: [0, 2, 1]}))
+    debug = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "DEBUG")
+    assert "prefetch all-gather 0" in debug
+    assert "issue_order held back collective 1" in debug
+    assert "forced wait on collective" in debug
+
+
+def test_a_gather_needed_now_first_issues_its_predecessors_in_the_issue_order(caplog):
+    # Two gathers, read in trace order; the issue order asks for the second one first.
+    annotated = classify_trace(build_trace([("gather",), ("gather",), ("matmul", 0, 1), ("matmul", 3, 2)], dist.group.WORLD))
+    group = annotated.collectives[0].group_key
+    with caplog.at_level("DEBUG", logger="thunder_overlap.scheduling"):
+        order = just_in_time_order(annotated, IssueOrder({group: [1, 0]}))
+    assert issue_sequence(annotated, order) == {group: [1, 0]}
+    assert issue_sequence(annotated, just_in_time_order(annotated)) == {group: [0, 1]}
+    _assert_valid_reordering(annotated, order)
+    assert "issue collective 1 before collective 0, which follows it in the issue order" in caplog.text

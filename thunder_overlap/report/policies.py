@@ -15,15 +15,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import thunder
-from thunder.core.trace import TraceCtx
 
 from thunder_overlap.analysis.blocks import largest_block_bytes
-from thunder_overlap.analysis.classify import classify_trace
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.analysis.memory_estimate import MemoryEstimate
 from thunder_overlap.report.report import OrderReport, analyze_trace, unscheduled_trace
-from thunder_overlap.scheduling.scheduler import OverlapScheduler, ScheduleSummary, apply_order, stock_order
+from thunder_overlap.scheduling.dispatch import schedule_trace
+from thunder_overlap.scheduling.summary import ScheduleSummary
 
 __all__ = ["COMPARED_POLICIES", "PolicyComparison", "PolicyResult", "compare_policies"]
 
@@ -98,16 +97,6 @@ class PolicyComparison:
         return data
 
 
-def _schedule(trace: TraceCtx, policy: str, config: OverlapConfig, block_bytes: int | None, cost_model: CostModel):
-    annotated = classify_trace(trace)
-    if policy == "stock" or not annotated.collectives:
-        return apply_order(annotated, stock_order(annotated), provenance="stock order"), None
-    limits = replace(config, policy=policy).limits(block_bytes)
-    scheduler = OverlapScheduler(annotated, limits, cost_model)
-    order = scheduler.schedule()
-    return apply_order(annotated, order, provenance=f"thunder_overlap: {policy} schedule"), scheduler.summary
-
-
 def compare_policies(
     jm,
     *,
@@ -132,11 +121,12 @@ def compare_policies(
     forward_memory: dict[str, MemoryEstimate] = {}
     for policy in policies:
         for pass_name, trace in passes:
-            scheduled, summary = _schedule(trace, policy, config, block_bytes, cost_model)
-            report = analyze_trace(scheduled, cost_model, order=policy, after=forward_memory.get(policy))
+            policy_config = replace(config, policy=policy)
+            scheduled = schedule_trace(trace, policy_config, largest_block_bytes=block_bytes, cost_model=cost_model)
+            report = analyze_trace(scheduled.trace, cost_model, order=policy, after=forward_memory.get(policy))
             if pass_name == "forward":
                 forward_memory[policy] = report.memory
-            results.append(PolicyResult(policy, pass_name, report, summary))
+            results.append(PolicyResult(policy, pass_name, report, scheduled.summary))
     results.sort(key=lambda r: (r.pass_name != "forward", policies.index(r.policy)))
     world_size = next(
         (c.process_group.size() for r in results for c in r.report.annotated.collectives if c.process_group is not None), 1

@@ -21,6 +21,7 @@ listed, with the reason, in :attr:`BucketingTransform.summaries` and in a warnin
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ from thunder_overlap.transforms.executor import (
 )
 
 __all__ = ["BucketingTransform", "BucketingSummary"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -176,6 +179,10 @@ class BucketingTransform(Transform):
         if is_backward:
             pass_name = "backward (no_sync)" if get_skip_data_parallel_grad_sync() else "backward"
         self.summaries[pass_name] = summary
+        logger.info(
+            "%s: %d bucket all-gathers, %d bucket reduce-scatters, %d bucket accumulations, %d collectives left unbucketed",
+            pass_name, summary.all_gathers, summary.reduce_scatters, summary.accumulations, len(summary.unbucketed),
+        )
         if summary.unbucketed:
             # Correct but slower (one collective per parameter): say so rather than leave it to summaries.
             listed = "; ".join(f"{what}: {why}" for what, why in summary.unbucketed)
@@ -222,6 +229,7 @@ class BucketingTransform(Transform):
             new_bsyms[min(positions[id(m.wait)] for m in group)].append(wait)
             removed.update(positions[id(b)] for m in group for b in (m.start, m.wait))
             summary.all_gathers += 1
+            logger.debug("bucket %d: one all-gather for %d parameters", bucket_id, len(group))
 
     def _bucket_reduce_scatters(self, trace, annotated, summary, new_bsyms, removed) -> None:
         groups = self._reduce_scatter_groups(trace, annotated, summary)
@@ -244,6 +252,7 @@ class BucketingTransform(Transform):
             if unsynced:
                 new_bsyms[last_start].append(bucket_accumulate_grads.bind(bucket_id, sources, slots, output=outputs))
                 summary.accumulations += 1
+                logger.debug("bucket %d: %d gradients summed locally (no_sync)", bucket_id, len(group))
                 continue
             with tracectx(trace):
                 future = FutureTensorProxy(shape=(bucket.plan.shard_numel,), like=group[0].source)
@@ -252,6 +261,7 @@ class BucketingTransform(Transform):
             wait = bucket_reduce_scatter_wait.bind(future, bucket_id, slots, output=outputs)
             new_bsyms[max(positions[id(m.wait)] for m in group)].append(wait)
             summary.reduce_scatters += 1
+            logger.debug("bucket %d: one reduce-scatter for %d gradients", bucket_id, len(group))
 
     def _reduce_scatter_groups(self, trace, annotated, summary) -> list[tuple[int, list[_Member]]]:
         """The backward's reduce-scatters by bucket, each bucket's in slot order; whatever cannot

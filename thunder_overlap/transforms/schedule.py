@@ -11,10 +11,11 @@ from thunder.core.transform_common import Transform
 
 from thunder_overlap.analysis.blocks import largest_block_bytes
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace, find_swallowed_collectives
-from thunder_overlap.config import OverlapConfig, ScheduleLimits
 from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap.config import OverlapConfig
+from thunder_overlap.scheduling.dispatch import schedule_trace
 from thunder_overlap.scheduling.rank_agreement import agreed_cost_model, check_ranks_agree
-from thunder_overlap.scheduling.scheduler import OverlapScheduler, ScheduleSummary, apply_order, stock_order
+from thunder_overlap.scheduling.summary import ScheduleSummary
 
 __all__ = ["OverlapScheduleTransform"]
 
@@ -29,20 +30,20 @@ class OverlapScheduleTransform(Transform):
 
     def __init__(self, config: OverlapConfig | None = None) -> None:
         self.config = config if config is not None else OverlapConfig()
-        self.limits: ScheduleLimits = self.config.limits(largest_block_bytes=None)
+        # Sizes the default prefetch limits; None until transform_module sees the model.
+        self.largest_block_bytes: int | None = None
         self.summaries: dict[str, ScheduleSummary] = {}
 
     def transform_module(self, model) -> None:
         # The original module still has the unsharded shapes (on meta once FSDP released it).
-        block_bytes = largest_block_bytes(model._model)
-        if block_bytes is None and self.config.policy in ("memory_aware", "heuristic"):
+        self.largest_block_bytes = largest_block_bytes(model._model)
+        if self.largest_block_bytes is None and self.config.policy in ("memory_aware", "heuristic"):
             warnings.warn(
                 f"thunder_overlap: {type(model._model).__name__} has no nn.ModuleList/nn.Sequential of blocks to "
                 f"size prefetching by; limiting all-gathers in flight to {self.config.fallback_in_flight_allgathers} "
                 "and leaving reduce-scatter bytes unbounded unless OverlapConfig sets limits",
                 stacklevel=2,
             )
-        self.limits = self.config.limits(block_bytes)
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         swallowed = find_swallowed_collectives(computation_trace)
@@ -54,25 +55,17 @@ class OverlapScheduleTransform(Transform):
                 "(such as 'torchcompile'); nvFuser and the torch executor keep collectives top-level."
             )
         annotated = classify_trace(computation_trace)
-        if not annotated.collectives:
-            return computation_trace
-        scheduled = None
-        if self.config.policy == "stock":
-            order = stock_order(annotated)
-        else:
-            scheduler = OverlapScheduler(annotated, self.limits, self._cost_model(annotated))
-            order = scheduler.schedule()
-            scheduled = scheduler.checked_trace
-            self.summaries["backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"] = scheduler.summary
+        scheduled = schedule_trace(
+            annotated, self.config, largest_block_bytes=self.largest_block_bytes, cost_model=self._cost_model
+        )
+        if scheduled.summary is not None:
+            self.summaries["backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"] = scheduled.summary
         if self.config.check_ranks_agree:
-            check_ranks_agree(annotated, order)
-        if scheduled is None:
-            scheduled = apply_order(annotated, order, provenance=f"thunder_overlap: {self.config.policy} schedule")
-        return scheduled
+            check_ranks_agree(annotated, scheduled.order)
+        return scheduled.trace
 
-    def _cost_model(self, annotated: AnnotatedTrace) -> CostModel | None:
-        if self.limits.prefetch_time_margin is None:
-            return None
+    def _cost_model(self, annotated: AnnotatedTrace) -> CostModel:
+        """The configured cost model (a measured one agreed between ranks), or the device's default."""
         group = next((c.process_group for c in annotated.collectives if c.process_group is not None), None)
         cost_model = self.config.cost_model
         if cost_model is None:

@@ -1,0 +1,62 @@
+"""What one scheduling pass decided and why, for reports, tests and the log."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["HeldBack", "ScheduleSummary"]
+
+
+@dataclass
+class HeldBack:
+    """Collectives (indices into ``AnnotatedTrace.collectives``) that each limit kept from being
+    issued earlier than they were. One collective can be held by several limits in turn."""
+
+    # Too many expensive compute ops before its first use (PrefetchDistance).
+    distance: set[int] = field(default_factory=set)
+    # All-gather count or bytes in flight (AllGatherLimit).
+    in_flight: set[int] = field(default_factory=set)
+    # Predicted memory over budget (MemoryBudget).
+    memory: set[int] = field(default_factory=set)
+    # A predecessor in the given IssueOrder was not issued yet.
+    issue_order: set[int] = field(default_factory=set)
+
+
+@dataclass
+class ScheduleSummary:
+    """What the scheduler decided and why, for reports and tests."""
+
+    # Waits emitted before their first use to get under a limit (bytes/count, or the budget).
+    forced_waits: int = 0
+    forced_waits_for_memory: int = 0
+    # Predicted peaks (estimate_memory) of the just-in-time order and of the chosen order.
+    baseline_peak_bytes: int | None = None
+    budget_bytes: int | None = None
+    peak_bytes: int | None = None
+    attempts: int = 0
+    fell_back_to_just_in_time: bool = False
+    held: HeldBack = field(default_factory=HeldBack)
+
+    @property
+    def held_by_distance(self) -> int:
+        return len(self.held.distance)
+
+    @property
+    def held_by_memory(self) -> int:
+        return len(self.held.memory)
+
+    def describe(self) -> str:
+        """One line for the log."""
+        held = self.held
+        line = (
+            f"held back by distance {len(held.distance)}, in flight {len(held.in_flight)}, memory {len(held.memory)}, "
+            f"issue order {len(held.issue_order)}; forced waits {self.forced_waits} ({self.forced_waits_for_memory} for memory)"
+        )
+        if self.budget_bytes is not None:
+            line += (
+                f"; peak {self.peak_bytes} B of budget {self.budget_bytes} B (just-in-time {self.baseline_peak_bytes} B)"
+                f" after {self.attempts} attempt(s)"
+            )
+        if self.fell_back_to_just_in_time:
+            line += "; fell back to the just-in-time order"
+        return line
