@@ -78,12 +78,15 @@ class OverlapConfig:
     memory_slack_bytes: int = _GIB
     memory_slack_ratio: float = 0.05
     # How long ops and collectives take, for stretching the prefetch distance. Default:
-    # CostModel.for_device(the shards' device, world size). A measured model (calibration or a
-    # user hook) may differ between ranks, so rank 0's estimates are broadcast before scheduling.
+    # CostModel.for_device(the shards' device, world size). Estimates may differ between ranks (a
+    # measured model, other input shapes): they move collectives relative to compute, never the
+    # issue order, which the ranks agree on once (check_ranks_agree).
     cost_model: CostModel | None = field(default=None, compare=False)
-    # When a trace is compiled, ranks exchange a hash of their collective order (one small
-    # all-gather). Ranks that disagree would hang at the first differing collective; this makes
-    # them raise instead, naming the ranks. Skipped on the fake process group and on one rank.
+    # The first time a pass compiles (every rank is there: the first step), ranks exchange their
+    # collective issue orders in one small all-gather, raise on every rank if they would move
+    # different collectives, and all keep the first rank's order from then on, through every
+    # retrace. False skips the exchange: each rank keeps its own first order, safe only when every
+    # rank's first step has the same shapes and estimates. Skipped on the fake group and one rank.
     check_ranks_agree: bool = True
 
     def __post_init__(self) -> None:

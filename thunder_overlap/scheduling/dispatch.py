@@ -23,7 +23,7 @@ __all__ = ["ScheduledTrace", "schedule_trace"]
 logger = logging.getLogger(__name__)
 
 # A cost model, or a function building one for the trace: called only when the limits stretch
-# prefetching by time, since building one may take a collective (agreeing measured timings).
+# prefetching by time, the only decision that reads estimates.
 CostModelSource = CostModel | Callable[[AnnotatedTrace], CostModel | None] | None
 
 

@@ -12,7 +12,13 @@ from dataclasses import dataclass
 
 from thunder_overlap.analysis.classify import AnnotatedTrace, NodeKind
 
-__all__ = ["IssueOrder", "IssueOrderCursor", "issue_sequence"]
+__all__ = ["IssueOrder", "IssueOrderCursor", "issue_order_of", "issue_sequence"]
+
+
+def issue_order_of(annotated: AnnotatedTrace, order: list[int]) -> list[int]:
+    """The collectives (indices into ``annotated.collectives``) in the order ``order`` issues
+    them, across process groups."""
+    return [annotated.nodes[i].collective for i in order if annotated.nodes[i].kind is NodeKind.COLLECTIVE]
 
 
 def issue_sequence(annotated: AnnotatedTrace, order: list[int]) -> dict[int, list[int]]:
@@ -41,6 +47,14 @@ class IssueOrder:
     def of_schedule(cls, annotated: AnnotatedTrace, order: list[int]) -> IssueOrder:
         """The issue order that ``order`` follows."""
         return cls(issue_sequence(annotated, order))
+
+    @classmethod
+    def of_sequence(cls, annotated: AnnotatedTrace, collectives: list[int]) -> IssueOrder:
+        """The issue order of ``collectives`` (indices, across groups), split by process group."""
+        sequences: dict[int, list[int]] = {}
+        for c in collectives:
+            sequences.setdefault(annotated.collectives[c].group_key, []).append(c)
+        return cls(sequences)
 
     def check(self, annotated: AnnotatedTrace) -> None:
         """Raises ValueError unless each group's sequence lists exactly that group's collectives once."""

@@ -1,67 +1,134 @@
-"""Ranks agree: every rank must issue the same collectives in the same order, or they hang.
+"""Ranks agree on one issue order of collectives, so that they pair up and never hang.
 
-:func:`check_ranks_agree` compares a digest of the collective issue order across the ranks of a
-process group; :func:`agreed_cost_model` makes a measured cost model (whose timings differ a
-little on every rank) answer with the first rank's estimates, so that every rank schedules alike.
+Every rank must issue the same collectives in the same order on a process group. The scheduler's
+order depends on estimates (compute time, activation memory) that follow each rank's own input
+shapes, and a rank retraces alone when its batch changes shape. So the order is fixed once:
+
+1. The first time a pass (forward or backward, with a given set of collectives) compiles, every
+   rank is there: the first step runs on every rank. Ranks schedule with their own estimates,
+   then exchange their issue orders in one object all-gather. They must move the same
+   collectives (else every rank raises, naming the ranks and the first differing collective),
+   and all adopt the first rank's order.
+2. Every later compile of that pass (a retrace for a new shape, on one rank or all) schedules
+   with the agreed order as a constraint: placement around compute may follow the new shapes,
+   which collective comes before which may not. No rank communicates to do so, so a rank that
+   retraces alone cannot pair a check with its peers' collectives.
+
+Collectives are identified across traces by :class:`CollectiveKey`: kind, dtype, the shape of
+what they move (parameter shapes, never activation shapes) and how many equal ones precede them
+in Thunder's own order, which follows the parameters.
 """
 
 from __future__ import annotations
 
-import hashlib
+import logging
+from collections import Counter
+from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
-from thunder_overlap.analysis.classify import AnnotatedTrace, NodeKind
-from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap.analysis.classify import AnnotatedTrace
 
-__all__ = ["agreed_cost_model", "check_ranks_agree"]
+__all__ = ["CollectiveKey", "IssueOrderAgreement", "collective_keys"]
 
-
-def _collective_order_digest(annotated: AnnotatedTrace, order: list[int]) -> str:
-    """What must match across ranks for the collectives to pair up: kind, dtype and shape of
-    each collective, in issue order (where each rank waits is its own business)."""
-    signature = []
-    for index in order:
-        node = annotated.nodes[index]
-        if node.kind is NodeKind.COLLECTIVE:
-            out = node.bsym.flat_proxy_outs[0]
-            signature.append(f"{node.name} {out.dtype} {list(out.shape)}")
-    return hashlib.sha256("\n".join(signature).encode()).hexdigest()
+logger = logging.getLogger(__name__)
 
 
-def check_ranks_agree(annotated: AnnotatedTrace, order: list[int]) -> None:
-    group = next((c.process_group for c in annotated.collectives if c.process_group is not None), None)
-    if group is None or group.size() == 1 or dist.get_backend(group) == "fake":
-        return
-    digests: list[str | None] = [None] * group.size()
-    dist.all_gather_object(digests, _collective_order_digest(annotated, order), group=group)
-    if len(set(digests)) > 1:
-        mine = dist.get_rank(group)
-        others = [r for r, d in enumerate(digests) if d != digests[mine]]
-        raise RuntimeError(
-            f"thunder_overlap: rank {mine} of the process group would issue its collectives in another order than "
-            f"ranks {others}, which would hang at the first differing one. Give every rank the same model, inputs "
-            "and OverlapConfig (a measured cost model is agreed automatically), or set check_ranks_agree=False "
-            "to skip this check."
-        )
+@dataclass(frozen=True)
+class CollectiveKey:
+    """A collective's identity that does not depend on activation shapes or proxy names."""
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    # Collectives of the same kind, dtype and shape before this one in Thunder's order.
+    occurrence: int
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.dtype}{list(self.shape)} #{self.occurrence}"
 
 
-def agreed_cost_model(cost_model: CostModel, annotated: AnnotatedTrace, group: dist.ProcessGroup) -> CostModel:
-    """A cost model answering every op and collective of ``annotated`` with the first rank's
-    estimates, so that measured timings, which differ a little on every rank, still give one
-    schedule everywhere."""
-    compute_ms = [cost_model.compute_ms(n.bsym) for n in annotated.nodes]
-    collective_ms = [cost_model.collective_ms(c) for c in annotated.collectives]
-    first_rank = [(compute_ms, collective_ms)]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    dist.broadcast_object_list(first_rank, src=dist.get_global_rank(group, 0), group=group, device=device)
-    compute_ms, collective_ms = first_rank[0]
-    by_bsym = {id(n.bsym): ms for n, ms in zip(annotated.nodes, compute_ms)}
-    by_collective = {id(c): ms for c, ms in zip(annotated.collectives, collective_ms)}
-    return CostModel(
-        cost_model.device,
-        cost_model.network,
-        user_estimate=lambda bsym: by_bsym.get(id(bsym)),
-        collective_estimate=lambda collective: by_collective.get(id(collective)),
-    )
+def collective_keys(annotated: AnnotatedTrace) -> list[CollectiveKey]:
+    """One key per collective of ``annotated`` (read from the trace before scheduling)."""
+    seen: Counter[tuple] = Counter()
+    keys = []
+    for collective in annotated.collectives:
+        moved = annotated.nodes[collective.start].bsym.flat_proxy_outs[0]
+        identity = (collective.kind.value, str(moved.dtype), tuple(int(s) for s in moved.shape))
+        keys.append(CollectiveKey(*identity, seen[identity]))
+        seen[identity] += 1
+    return keys
+
+
+def _exchange_is_possible(group: dist.ProcessGroup | None) -> bool:
+    return group is not None and group.size() > 1 and dist.get_backend(group) != "fake"
+
+
+def _first_difference(theirs: list[CollectiveKey], reference: list[CollectiveKey], rank: int) -> str:
+    """The first collective, in issue order, that one of the two ranks moves and the other does not."""
+    only_reference, only_theirs = Counter(reference) - Counter(theirs), Counter(theirs) - Counter(reference)
+    for position, key in enumerate(reference):
+        if key in only_reference:
+            return f"rank 0 issues {key} at position {position}, which rank {rank} does not"
+    for position, key in enumerate(theirs):
+        if key in only_theirs:
+            return f"rank {rank} issues {key} at position {position}, which rank 0 does not"
+    raise AssertionError("the two orders move the same collectives")
+
+
+class IssueOrderAgreement:
+    """The agreed issue order of each pass, and the one exchange that agrees on it.
+
+    ``exchange=False`` (``OverlapConfig.check_ranks_agree=False``) skips the exchange: each rank
+    keeps its own first order, which is only safe when every rank's first step has equal shapes
+    and estimates.
+    """
+
+    def __init__(self, *, exchange: bool = True) -> None:
+        self.exchange = exchange
+        # (pass name, sorted keys) -> the keys in the agreed issue order.
+        self._agreed: dict[tuple[str, tuple[CollectiveKey, ...]], list[CollectiveKey]] = {}
+
+    @staticmethod
+    def _entry(pass_name: str, keys: list[CollectiveKey]) -> tuple[str, tuple[CollectiveKey, ...]]:
+        return pass_name, tuple(sorted(keys, key=str))
+
+    def agreed_order(self, pass_name: str, keys: list[CollectiveKey]) -> list[int] | None:
+        """Collective indices (into ``keys``) in the order agreed for this pass, or None when
+        this pass has not compiled before."""
+        agreed = self._agreed.get(self._entry(pass_name, keys))
+        if agreed is None:
+            return None
+        index_of = {key: i for i, key in enumerate(keys)}
+        return [index_of[key] for key in agreed]
+
+    def agree(
+        self, pass_name: str, keys: list[CollectiveKey], issue_order: list[int], group: dist.ProcessGroup | None
+    ) -> list[int]:
+        """Agrees on this pass's issue order at its first compile, where every rank is present;
+        returns the agreed order as indices into ``keys`` (this rank's own when it is the first
+        rank's, or when there is nobody to agree with)."""
+        mine = [keys[c] for c in issue_order]
+        agreed = mine
+        if self.exchange and _exchange_is_possible(group):
+            agreed = self._exchange(mine, group)
+        self._agreed[self._entry(pass_name, keys)] = agreed
+        logger.debug("%s: %d collectives, issue order %s", pass_name, len(agreed), "adopted from rank 0" if agreed != mine else "own")
+        index_of = {key: i for i, key in enumerate(keys)}
+        return [index_of[key] for key in agreed]
+
+    @staticmethod
+    def _exchange(mine: list[CollectiveKey], group: dist.ProcessGroup) -> list[CollectiveKey]:
+        orders: list[list[CollectiveKey] | None] = [None] * group.size()
+        dist.all_gather_object(orders, mine, group=group)
+        reference = orders[0]
+        differing = [rank for rank, order in enumerate(orders) if sorted(order, key=str) != sorted(reference, key=str)]
+        if differing:
+            # Every rank sees every order, so every rank raises: none is left waiting.
+            first = differing[0]
+            raise RuntimeError(
+                f"thunder_overlap: ranks {differing} of the process group would issue other collectives than rank 0, "
+                f"which would hang at the first differing one: {_first_difference(orders[first], reference, first)}. "
+                "Give every rank the same model, sharding and bucketing."
+            )
+        return reference

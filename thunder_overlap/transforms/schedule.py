@@ -13,8 +13,9 @@ from thunder_overlap.analysis.blocks import largest_block_bytes
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace, find_swallowed_collectives
 from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.scheduling.dispatch import schedule_trace
-from thunder_overlap.scheduling.rank_agreement import agreed_cost_model, check_ranks_agree
+from thunder_overlap.scheduling.dispatch import ScheduledTrace, schedule_trace
+from thunder_overlap.scheduling.issue_order import IssueOrder, issue_order_of
+from thunder_overlap.scheduling.rank_agreement import IssueOrderAgreement, collective_keys
 from thunder_overlap.scheduling.summary import ScheduleSummary
 
 __all__ = ["OverlapScheduleTransform"]
@@ -33,6 +34,7 @@ class OverlapScheduleTransform(Transform):
         # Sizes the default prefetch limits; None until transform_module sees the model.
         self.largest_block_bytes: int | None = None
         self.summaries: dict[str, ScheduleSummary] = {}
+        self.agreement = IssueOrderAgreement(exchange=self.config.check_ranks_agree)
 
     def transform_module(self, model) -> None:
         # The original module still has the unsharded shapes (on meta once FSDP released it).
@@ -45,6 +47,13 @@ class OverlapScheduleTransform(Transform):
                 stacklevel=2,
             )
 
+    @staticmethod
+    def of(module) -> OverlapScheduleTransform | None:
+        """The schedule transform of a module ``thunder_overlap.fsdp`` returned, if any."""
+        from thunder import compile_data
+
+        return next((t for t in compile_data(module).transforms if isinstance(t, OverlapScheduleTransform)), None)
+
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         swallowed = find_swallowed_collectives(computation_trace)
         if swallowed:
@@ -55,23 +64,42 @@ class OverlapScheduleTransform(Transform):
                 "(such as 'torchcompile'); nvFuser and the torch executor keep collectives top-level."
             )
         annotated = classify_trace(computation_trace)
-        scheduled = schedule_trace(
-            annotated, self.config, largest_block_bytes=self.largest_block_bytes, cost_model=self._cost_model
-        )
+        if not annotated.collectives:
+            return computation_trace
+        pass_name = "backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"
+        keys = collective_keys(annotated)
+        agreed = self.agreement.agreed_order(pass_name, keys)
+        scheduled = self._schedule(annotated, agreed)
+        if agreed is None:
+            # This pass compiles for the first time, on every rank at once: agree on its order.
+            own = issue_order_of(annotated, scheduled.order)
+            agreed = self.agreement.agree(pass_name, keys, own, _process_group(annotated))
+            if agreed != own:
+                scheduled = self._schedule(annotated, agreed)
         if scheduled.summary is not None:
-            self.summaries["backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"] = scheduled.summary
-        if self.config.check_ranks_agree:
-            check_ranks_agree(annotated, scheduled.order)
+            self.summaries[pass_name] = scheduled.summary
         return scheduled.trace
 
+    def _schedule(self, annotated: AnnotatedTrace, issue_order: list[int] | None) -> ScheduledTrace:
+        return schedule_trace(
+            annotated,
+            self.config,
+            largest_block_bytes=self.largest_block_bytes,
+            cost_model=self._cost_model,
+            issue_order=None if issue_order is None else IssueOrder.of_sequence(annotated, issue_order),
+        )
+
     def _cost_model(self, annotated: AnnotatedTrace) -> CostModel:
-        """The configured cost model (a measured one agreed between ranks), or the device's default."""
-        group = next((c.process_group for c in annotated.collectives if c.process_group is not None), None)
-        cost_model = self.config.cost_model
-        if cost_model is None:
-            start = annotated.nodes[annotated.collectives[0].start].bsym
-            device = next(to_torch_device(a.device) for a in start.flat_proxy_args if isinstance(a, TensorProxy))
-            return CostModel.for_device(device, group.size() if group is not None else 1)
-        if cost_model.is_measured and group is not None:
-            return agreed_cost_model(cost_model, annotated, group)
-        return cost_model
+        """The configured cost model, or the default for the device the collectives run on.
+        Ranks may estimate differently (measured timings, other shapes): that moves collectives
+        relative to compute, never the agreed issue order."""
+        if self.config.cost_model is not None:
+            return self.config.cost_model
+        group = _process_group(annotated)
+        start = annotated.nodes[annotated.collectives[0].start].bsym
+        device = next(to_torch_device(a.device) for a in start.flat_proxy_args if isinstance(a, TensorProxy))
+        return CostModel.for_device(device, group.size() if group is not None else 1)
+
+
+def _process_group(annotated: AnnotatedTrace):
+    return next((c.process_group for c in annotated.collectives if c.process_group is not None), None)

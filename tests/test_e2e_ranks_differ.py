@@ -1,0 +1,150 @@
+"""Two gloo ranks whose batches differ in shape, as dynamic padding gives: each rank retraces at
+its own steps. They must neither hang nor abort, and train exactly like one process whose loss
+is the mean of the two ranks' losses. Ranks that would move different collectives raise a clear
+error on every rank instead of hanging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from thunder_overlap.tools.local_ranks import run_local_ranks
+from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.tools.training import shard_of
+
+WORLD_SIZE = 2
+MODEL = TinyGPTConfig(n_layer=2, n_embd=32, n_head=2)
+CONFIGS = [("zero2", "none"), ("zero3", "none"), ("zero2", "block"), ("zero3", "block")]
+# (batch size, sequence length) per step for each rank: each retraces at steps the other does not.
+PER_RANK_SEQUENCE_LENGTHS = {0: [(2, 8), (2, 8), (2, 16), (2, 4)], 1: [(2, 8), (2, 16), (2, 4), (2, 8)]}
+PER_RANK_BATCH_SIZES = {0: [(1, 8), (1, 8), (3, 8), (2, 8)], 1: [(1, 8), (3, 8), (2, 8), (1, 8)]}
+SCHEDULES = {"sequence lengths": PER_RANK_SEQUENCE_LENGTHS, "batch sizes": PER_RANK_BATCH_SIZES}
+LR = 1e-2
+
+
+def _batch(rank: int, step: int, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, MODEL.vocab_size, (shape[0], shape[1] + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _optimizer(parameters) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in parameters if p.requires_grad], lr=LR)
+
+
+@dataclass
+class RankRun:
+    losses: list[float]
+    shards: dict[str, torch.Tensor]
+    # Collectives in issue order in each pass of the last step ("kind dtype[shape]").
+    issue_order: list[str]
+
+
+def _issue_order(jm) -> list[str]:
+    import thunder
+
+    from thunder_overlap.analysis.classify import NodeKind, classify_trace
+
+    order = []
+    for trace in (thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]):
+        annotated = classify_trace(trace)
+        for node in annotated.nodes:
+            if node.kind is NodeKind.COLLECTIVE:
+                out = node.bsym.flat_proxy_outs[0]
+                order.append(f"{node.name} {out.dtype}{list(out.shape)}")
+    return order
+
+
+def _train_every_config(rank: int, world_size: int) -> dict[tuple[str, str, str], RankRun]:
+    import thunder_overlap
+
+    runs = {}
+    for schedule_name, schedule in SCHEDULES.items():
+        for sharding, bucketing in CONFIGS:
+            torch.manual_seed(0)
+            jm = thunder_overlap.fsdp(TinyGPT(MODEL), sharding_strategy=sharding, bucketing_strategy=bucketing)
+            optimizer = _optimizer(jm.parameters())
+            losses = []
+            for step, shape in enumerate(schedule[rank]):
+                idx, targets = _batch(rank, step, shape)
+                optimizer.zero_grad()
+                loss = _loss(jm(idx), targets)
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+            shards = {name: p.detach().clone() for name, p in jm.named_parameters()}
+            runs[(schedule_name, sharding, bucketing)] = RankRun(losses, shards, _issue_order(jm))
+    return runs
+
+
+def _reference(schedule: dict[int, list[tuple[int, int]]]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process; each step's loss is the mean of the ranks' losses, which is what FSDP's
+    averaged gradients descend."""
+    torch.manual_seed(0)
+    model = TinyGPT(MODEL)
+    optimizer = _optimizer(model.parameters())
+    mean_losses = []
+    for step in range(len(schedule[0])):
+        optimizer.zero_grad()
+        losses = [_loss(model(idx), targets) for idx, targets in (_batch(r, step, schedule[r][step]) for r in range(WORLD_SIZE))]
+        loss = sum(losses) / WORLD_SIZE
+        loss.backward()
+        optimizer.step()
+        mean_losses.append(loss.item())
+    return mean_losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_local_ranks(_train_every_config, WORLD_SIZE, (), timeout_s=900)
+
+
+@pytest.mark.parametrize("schedule_name", sorted(SCHEDULES))
+@pytest.mark.parametrize(("sharding", "bucketing"), CONFIGS)
+def test_ranks_with_different_shapes_train_like_one_process(runs, schedule_name, sharding, bucketing):
+    reference_losses, reference_state = _reference(SCHEDULES[schedule_name])
+    ranks = [r[(schedule_name, sharding, bucketing)] for r in runs]
+    mean_losses = [sum(r.losses[step] for r in ranks) / WORLD_SIZE for step in range(len(reference_losses))]
+    torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(reference_losses), rtol=1e-5, atol=1e-5)
+    for rank, run in enumerate(ranks):
+        for name, shard in run.shards.items():
+            expected, real_rows = shard_of(reference_state[name], rank, WORLD_SIZE)
+            torch.testing.assert_close(shard[:real_rows], expected, rtol=1e-5, atol=1e-5, msg=f"{name} on rank {rank}")
+
+
+@pytest.mark.parametrize("schedule_name", sorted(SCHEDULES))
+@pytest.mark.parametrize(("sharding", "bucketing"), CONFIGS)
+def test_ranks_with_different_shapes_issue_one_order(runs, schedule_name, sharding, bucketing):
+    # The last step has other shapes on each rank (rank 0: 16 tokens or 2 rows, rank 1: 8 and 1).
+    orders = [r[(schedule_name, sharding, bucketing)].issue_order for r in runs]
+    assert orders[0] and orders[0] == orders[1]
+
+
+def _one_rank_moves_other_collectives(rank: int, world_size: int) -> str | None:
+    import thunder_overlap
+
+    torch.manual_seed(0)
+    # Rank 1's MLP is wider: its all-gathers move other shapes from the first block on.
+    config = replace(MODEL, n_embd=32 + 16 * rank)
+    jm = thunder_overlap.fsdp(TinyGPT(config), sharding_strategy="zero3")
+    try:
+        jm(torch.randint(0, MODEL.vocab_size, (1, 8)))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_that_would_move_different_collectives_raise_on_every_rank():
+    # A short process-group timeout: a deadlock would fail this test instead of stalling CI.
+    messages = run_local_ranks(_one_rank_moves_other_collectives, WORLD_SIZE, (), timeout_s=120)
+    for message in messages:
+        assert message is not None and "would hang" in message, messages
+        assert "ranks [1]" in message and "rank 0 issues all_gather" in message, message
