@@ -2,7 +2,8 @@
 and ``schedule_stats``.
 
 A collective is hidden when the compute stream is busy computing for the time the collective
-runs on its communication stream (all but ``HIDDEN_UNCOVERED_FRACTION`` of it). With an idle
+runs on its communication stream (all but ``HIDDEN_UNCOVERED_FRACTION`` of it); any op of the
+compute stream counts, the collectives' own pads and pre-averaging included. With an idle
 stream and no stall at other waits in between, that is exactly
 ``sum(cost_model.compute_ms(op) for op between issue and wait) >= cost_model.collective_ms(c)``.
 
