@@ -45,7 +45,7 @@ def _litgpt_model(name: str, n_layers: int | None, block_size: int | None) -> tu
     try:
         recipe = litgpt_recipe(name, n_layer=n_layers, block_size=block_size, builtins=TINY_PRESETS)
     except UnknownModelError as e:
-        raise ValueError(f"--model_name: {e} (litgpt comes with the 'bench' extra: pip install 'thunder_overlap[bench]')") from e
+        raise ValueError(f"--model_name: {e}") from e  # litgpt also comes with the 'bench' extra
     with torch.device("meta"):
         model = recipe.build()
     return model, ModelSpec(name, recipe.vocab_size, recipe.block_size, recipe.n_layer)
