@@ -196,7 +196,7 @@ def test_report_exports(jitted, tmp_path):
 def test_policy_comparison_puts_every_policy_side_by_side(jitted):
     from thunder_overlap.config import OverlapConfig
     from thunder_overlap.analysis.cost_model import CostModel
-    from thunder_overlap.report.policies import COMPARED_POLICIES, compare_policies
+    from thunder_overlap.report.policies import COMPARED_POLICIES, POLICY_LEGEND, compare_policies
 
     cost_model = CostModel.named("h100", "custom:5:1")
     # A budget with no slack at all: memory_aware may not exceed the just-in-time peak.
@@ -216,3 +216,5 @@ def test_policy_comparison_puts_every_policy_side_by_side(jitted):
     assert backward["memory_aware"].hidden > backward["just_in_time"].hidden
     text = str(comparison)
     assert all(p in text for p in COMPARED_POLICIES) and "vs JIT" in text
+    assert re.search(r"^  memory_aware against stock: \d+\.\d\dx (faster|slower)", text, re.M)
+    assert text.endswith(f"{POLICY_LEGEND}\n{LEGEND}")
