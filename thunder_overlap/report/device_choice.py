@@ -59,36 +59,40 @@ def _gpu_profile(device: torch.device) -> tuple[str, str]:
     return profile, f"the model's parameters are on {name}"
 
 
+def _device_profile(device: torch.device | None) -> tuple[str, str]:
+    """(profile name, why) for the device of the model's parameters."""
+    if device is not None and device.type == "cuda":
+        return _gpu_profile(device)
+    if device is not None and device.type == "cpu":
+        return "cpu", "the model's parameters are on cpu"
+    where = device.type if device is not None else "no device"
+    return FALLBACK_GPU_PROFILE, f"the model's parameters are on {where}, which has no profile, so {FALLBACK_GPU_PROFILE} is assumed"
+
+
+def _network(backend: str, size: int, device_profile: str) -> tuple[str, str]:
+    """(network name, why) for a process group of ``backend`` and ``size`` ranks. A backend that
+    names no link (fake, none) is taken as gloo on a cpu and as NCCL on a GPU profile."""
+    if backend == "gloo" or (backend != "nccl" and device_profile == "cpu"):
+        return "gloo-loopback", f"its process group is {backend}"
+    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", DEFAULT_GPUS_PER_NODE))
+    if size <= gpus_per_node:
+        return "nvlink", f"its process group is {backend} with {size} ranks, which fits in one node of {gpus_per_node} GPUs"
+    return "infiniband", f"its process group is {backend} with {size} ranks, which spans nodes of {gpus_per_node} GPUs"
+
+
 def choose_profile(
     model: torch.nn.Module, annotated: list[AnnotatedTrace], *, device_profile: str | None = None, network: str | None = None
 ) -> ProfileChoice:
-    """The profiles of ``model``'s device and process group (read from its traces' collectives),
-    unless given."""
-    device = _parameter_device(model)
-    group = _group_of(annotated)
-    backend = _backend(group) if group is not None else "none"
-    size = group.size() if group is not None else 1
-    reasons = []
+    """The profiles of ``model``'s device and of the process group of its traces' collectives;
+    ``device_profile`` and ``network`` win when given."""
     if device_profile is None:
-        if device is not None and device.type == "cuda":
-            device_profile, why = _gpu_profile(device)
-        elif device is not None and device.type == "cpu":
-            device_profile, why = "cpu", "the model's parameters are on cpu"
-        else:
-            device_profile = FALLBACK_GPU_PROFILE
-            why = f"the model's parameters are on {device.type if device else 'no device'}, which has no profile, so {FALLBACK_GPU_PROFILE} is assumed"
-        reasons.append(why)
+        device_profile, device_why = _device_profile(_parameter_device(model))
     else:
-        reasons.append(f"device profile {device_profile} as given")
+        device_why = f"device profile {device_profile} as given"
     if network is None:
-        gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", DEFAULT_GPUS_PER_NODE))
-        if backend == "gloo" or (backend not in ("nccl",) and device_profile == "cpu"):
-            network = "gloo-loopback"
-        else:
-            network = "nvlink" if size <= gpus_per_node else "infiniband"
-        fits = f"fits in one node of {gpus_per_node} GPUs" if size <= gpus_per_node else f"spans nodes of {gpus_per_node} GPUs"
-        why = f"its process group is {backend}" + ("" if network == "gloo-loopback" else f" with {size} ranks, which {fits}")
-        reasons.append(why)
+        group = _group_of(annotated)
+        backend = _backend(group) if group is not None else "none"
+        network, network_why = _network(backend, group.size() if group is not None else 1, device_profile)
     else:
-        reasons.append(f"network {network} as given")
-    return ProfileChoice(device_profile, network, " and ".join(reasons))
+        network_why = f"network {network} as given"
+    return ProfileChoice(device_profile, network, f"{device_why} and {network_why}")
