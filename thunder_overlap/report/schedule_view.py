@@ -46,8 +46,8 @@ class ScheduleStats:
     """Overlap and in-flight figures of one execution trace, as it will run.
 
     *Overlapped* means hidden in the one sense of :mod:`thunder_overlap.analysis.overlap`: the
-    compute between a collective's issue and its wait covers its estimated time (and its queueing
-    behind earlier collectives), judged with the cost model ``schedule_stats`` was given.
+    rank computes, not waits, for the collective's whole run, i.e. the compute between its issue
+    and its wait covers its estimated time; judged with the cost model ``schedule_stats`` got.
     """
 
     allgathers: int
