@@ -26,7 +26,7 @@ from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.analysis.memory_estimate import estimate_memory
 from thunder_overlap.tools.tiny_models import Llama, LlamaConfig
 from thunder_overlap.report.report import unscheduled_trace
-from thunder_overlap.report.cli import trace_model
+from thunder_overlap.report.models import trace_model
 from thunder_overlap.scheduling.scheduler import OverlapScheduler
 from thunder_overlap.analysis.simulator import simulate
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,19 +14,26 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import thunder_overlap
 from thunder_overlap.analysis.classify import NodeKind
 from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
-from thunder_overlap.report.report import report
-from thunder_overlap.report.cli import main
+from thunder_overlap.__main__ import main as package_main
+from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap.report import device_choice
+from thunder_overlap.report.cli import DEFAULT_OUT, main
+from thunder_overlap.report.report import LEGEND, report, speed_change
+from thunder_overlap.report.schedule_view import schedule_stats
 
 # The command creates (and destroys) its own fake process group, so its tests come first,
 # before the module's group for report() exists.
 
 
-def test_cli_on_a_two_layer_llama_at_world_size_8(tmp_path, capsys):
-    rc = main(["--model", "llama-2-7b", "--n-layer", "2", "--world-size", "8", "--seq-len", "256", "--out", str(tmp_path), "--steps", "5"])
+def test_cli_on_a_two_layer_llama_at_world_size_8(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default --out is relative to the working directory
+    rc = main(["--model", "llama-2-7b", "--n-layer", "2", "--world-size", "8", "--seq-len", "256", "--steps", "5"])
     assert rc == 0
     out, err = capsys.readouterr()
-    assert "thunder_overlap" in out and "potentially hideable" in out
+    assert "thunder_overlap" in out and "potentially hideable" in out and LEGEND in out
     assert "tracing forward and backward at world size 8" in err
+    assert f"to {tmp_path / DEFAULT_OUT} (the default --out)" in err
+    tmp_path = tmp_path / DEFAULT_OUT
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["world_size"] == 8
     forward = data["passes"]["forward"]
@@ -42,8 +51,8 @@ def test_cli_on_a_two_layer_llama_at_world_size_8(tmp_path, capsys):
         (["--model", "gpt-17"], "unknown model 'gpt-17'"),
         (["--world-size", "0"], "--world-size 0 is impossible"),
         (["--n-layer", "0"], "--n-layer 0 is impossible"),
-        (["--sharding", "zero4"], "sharding_strategy='zero4'"),
-        (["--bucketing", "blocks"], "bucketing_strategy='blocks'"),
+        (["--sharding", "zero4"], "--sharding must be zero2 or zero3 (got 'zero4')"),
+        (["--bucketing", "blocks"], "--bucketing must be none, layer or block (got 'blocks')"),
         (["--network", "carrier-pigeon"], "unknown network 'carrier-pigeon'"),
         (["--device-profile", "tpu"], "unknown device profile 'tpu'"),
         (["--model", "tiny-gpt", "--seq-len", "1000"], "--seq-len 1000"),
@@ -52,6 +61,54 @@ def test_cli_on_a_two_layer_llama_at_world_size_8(tmp_path, capsys):
 def test_cli_errors_name_the_bad_value(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [[], ["--help"], ["-h"]])
+def test_package_help_lists_every_command_and_exits_0(argv, capsys):
+    assert package_main(argv) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^  demo +\S.*$", out, re.M) and re.search(r"^  report +\S.*$", out, re.M)
+
+
+def test_package_version_and_unknown_command(capsys):
+    assert package_main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"thunder_overlap {thunder_overlap.__version__}"
+    assert package_main(["reprot"]) == 2
+    assert "unknown command 'reprot'; accepted: demo, report" in capsys.readouterr().err
+
+
+def test_speed_change_is_a_ratio_and_a_share_of_time():
+    assert speed_change(1.52, 1.0) == "1.52x faster (34% less time)"
+    assert speed_change(1.0, 1.1) == "1.10x slower (10% more time)"
+    assert speed_change(2.0, 2.0) == "the same time"
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize(
+    ("device", "backend", "size", "expected"),
+    [
+        ("cpu", "gloo", 2, ("cpu", "gloo-loopback", "the model's parameters are on cpu and its process group is gloo")),
+        ("meta", "nccl", 8, ("h100", "nvlink", "with 8 ranks, which fits in one node of 8 GPUs")),
+        ("meta", "nccl", 16, ("h100", "infiniband", "with 16 ranks, which spans nodes of 8 GPUs")),
+    ],
+)
+def test_profile_follows_the_model_device_and_process_group(device, backend, size, expected, monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(device_choice.dist, "get_backend", lambda group: backend)
+    model = torch.nn.Linear(2, 2, device=device)
+    traces = [SimpleNamespace(collectives=[SimpleNamespace(process_group=_Group(size))])]
+    choice = device_choice.choose_profile(model, traces)
+    assert (choice.device_profile, choice.network) == expected[:2]
+    assert expected[2] in choice.reason
+    given = device_choice.choose_profile(model, traces, device_profile="a100", network="custom:5:1")
+    assert (given.device_profile, given.network) == ("a100", "custom:5:1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,7 +147,36 @@ def test_report_compares_thunder_order_with_thunder_overlap(jitted):
     assert all(c.start < first_compute for c in baseline.collectives)
     text = str(result)
     assert "forward   thunder " in text and "backward  thunder_overlap" in text
-    assert "hides" in text
+    assert "hides" in text and text.endswith(LEGEND)
+    assert re.search(r"thunder_overlap [0-9.]+ ms: \d+\.\d\dx (faster \(\d+% less|slower \(\d+% more) time\)", text)
+
+
+def test_report_of_a_cpu_model_simulates_its_device_and_says_why(jitted):
+    result = report(jitted)  # TinyGPT on cpu, fake process group of 8 ranks
+    assert (result.device, result.network) == ("cpu", "gloo-loopback")
+    assert str(result).startswith(
+        "world size 8, device cpu, network gloo-loopback (the model's parameters are on cpu and its process group is fake)"
+    )
+    explicit = report(jitted, device_profile="h100", network="custom:5:1")
+    assert (explicit.device, explicit.network) == ("h100", "custom:5:1")
+
+
+def test_one_definition_of_hidden_thunder_forward_hides_almost_nothing(jitted):
+    # At 8 ranks over loopback gloo the first all-gather (7 ring steps of 50 us) outlasts the
+    # attention-mask ops Thunder runs between its issues and its waits, and the others queue
+    # behind it while the rank stands at the waits. At most the last one in the queue, waited
+    # on after the position embedding, runs beside compute. The old rule (any compute between
+    # issue and wait) called all of them overlapped.
+    cost_model = CostModel.named("cpu", "gloo-loopback")
+    forward = report(jitted, cost_model=cost_model)["forward"]
+    thunder_stats = schedule_stats(forward.baseline.trace, cost_model)
+    overlap_stats = schedule_stats(forward.overlap.trace, cost_model)
+    assert thunder_stats.allgathers == 28
+    assert thunder_stats.allgathers_overlapped == forward.baseline.hidden <= 1
+    assert overlap_stats.allgathers_overlapped == forward.overlap.hidden
+    assert overlap_stats.allgather_overlap_fraction >= 0.9
+    # With no cost model given, schedule_stats judges a cpu trace by the same profile.
+    assert schedule_stats(forward.baseline.trace) == thunder_stats
 
 
 def test_report_exports(jitted, tmp_path):
@@ -110,7 +196,7 @@ def test_report_exports(jitted, tmp_path):
 def test_policy_comparison_puts_every_policy_side_by_side(jitted):
     from thunder_overlap.config import OverlapConfig
     from thunder_overlap.analysis.cost_model import CostModel
-    from thunder_overlap.report.policies import COMPARED_POLICIES, compare_policies
+    from thunder_overlap.report.policies import COMPARED_POLICIES, POLICY_LEGEND, compare_policies
 
     cost_model = CostModel.named("h100", "custom:5:1")
     # A budget with no slack at all: memory_aware may not exceed the just-in-time peak.
@@ -130,3 +216,5 @@ def test_policy_comparison_puts_every_policy_side_by_side(jitted):
     assert backward["memory_aware"].hidden > backward["just_in_time"].hidden
     text = str(comparison)
     assert all(p in text for p in COMPARED_POLICIES) and "vs JIT" in text
+    assert re.search(r"^  memory_aware against stock: \d+\.\d\dx (faster|slower)", text, re.M)
+    assert text.endswith(f"{POLICY_LEGEND}\n{LEGEND}")

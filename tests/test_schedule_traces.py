@@ -89,7 +89,11 @@ def test_count_limit_bounds_allgathers_in_flight():
     assert max(s.max_allgathers_in_flight for s in unlimited) > 2, "the limit would not be exercised"
     for stats in limited:
         assert stats.max_allgathers_in_flight <= 2
-        assert stats.allgather_overlap_fraction >= 0.9
+    # Hidden in the cost model's sense: two per-parameter all-gathers in flight (150 us of ring
+    # latency each on 4 cpu ranks) cover little; without the count limit nearly all are hidden.
+    for free, capped in zip(unlimited, limited):
+        assert free.allgather_overlap_fraction >= 0.9
+        assert capped.allgathers_overlapped < free.allgathers_overlapped
 
 
 def test_byte_limits_bound_bytes_in_flight():
@@ -105,9 +109,13 @@ def test_byte_limits_bound_bytes_in_flight():
 
 
 def test_stock_policy_keeps_thunder_order():
-    forward, backward = (schedule_stats(t) for t in _traces(config=OverlapConfig(policy="stock")))
+    forward_trace, backward_trace = _traces(config=OverlapConfig(policy="stock"))
+    forward = schedule_stats(forward_trace)
     assert forward.max_allgathers_in_flight == forward.allgathers  # all issued before any wait
-    assert backward.reduce_scatters_overlapped == 0
+    # Every reduce-scatter is issued after the last matmul (a few still count as hidden: each
+    # runs, coalesced, beside the pre-averaging of the next gradient).
+    tokens = [token.split("x")[0] for token in thunder_overlap.schedule_picture(backward_trace).split()]  # "RSx3" -> "RS"
+    assert tokens.index("RS") > max(i for i, token in enumerate(tokens) if token == "mm")
 
 
 def test_identical_models_get_identical_schedules():

@@ -133,3 +133,66 @@ def test_compute_beside_a_collective_runs_slower_by_the_overlap_slowdown():
 def test_order_must_be_a_permutation():
     with pytest.raises(ValueError, match="permutation"):
         simulate(_one_gather(), [0, 1, 2], _cost_model())
+
+
+# ---------------------------------------------------------------------------------------------
+# The one definition of hidden (thunder_overlap.analysis.overlap): the rank computes for as long
+# as the collective runs.
+
+
+def _gathers_then_mask(second_group: _Group | None = None) -> AnnotatedTrace:
+    """Thunder's forward in small: two gathers issued up front (2 ms each, or 4 ms for the first
+    when it has a group of its own), b (1 ms, the attention mask) before both waits, then a
+    (3 ms, needs neither) and c (reads both)."""
+    first, second = _Group(), second_group
+    first_bytes = TWO_MS_OF_BYTES if second is None else 2 * TWO_MS_OF_BYTES
+    nodes = [
+        _node(0, NodeKind.HEADER, "unpack_trivial", outputs=["x", "w1", "w2"]),
+        _node(1, NodeKind.COLLECTIVE, "all_gather", inputs=["w1"], outputs=["f1"], collective=0),
+        _node(2, NodeKind.COLLECTIVE, "all_gather", inputs=["w2"], outputs=["f2"], collective=1),
+        _node(3, NodeKind.COMPUTE, "b", inputs=["x"], outputs=["mask"]),
+        _node(4, NodeKind.WAIT, "wait", inputs=["f1"], outputs=["g1"], collective=0),
+        _node(5, NodeKind.WAIT, "wait", inputs=["f2"], outputs=["g2"], collective=1),
+        _node(6, NodeKind.COMPUTE, "a", inputs=["mask"], outputs=["y"]),
+        _node(7, NodeKind.COMPUTE, "c", inputs=["y", "g1", "g2"], outputs=["z"]),
+        _node(8, NodeKind.RETURN, "python_return", inputs=["z"]),
+    ]
+    collectives = [
+        Collective(CollectiveKind.ALL_GATHER, 1, 4, first, first_bytes),
+        Collective(CollectiveKind.ALL_GATHER, 2, 5, second or first, TWO_MS_OF_BYTES),
+    ]
+    return _trace(nodes, collectives)
+
+
+def test_thunder_order_hides_nothing_that_a_small_op_before_the_waits_cannot_cover():
+    # Gathers run 0-2 and 2-4 ms on one stream; b runs 0-1 ms, then the rank stalls at the
+    # waits until 4 ms: neither is hidden, though a compute op sits between each issue and wait.
+    sim = simulate(_gathers_then_mask(), list(range(9)), _cost_model())
+    assert [c.covered_ms for c in sim.collectives] == [1.0, 0.0]
+    assert [c.coverage.uncovered_ms for c in sim.collectives] == [1.0, 2.0]
+    assert (sim.hideable, sim.hidden) == (2, 0)
+    # The same ops with a moved ahead of the waits: b and a run 0-4 ms, beside both gathers.
+    overlapped = simulate(_gathers_then_mask(), [0, 1, 2, 3, 6, 4, 5, 7, 8], _cost_model())
+    assert [c.covered_ms for c in overlapped.collectives] == [2.0, 2.0]
+    assert (overlapped.hideable, overlapped.hidden) == (2, 2)
+    assert overlapped.exposed_ms == 0.0
+
+
+def test_a_collective_done_while_the_rank_stalls_on_another_is_not_hidden():
+    # Two groups: the 4 ms gather on one stream, the 2 ms one on another, both from 0 ms. The
+    # rank stalls at the first wait from 1 to 4 ms; the second gather ended at 2 ms, so its own
+    # wait costs nothing, but only b's 1 ms of compute ran beside it.
+    sim = simulate(_gathers_then_mask(second_group=_Group()), list(range(9)), _cost_model())
+    first, second = sim.collectives
+    assert first.stream != second.stream
+    assert (first.exposed_ms, second.exposed_ms) == (3.0, 0.0)
+    assert (first.covered_ms, second.covered_ms) == (1.0, 1.0)
+    assert not first.hidden and not second.hidden
+
+
+def test_hidden_allows_one_percent_of_the_duration_uncovered():
+    from thunder_overlap.analysis.overlap import HIDDEN_UNCOVERED_FRACTION, Coverage
+
+    assert Coverage(duration_ms=2.0, covered_ms=2.0 - HIDDEN_UNCOVERED_FRACTION).hidden  # half of 1% uncovered
+    assert not Coverage(duration_ms=2.0, covered_ms=1.9).hidden
+    assert Coverage(duration_ms=0.0, covered_ms=0.0).hidden  # nothing to hide (a group of one rank)

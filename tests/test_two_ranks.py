@@ -82,7 +82,9 @@ def test_zero3_regathers_in_backward_and_zero2_does_not(runs):
     zero3 = runs["zero3"][1][0]
     # Every matmul weight of every block is needed by its input-gradient matmul: 4 per block.
     assert zero3.backward_stats.allgathers >= 4 * MODEL.n_layer
-    assert zero3.backward_stats.allgathers_overlapped == zero3.backward_stats.allgathers
+    # Hidden, all but the first: the backward's first matmul needs the head weight at once, and
+    # the compute order is Thunder's, so nothing can run beside that re-gather.
+    assert zero3.backward_stats.allgathers_overlapped == zero3.backward_stats.allgathers - 1
 
 
 @pytest.mark.parametrize("sharding", STRATEGIES)

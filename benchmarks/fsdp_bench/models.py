@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from thunder_overlap.report.models import UnknownModelError, litgpt_recipe
 from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 
 __all__ = ["TINY_PRESETS", "ModelSpec", "build_model", "materialize", "math_sdpa", "train_flops_per_step", "loss_fn"]
@@ -42,21 +43,12 @@ class ModelSpec:
 
 def _litgpt_model(name: str, n_layers: int | None, block_size: int | None) -> tuple[nn.Module, ModelSpec]:
     try:
-        from litgpt import Config
-        from litgpt.model import GPT
-    except ImportError as e:
-        raise ValueError(
-            f"--model_name={name!r} is not a built-in preset ({', '.join(TINY_PRESETS)}); litgpt model names need "
-            "the 'bench' extra: pip install 'thunder_overlap[bench]'"
-        ) from e
-    overrides = {k: v for k, v in (("n_layer", n_layers), ("block_size", block_size)) if v is not None}
-    try:
-        config = Config.from_name(name, **overrides)
-    except ValueError as e:
-        raise ValueError(f"--model_name={name!r} is neither a built-in preset ({', '.join(TINY_PRESETS)}) nor a litgpt config") from e
+        recipe = litgpt_recipe(name, n_layer=n_layers, block_size=block_size, builtins=TINY_PRESETS)
+    except UnknownModelError as e:
+        raise ValueError(f"--model_name: {e}") from e  # litgpt also comes with the 'bench' extra
     with torch.device("meta"):
-        model = GPT(config)
-    return model, ModelSpec(name, config.padded_vocab_size, config.block_size, config.n_layer)
+        model = recipe.build()
+    return model, ModelSpec(name, recipe.vocab_size, recipe.block_size, recipe.n_layer)
 
 
 def build_model(name: str, n_layers: int | None = None, block_size: int | None = None) -> tuple[nn.Module, ModelSpec]:

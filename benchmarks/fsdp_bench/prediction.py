@@ -30,7 +30,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from thunder_overlap.options import parse_sharding_strategy
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace
 from thunder_overlap.analysis.cost_model import CostModel, NetworkProfile, device_profile
-from thunder_overlap.report.cli import trace_model
+from thunder_overlap.report.models import trace_model
 from thunder_overlap.analysis.simulator import simulate
 
 from fsdp_bench.models import build_model, math_sdpa
@@ -63,7 +63,7 @@ class LinkFit:
 
 
 def _thunder_traces(model, world_size: int, shard_mode: str, idx_shape: tuple[int, int]):
-    """Thunder's own FSDP traced on meta over a fake group, like report_cli.trace_model."""
+    """Thunder's own FSDP traced on meta over a fake group, like thunder_overlap.report.models.trace_model."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         jm = thunder.distributed.fsdp(thunder.jit(model), device=torch.device("meta"), sharding_strategy=parse_sharding_strategy(shard_mode).thunder_type)

@@ -7,7 +7,8 @@ the compute stream until the collective is done. What the compute stream spends 
 is that collective's *exposed* time. Collectives of one kind, group and dtype issued back to
 back while the previous one is still in flight are coalesced: they pay the latency once. With
 ``CostModel.overlap_compute_slowdown`` > 0, compute runs that much slower while any collective
-is in flight.
+is in flight. Whether a collective is *hidden* is decided by
+:class:`thunder_overlap.analysis.overlap.Coverage` from this simulation (see there).
 
 A collective is *potentially hideable* when some compute op is neither its ancestor nor its
 descendant in the data-flow graph: only then can any order overlap it. Ancestry is found with one
@@ -21,12 +22,9 @@ from dataclasses import dataclass
 
 from thunder_overlap.analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind
 from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap.analysis.overlap import Coverage
 
 __all__ = ["CollectiveTiming", "OpTiming", "Simulation", "potentially_hideable", "simulate"]
-
-# A collective counts as hidden when the compute stream stalls for at most this fraction of its
-# duration: float rounding and sub-microsecond stalls are not overlap failures.
-HIDDEN_EXPOSED_FRACTION = 0.01
 
 _KIND_LABELS = {CollectiveKind.ALL_GATHER: "all_gather", CollectiveKind.REDUCE_SCATTER: "reduce_scatter", CollectiveKind.OTHER: "all_reduce"}
 
@@ -53,16 +51,25 @@ class CollectiveTiming:
     end_ms: float
     # When the compute stream reached the wait (the step's end if nothing waits on it).
     wait_ms: float
+    # What the compute stream spent blocked at this collective's own wait.
     exposed_ms: float
     potentially_hideable: bool
+    # Compute-stream computing time (not stalled) while this collective ran.
+    covered_ms: float
 
     @property
     def duration_ms(self) -> float:
+        """Its own time on its stream (queueing before it starts excluded)."""
         return self.end_ms - self.start_ms
 
     @property
+    def coverage(self) -> Coverage:
+        return Coverage(duration_ms=self.duration_ms, covered_ms=self.covered_ms)
+
+    @property
     def hidden(self) -> bool:
-        return self.exposed_ms <= HIDDEN_EXPOSED_FRACTION * self.duration_ms
+        """The project's one definition (:mod:`thunder_overlap.analysis.overlap`)."""
+        return self.coverage.hidden
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,29 @@ def potentially_hideable(annotated: AnnotatedTrace) -> list[bool]:
     return [bool(unrelated_somewhere >> i & 1) for i in range(count)]
 
 
+class _ComputeIntervals:
+    """When the compute stream computed (consecutive, non-overlapping intervals), and how much
+    of any span it spent computing, in O(log ops)."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.done_before: list[float] = []  # computing time before each interval
+
+    def add(self, start: float, end: float) -> None:
+        if end > start:
+            self.done_before.append(self.done_before[-1] + self.ends[-1] - self.starts[-1] if self.starts else 0.0)
+            self.starts.append(start)
+            self.ends.append(end)
+
+    def done_by(self, t: float) -> float:
+        i = bisect.bisect_right(self.starts, t) - 1
+        return 0.0 if i < 0 else self.done_before[i] + min(t, self.ends[i]) - self.starts[i]
+
+    def between(self, start: float, end: float) -> float:
+        return self.done_by(end) - self.done_by(start)
+
+
 def _slowed_end(start: float, duration: float, busy: list[tuple[float, float]], slowdown: float) -> float:
     """When a compute op of ``duration`` that starts at ``start`` ends, running ``1 + slowdown``
     times slower inside the (start-ordered, possibly overlapping) ``busy`` intervals."""
@@ -159,6 +189,7 @@ def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel)
     ops: list[OpTiming] = []
     now = 0.0
     compute_total = 0.0
+    computing = _ComputeIntervals()
     slowdown = cost_model.overlap_compute_slowdown
     busy: list[tuple[float, float]] = []  # every collective's (start, end), in start order
     for index in order:
@@ -192,6 +223,7 @@ def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel)
             duration = cost_model.compute_ms(node.bsym)
             end = _slowed_end(now, duration, busy, slowdown) if slowdown else now + duration
             ops.append(OpTiming(index, node.name, now, end))
+            computing.add(now, end)
             now = end
             compute_total += duration
 
@@ -201,6 +233,9 @@ def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel)
         stream, issue, start, end = issued[c]
         reached, exposed = waited.get(c, (now, max(0.0, end - now)))
         timings.append(
-            CollectiveTiming(c, _KIND_LABELS[coll.kind], stream, coll.unsharded_bytes, issue, start, end, reached, exposed, hideable[c])
-        )
+            CollectiveTiming(
+                c, _KIND_LABELS[coll.kind], stream, coll.unsharded_bytes, issue, start, end, reached, exposed, hideable[c],
+                computing.between(start, end),
+            )
+        )  # fmt: skip
     return Simulation(ops, timings, step, compute_total, max(stream_busy, default=0.0))

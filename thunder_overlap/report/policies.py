@@ -20,7 +20,7 @@ from thunder_overlap.analysis.blocks import largest_block_bytes
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.analysis.memory_estimate import MemoryEstimate
-from thunder_overlap.report.report import OrderReport, analyze_trace, unscheduled_trace
+from thunder_overlap.report.report import LEGEND, OrderReport, analyze_trace, speed_change, unscheduled_trace
 from thunder_overlap.scheduling.dispatch import schedule_trace
 from thunder_overlap.scheduling.summary import ScheduleSummary
 
@@ -28,6 +28,9 @@ __all__ = ["COMPARED_POLICIES", "PolicyComparison", "PolicyResult", "compare_pol
 
 COMPARED_POLICIES = ("stock", "just_in_time", "heuristic", "greedy", "memory_aware")
 _MIB = 2**20
+POLICY_LEGEND = """\
+max(C,M) ms: the bound ms below; gap: predicted ms over it, minus one.
+vs JIT: predicted peak memory over the just-in-time order's in the same pass, minus one."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,9 @@ class PolicyComparison:
             )
         policies = list(dict.fromkeys(r.policy for r in self.results))
         lines.append("predicted step (forward + backward): " + ", ".join(f"{p} {self.step_ms(p):.3f} ms" for p in policies))
-        return "\n".join(lines)
+        if "stock" in policies:
+            lines += [f"  {p} against stock: {speed_change(self.step_ms('stock'), self.step_ms(p))}" for p in policies if p != "stock"]
+        return "\n".join([*lines, "", POLICY_LEGEND, LEGEND])
 
     def to_json(self, path: str | Path | None = None) -> dict:
         data = {

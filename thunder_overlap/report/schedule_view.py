@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
-from thunder_overlap.analysis.classify import CollectiveKind, NodeKind, classify_trace, is_expensive
+from thunder_overlap.analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace, is_expensive
+from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap.analysis.simulator import simulate
 
-__all__ = ["ScheduleStats", "schedule_picture", "schedule_stats"]
+__all__ = ["ScheduleStats", "default_cost_model", "schedule_picture", "schedule_stats"]
 
 _COLLECTIVE_LABELS = {CollectiveKind.ALL_GATHER: "AG", CollectiveKind.REDUCE_SCATTER: "RS", CollectiveKind.OTHER: "AR"}
 
@@ -40,11 +43,18 @@ def schedule_picture(trace: TraceCtx) -> str:
 
 @dataclass(frozen=True)
 class ScheduleStats:
-    """Overlap and in-flight figures of one execution trace, as it will run."""
+    """Overlap and in-flight figures of one execution trace, as it will run.
+
+    *Overlapped* means hidden in the one sense of :mod:`thunder_overlap.analysis.overlap`: the
+    rank computes, not waits, for the collective's whole run, i.e. the compute between its issue
+    and its wait covers its estimated time; judged with the cost model ``schedule_stats`` got.
+    """
 
     allgathers: int
+    # All-gathers whose estimated time the compute between issue and wait covers.
     allgathers_overlapped: int
     reduce_scatters: int
+    # Reduce-scatters whose estimated time the compute between issue and wait covers.
     reduce_scatters_overlapped: int
     # Largest sum of all-gather output bytes issued but not yet waited on.
     peak_allgather_bytes_in_flight: int
@@ -61,23 +71,31 @@ class ScheduleStats:
         return self.reduce_scatters_overlapped / self.reduce_scatters if self.reduce_scatters else 1.0
 
 
-def schedule_stats(trace: TraceCtx) -> ScheduleStats:
-    """A collective counts as overlapped when at least one compute op runs between its issue and
-    its wait. In-flight figures follow the trace order."""
+def default_cost_model(annotated: AnnotatedTrace) -> CostModel:
+    """The device profile of the trace's collectives (``CostModel.for_device``: a CPU trace gets
+    ``cpu`` over ``gloo-loopback``) at the size of their process group."""
+    for coll in annotated.collectives:
+        tensors = [a for a in annotated.nodes[coll.start].bsym.flat_args if isinstance(a, TensorProxy)]
+        if tensors:
+            world_size = coll.process_group.size() if coll.process_group is not None else 1
+            return CostModel.for_device(tensors[0].device.device_str(), world_size)
+    return CostModel.named("cpu", "gloo-loopback")  # no tensor collective: nothing is judged with it
+
+
+def schedule_stats(trace: TraceCtx, cost_model: CostModel | None = None) -> ScheduleStats:
+    """Overlap counts (hidden collectives, judged by simulating the trace's order with
+    ``cost_model``; default :func:`default_cost_model`) and in-flight figures, which follow the
+    trace order."""
     annotated = classify_trace(trace)
     nodes = annotated.nodes
-    compute_before = [0]
-    for node in nodes:
-        compute_before.append(compute_before[-1] + (node.kind is NodeKind.COMPUTE))
+    cost_model = cost_model if cost_model is not None else default_cost_model(annotated)
+    simulation = simulate(annotated, list(range(len(nodes))), cost_model)
 
     counts = {CollectiveKind.ALL_GATHER: [0, 0], CollectiveKind.REDUCE_SCATTER: [0, 0]}
-    for coll in annotated.collectives:
-        if coll.kind not in counts:
-            continue
-        counts[coll.kind][0] += 1
-        end = coll.wait if coll.wait is not None else len(nodes)
-        if compute_before[end] - compute_before[coll.start + 1] > 0:
-            counts[coll.kind][1] += 1
+    for coll, timing in zip(annotated.collectives, simulation.collectives):
+        if coll.kind in counts:
+            counts[coll.kind][0] += 1
+            counts[coll.kind][1] += timing.hidden
 
     in_flight: dict[int, int] = {}
     peaks = {CollectiveKind.ALL_GATHER: 0, CollectiveKind.REDUCE_SCATTER: 0}

@@ -1,0 +1,105 @@
+"""Models the report can build on the meta device, and how it traces them without running.
+
+Shared by the ``report`` command line and the benchmarks: the built-in models (no extra
+dependency), any litgpt config by name, and :func:`trace_model`, which traces a meta model with
+thunder_overlap's FSDP over a fake process group of any size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+__all__ = ["BUILTIN_MODELS", "ModelRecipe", "UnknownModelError", "litgpt_recipe", "model_recipe", "trace_model"]
+
+LITGPT_HINT = "litgpt config names (such as 'Llama-2-7b-hf') need litgpt: pip install litgpt==0.5.13"
+
+
+class UnknownModelError(ValueError):
+    """A model name that is neither built in nor a litgpt config (or litgpt is missing)."""
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    """How to build one model (call ``build`` under ``torch.device("meta")``) and its sizes."""
+
+    build: Callable[[], nn.Module]
+    block_size: int
+    vocab_size: int
+    n_layer: int
+
+
+def _tiny_gpt(n_layer: int | None) -> ModelRecipe:
+    from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+
+    config = TinyGPTConfig()
+    config = replace(config, n_layer=n_layer or config.n_layer)
+    return ModelRecipe(lambda: TinyGPT(config), config.block_size, config.vocab_size, config.n_layer)
+
+
+def _llama_2_7b(n_layer: int | None) -> ModelRecipe:
+    from thunder_overlap.tools.tiny_models import Llama, LlamaConfig
+
+    config = LlamaConfig()
+    config = replace(config, n_layer=n_layer or config.n_layer)
+    return ModelRecipe(lambda: Llama(config), config.block_size, config.vocab_size, config.n_layer)
+
+
+# name -> recipe for a number of layers (None: the config's own).
+BUILTIN_MODELS: dict[str, Callable[[int | None], ModelRecipe]] = {"tiny-gpt": _tiny_gpt, "llama-2-7b": _llama_2_7b}
+
+
+def litgpt_recipe(name: str, *, n_layer: int | None = None, block_size: int | None = None, builtins=BUILTIN_MODELS) -> ModelRecipe:
+    """A litgpt ``GPT`` from its config name; ``builtins`` only words the error for an unknown name."""
+    try:
+        from litgpt import Config
+        from litgpt.model import GPT
+    except ImportError:
+        raise UnknownModelError(f"unknown model {name!r}; built-in models: {sorted(builtins)}. {LITGPT_HINT}") from None
+    overrides = {k: v for k, v in (("n_layer", n_layer), ("block_size", block_size)) if v is not None}
+    try:
+        config = Config.from_name(name, **overrides)
+    except ValueError:
+        raise UnknownModelError(f"unknown model {name!r}: neither built-in ({sorted(builtins)}) nor a litgpt config name") from None
+    return ModelRecipe(lambda: GPT(config), config.block_size, config.padded_vocab_size, config.n_layer)
+
+
+def model_recipe(name: str, n_layer: int | None = None) -> ModelRecipe:
+    """A built-in model by name, else a litgpt config."""
+    if name in BUILTIN_MODELS:
+        return BUILTIN_MODELS[name](n_layer)
+    return litgpt_recipe(name, n_layer=n_layer)
+
+
+def trace_model(
+    model: nn.Module, *, world_size: int, sharding: str, bucketing: str, idx_shape: tuple[int, int], config=None
+):
+    """Traces ``model`` (on meta) with thunder_overlap's FSDP on a fake group of ``world_size``
+    and ``config`` (an OverlapConfig; give it the report's cost model, as the meta device has no
+    profile of its own); returns the jitted module, whose last traces the report reads."""
+    import thunder
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import thunder_overlap
+
+    if dist.is_initialized():
+        raise RuntimeError("report traces on its own fake process group; call it where no process group is initialised")
+    # Thunder's SDPA executor asks CUDA whether flash/memory-efficient attention fits the inputs,
+    # which fails on meta tensors (and on machines without a driver); the math path needs nothing.
+    sdpa_flags = torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        jm = thunder_overlap.fsdp(model, device="meta", sharding_strategy=sharding, bucketing_strategy=bucketing, config=config)
+        idx = torch.zeros(idx_shape, dtype=torch.long, device="meta")
+        thunder.compile_data(jm).get_computation_and_inputs(idx)
+        return jm
+    finally:
+        dist.destroy_process_group()
+        torch.backends.cuda.enable_flash_sdp(sdpa_flags[0])
+        torch.backends.cuda.enable_mem_efficient_sdp(sdpa_flags[1])
