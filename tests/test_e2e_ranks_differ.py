@@ -24,6 +24,11 @@ PER_RANK_SEQUENCE_LENGTHS = {0: [(2, 8), (2, 8), (2, 16), (2, 4)], 1: [(2, 8), (
 PER_RANK_BATCH_SIZES = {0: [(1, 8), (1, 8), (3, 8), (2, 8)], 1: [(1, 8), (3, 8), (2, 8), (1, 8)]}
 SCHEDULES = {"sequence lengths": PER_RANK_SEQUENCE_LENGTHS, "batch sizes": PER_RANK_BATCH_SIZES}
 LR = 1e-2
+# Adam divides each gradient by its running magnitude, so an element whose gradient is zero up
+# to rounding (the attention key bias: softmax ignores a shift) would take a full step of random
+# sign on either side. An epsilon above that rounding noise keeps the comparison about the
+# collectives, not about Adam's amplification of float noise.
+ADAM_EPS = 1e-5
 
 
 def _batch(rank: int, step: int, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +42,7 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _optimizer(parameters) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p for p in parameters if p.requires_grad], lr=LR)
+    return torch.optim.AdamW([p for p in parameters if p.requires_grad], lr=LR, eps=ADAM_EPS)
 
 
 @dataclass
