@@ -159,10 +159,6 @@ class MemoryEstimate:
     def peak_bytes(self) -> int:
         return max(self.peak_during, default=self.input_bytes)
 
-    @property
-    def peak_index(self) -> int:
-        return max(range(len(self.peak_during)), key=self.peak_during.__getitem__) if self.peak_during else 0
-
 
 class _Books:
     """Reference counts of storages and collections while the trace is walked."""

@@ -13,7 +13,7 @@ and the memory verifier must see what a real backend does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import thunder
@@ -136,9 +136,3 @@ class TraceStepper:
                 yield index, bsym
         self.result = namespace.pop("__result__", None)
         namespace.clear()
-
-    def run_to_end(self, args: list[Any], after_each: Callable[[int, BoundSymbol], None] | None = None) -> Any:
-        for index, bsym in self.run(args):
-            if after_each is not None:
-                after_each(index, bsym)
-        return self.result
