@@ -10,8 +10,8 @@ in-place updates would count the parameters too). Variants:
 - ``none``: one collective per parameter (Thunder's FSDP and thunder_overlap without buckets);
 - ``layer``/``block``: thunder_overlap's persistent bucket buffers;
 - ``<strategy>:concat_every_call``: the same buckets, but concatenated into a new buffer on
-  every call, gathered into a new buffer and copied out parameter by parameter (Thunder's old
-  ``pack``/``unpack`` bucketing, NOTES.md);
+  every call, gathered into a new buffer and copied out parameter by parameter (Thunder's
+  ``pack``/``unpack`` bucketing up to 0.2.3, which concatenated on every call);
 - ``<strategy>:allocate_every_iteration``: one copy-in and one copy-out per bucket into buffers
   taken from the allocator on every call (PyTorch FSDP2's way).
 

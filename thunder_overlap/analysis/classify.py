@@ -173,8 +173,8 @@ def _process_group(bsym: BoundSymbol) -> dist.ProcessGroup | None:
 def find_swallowed_collectives(trace: TraceCtx) -> list[str]:
     """Names of top-level bound symbols (fusions) that contain a collective or a wait inside.
 
-    Such a fusion hides communication from any scheduler; see the torch_compile pitfall in
-    NOTES.md. Returns an empty list when every collective is top-level.
+    Such a fusion hides communication from any scheduler (Thunder 0.2.6's torch_compile executor
+    makes one on CPU from an all-gather and its wait). Returns an empty list when every collective is top-level.
     """
     swallowed = []
     for bsym in trace.bound_symbols:
