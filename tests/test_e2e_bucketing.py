@@ -310,17 +310,8 @@ class _MixedPrecisionModel(nn.Module):
         return self.bf16(torch.relu(self.fp32(x)).to(torch.bfloat16)).float()
 
 
-@pytest.fixture
-def one_rank_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("sharding", ["zero2", "zero3"])
-def test_mixed_dtypes_get_buckets_of_their_own_and_train_like_eager(one_rank_group, sharding):
+def test_mixed_dtypes_get_buckets_of_their_own_and_train_like_eager(one_rank_gloo_group, sharding):
     import thunder_overlap
     from thunder_overlap.transforms import BucketingTransform
 

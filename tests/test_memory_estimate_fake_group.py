@@ -8,8 +8,6 @@ import functools
 import pytest
 import thunder
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import thunder_overlap
 from thunder_overlap.analysis.memory_estimate import estimate_memory
@@ -83,11 +81,9 @@ MODEL = TinyGPTConfig(n_layer=2, n_embd=64)
 
 
 @pytest.fixture(scope="module")
-def fake_group():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-    yield
-    dist.destroy_process_group()
-    _traces.cache_clear()
+def fake_group(fake_group_8):
+    yield fake_group_8
+    _traces.cache_clear()  # the traces refer to this module's group
 
 
 @functools.cache

@@ -11,9 +11,8 @@ import pytest
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from synthetic_traces import VALUE_BYTES, WORLD_SIZE, build_trace, valid_program
+from synthetic_traces import VALUE_BYTES, build_trace, valid_program
 from thunder_overlap.analysis.classify import CollectiveKind, NodeKind, classify_trace, is_expensive
 from thunder_overlap.config import SCHEDULING_POLICIES, OverlapConfig
 from thunder_overlap.analysis.cost_model import CostModel
@@ -22,13 +21,7 @@ from thunder_overlap.scheduling.scheduler import OverlapScheduler, apply_order, 
 from thunder_overlap.analysis.simulator import simulate
 
 COLLECTIVE_MS = 1.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fake_process_group():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("fake_group_4")
 
 
 def _cost_model(matmul_ms: float) -> CostModel:
@@ -168,7 +161,7 @@ def test_coalesced_collectives_pay_latency_once():
     net = CostModel.named("cpu", "custom:1000:1000")  # 1 ms per ring step: latency dominates
     greedy = OverlapScheduler(annotated, OverlapConfig(policy="greedy").limits(None)).schedule()
     jit = just_in_time_order(annotated)
-    latency_ms = (WORLD_SIZE - 1) * 1.0
+    latency_ms = (dist.get_world_size() - 1) * 1.0
     # Greedy issues all three back to back: two of them ride on the first one's latency.
     assert simulate(annotated, greedy, net).communication_ms == pytest.approx(
         simulate(annotated, jit, net).communication_ms - 2 * latency_ms
