@@ -19,10 +19,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from thunder_overlap import CostModel, OverlapConfig
 from thunder_overlap.analysis.blocks import largest_block_bytes
 from thunder_overlap.analysis.classify import classify_trace
-from thunder_overlap.config import OverlapConfig
-from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.analysis.memory_estimate import estimate_memory
 from thunder_overlap.tools.tiny_models import Llama, LlamaConfig
 from thunder_overlap.report.report import unscheduled_trace

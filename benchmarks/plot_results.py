@@ -15,7 +15,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from fsdp_bench.config import CALIBRATION_IMPLS
+from fsdp_bench.bench_config import CALIBRATION_IMPLS
 from fsdp_bench.results import load_results
 
 # Bars per row of the figure stay readable up to about a dozen labels at this width.

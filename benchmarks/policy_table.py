@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from thunder_overlap.config import OverlapConfig
-from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap import CostModel, OverlapConfig
 from thunder_overlap.tools.tiny_models import Llama, LlamaConfig
 from thunder_overlap.report.policies import PolicyComparison, compare_policies
 from thunder_overlap.report.cli import trace_model

@@ -43,12 +43,12 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fsdp_bench.config import BUCKETING_MODES, SHARD_MODES, TRAINING_IMPLS
+from fsdp_bench.bench_config import BUCKETING_MODES, SHARD_MODES, TRAINING_IMPLS
 from fsdp_bench.launch import run_on_link
 from fsdp_bench.models import TINY_PRESETS
 from fsdp_bench.netns import LinkSpec, SlowLink
 from fsdp_bench.results import load_results
-from fsdp_bench.simulator_hook import TestbedSetting, simulator_prediction_ms
+from fsdp_bench.prediction import TestbedSetting, predict_testbed_step_ms
 from fsdp_bench.testbed_summary import calibrate, format_table, summarize, target_checks
 
 _REQUIRED_TOOLS = ("ip", "tc", "taskset")
@@ -213,7 +213,7 @@ def main(argv: list[str]) -> None:
     calibration_of = {impl: calibrations["none" if split_label(impl)[0] == "thunder" else split_label(impl)[1]] for impl in runs}
     first = next(iter(runs.values()))[0]
     simulated = {
-        impl: simulator_prediction_ms(
+        impl: predict_testbed_step_ms(
             TestbedSetting(
                 impl=split_label(impl)[0],
                 bucketing=split_label(impl)[1],

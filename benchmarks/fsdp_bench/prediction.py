@@ -20,7 +20,7 @@ prediction says about overlap comes from that schedule.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import thunder
 import torch
@@ -29,14 +29,14 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from thunder_overlap.api import parse_sharding_strategy
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace
-from thunder_overlap.analysis.cost_model import CostModel, NetworkProfile, device_profile
+from thunder_overlap import CostModel
+from thunder_overlap.analysis.cost_model import NetworkProfile, device_profile
 from thunder_overlap.report.cli import trace_model
 from thunder_overlap.analysis.simulator import simulate
 
 from fsdp_bench.models import build_model, math_sdpa
-from fsdp_bench.simulator_hook import TestbedSetting
 
-__all__ = ["LinkFit", "fit_link", "fit_overlap_slowdown", "predict_testbed_step_ms"]
+__all__ = ["LinkFit", "TestbedSetting", "fit_link", "fit_overlap_slowdown", "predict_testbed_step_ms"]
 
 # Unit link parameters: the simulator's communication time is linear in latency and in
 # 1/bandwidth, so pricing the traces once with each unit gives the two coefficients of the fit.
@@ -47,6 +47,34 @@ _NO_TRANSFER = NetworkProfile("latency only", _UNIT_LATENCY_S, 1e30)
 # A concurrent run at the serial bound would mean compute stops beside communication (an
 # infinite slowdown); 10x slower is already indistinguishable from that on the testbed.
 MAX_OVERLAP_SLOWDOWN = 10.0
+
+
+@dataclass(frozen=True)
+class TestbedSetting:
+    """What the prediction needs: the run it predicts and the testbed's measurements to calibrate to."""
+
+    impl: str
+    shard_mode: str
+    model_name: str
+    n_layers: int
+    block_size: int
+    micro_batch_size: int
+    world_size: int
+    # htb rate of the link in each direction.
+    rate_mbit: float
+    # Calibration: per-rank compute with no communication (C) and communication alone with this
+    # implementation's bucketing (M).
+    compute_ms: float
+    comm_ms: float
+    # The implementation's result JSON (one round), with its traces' schedule figures.
+    result_json: str
+    bucketing: str = "none"
+    # M of every communication-only run, by bucketing strategy ("none" is thunder_overlap's
+    # per-parameter collectives): with two or more the simulator fits a per-collective latency.
+    comm_ms_by_bucketing: dict[str, float] = field(default_factory=dict)
+    # C and M run at once with no dependencies (this implementation's bucketing), when measured:
+    # what overlapping costs on this machine.
+    concurrent_ms: float | None = None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ in-place updates would count the parameters too). Variants:
 The variants swap only the runtime of the buckets (the class of each
 :class:`~thunder_overlap.bucketing.buffers.BucketBuffers`); traces and schedule are the same.
 
-    python benchmarks/bucket_buffers.py --n-layer 8 --out results/bucket_buffers.md
+    python benchmarks/bucket_memory.py --n-layer 8 --out results/bucket_memory.md
 """
 
 from __future__ import annotations
@@ -130,13 +130,12 @@ class StepCensus:
 
 def _measure(rank: int, world_size: int, variant: str, sharding: str, model: TinyGPTConfig, steps: int) -> StepCensus:
     import thunder_overlap
-    from thunder_overlap.transforms import BucketingTransform
 
     strategy, _, runtime = variant.partition(":")
     torch.manual_seed(0)
     jm = thunder_overlap.fsdp(TinyGPT(model), device="cpu", sharding_strategy=sharding, bucketing_strategy=strategy)
     if runtime:
-        for bucket in BucketingTransform.of(jm).buckets.values():
+        for bucket in thunder_overlap.BucketingTransform.of(jm).buckets.values():
             bucket.__class__ = RUNTIMES[runtime]
     optimizer = torch.optim.SGD([p for p in jm.parameters() if p.requires_grad], lr=0.01)
     g = torch.Generator().manual_seed(rank)
