@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from thunder_overlap.bucketing.buffers import BucketBuffers, PendingCollective
-from thunder_overlap.tools.local_ranks import run_local_ranks
 from thunder_overlap.tools.live_memory import LiveMemoryTracker
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.tools.local_ranks import run_local_ranks
 from thunder_overlap.tools.op_census import OpCensus
+from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 
 VARIANTS = (
     "none",
@@ -69,7 +69,7 @@ class ConcatEveryCall(BucketBuffers):
 
     def start_reduce_scatter(self, grads, divisor):
         rows = [-(-g.shape[0] // self.world_size) * self.world_size for g in grads]
-        padded = [F.pad(g, (0, 0) * (g.ndim - 1) + (0, r - g.shape[0])) for g, r in zip(grads, rows)]
+        padded = [F.pad(g, (0, 0) * (g.ndim - 1) + (0, r - g.shape[0])) for g, r in zip(grads, rows, strict=True)]
         flat = torch.cat([p.reshape(self.world_size, -1) for p in padded], dim=1).reshape(-1)
         if divisor is not None:
             flat = flat / divisor
@@ -98,7 +98,7 @@ class AllocateEveryIteration(BucketBuffers):
             pending.result.view(world, plan.shard_numel),
             [s.numel for s in plan.slots],
             dim=1,
-            out=[p.view(world, s.numel) for p, s in zip(pieces, plan.slots)],
+            out=[p.view(world, s.numel) for p, s in zip(pieces, plan.slots, strict=True)],
         )
         return [pieces[i].view(self.unsharded_shape(i)) for i in slots]
 
@@ -191,7 +191,8 @@ def main() -> None:
     for variant in args.variants:
         r = run_local_ranks(_measure, 2, (variant, args.sharding, model, args.steps))[0]
         lines.append(
-            f"| {r.variant} | {r.allocations} | {r.allocated_mib:.2f} | {r.copies} | {r.copied_mib:.2f} | {r.peak_mib:.2f} | {r.step_ms:.1f} |"
+            f"| {r.variant} | {r.allocations} | {r.allocated_mib:.2f} | {r.copies} | {r.copied_mib:.2f} "
+            f"| {r.peak_mib:.2f} | {r.step_ms:.1f} |"
         )
         print(lines[-1], flush=True)
     print("\n".join(lines))

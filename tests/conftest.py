@@ -20,7 +20,8 @@ def _describe_default_group() -> str:
 
 def _default_group(backend: str, world_size: int, store: dist.Store) -> Iterator[dist.ProcessGroup]:
     if dist.is_initialized():
-        raise RuntimeError(f"a default process group is already alive ({_describe_default_group()}); the fixture or test that made it must destroy it")
+        alive = _describe_default_group()
+        raise RuntimeError(f"a default process group is already alive ({alive}); the fixture or test that made it must destroy it")
     dist.init_process_group(backend, store=store, rank=0, world_size=world_size)
     try:
         yield dist.group.WORLD

@@ -136,9 +136,9 @@ def test_calibrated_simulator_places_schedules_between_the_bounds():
 
 
 def test_link_fit_recovers_latency_and_bandwidth_from_two_bucketings():
-    from fsdp_bench.prediction import _annotated, _communication_ms, fit_link
-
     from thunder_overlap.analysis.cost_model import NetworkProfile
+
+    from fsdp_bench.prediction import _annotated, _communication_ms, fit_link
 
     shape = ("tiny-gpt", 2, 32, 2, 2, "zero3")
     traces = {b: _annotated("thunder_overlap", b, *shape) for b in ("none", "block")}

@@ -129,8 +129,8 @@ class SlowCollectiveEstimate:
 
 
 def test_ranks_agree_on_measured_estimates_before_scheduling():
-    from thunder_overlap.config import OverlapConfig
     from thunder_overlap.analysis.cost_model import CostModel
+    from thunder_overlap.config import OverlapConfig
 
     cost_model = CostModel.named("cpu", "gloo-loopback", collective_estimate=RankDependentCollectiveEstimate())
     config = OverlapConfig(max_prefetch_compute_ops=1, cost_model=cost_model)

@@ -12,13 +12,14 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from synthetic_traces import VALUE_BYTES, build_trace, valid_program
 from thunder_overlap.analysis.classify import CollectiveKind, NodeKind, classify_trace, is_expensive
-from thunder_overlap.config import SCHEDULING_POLICIES, OverlapConfig
 from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.analysis.memory_estimate import estimate_memory
-from thunder_overlap.scheduling.scheduler import OverlapScheduler, apply_order, just_in_time_order
 from thunder_overlap.analysis.simulator import simulate
+from thunder_overlap.config import SCHEDULING_POLICIES, OverlapConfig
+from thunder_overlap.scheduling.scheduler import OverlapScheduler, apply_order, just_in_time_order
+
+from synthetic_traces import VALUE_BYTES, build_trace, valid_program
 
 COLLECTIVE_MS = 1.0
 pytestmark = pytest.mark.usefixtures("fake_group_4")

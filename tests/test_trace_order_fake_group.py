@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 import thunder_overlap
 from thunder_overlap import FSDPOverlap, OverlapConfig, schedule_stats
-from thunder_overlap.analysis.classify import AnnotatedTrace, Collective, CollectiveKind, NodeKind, classify_trace, is_expensive
 from thunder_overlap.analysis.blocks import largest_block_bytes
+from thunder_overlap.analysis.classify import AnnotatedTrace, Collective, CollectiveKind, NodeKind, classify_trace, is_expensive
 from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.tools.training import collective_sequence
 
@@ -135,7 +135,7 @@ def test_compute_order_is_unchanged_by_scheduling():
 def test_every_policy_and_limit_keeps_thunders_compute_order_and_moves_each_parameter_once(name):
     stock = _traces(config=OverlapConfig(policy="stock"))
     scheduled = _traces(config=CONFIGS[name])
-    for trace, reference in zip(scheduled, stock):
+    for trace, reference in zip(scheduled, stock, strict=True):
         assert _compute_outputs(trace) == _compute_outputs(reference)
     _assert_moves_each_parameter_once(*scheduled, "zero3")
 

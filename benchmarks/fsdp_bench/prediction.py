@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from thunder_overlap.api import parse_sharding_strategy
-from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace
 from thunder_overlap import CostModel
+from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace
 from thunder_overlap.analysis.cost_model import NetworkProfile, device_profile
-from thunder_overlap.report.cli import trace_model
 from thunder_overlap.analysis.simulator import simulate
+from thunder_overlap.api import parse_sharding_strategy
+from thunder_overlap.report.cli import trace_model
 
 from fsdp_bench.models import build_model, math_sdpa
 
@@ -94,7 +94,8 @@ def _thunder_traces(model, world_size: int, shard_mode: str, idx_shape: tuple[in
     """Thunder's own FSDP traced on meta over a fake group, like report_cli.trace_model."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        jm = thunder.distributed.fsdp(thunder.jit(model), device=torch.device("meta"), sharding_strategy=parse_sharding_strategy(shard_mode))
+        sharding = parse_sharding_strategy(shard_mode)
+        jm = thunder.distributed.fsdp(thunder.jit(model), device=torch.device("meta"), sharding_strategy=sharding)
         idx = torch.zeros(idx_shape, dtype=torch.long, device="meta")
         with math_sdpa():
             thunder.compile_data(jm).get_computation_and_inputs(idx)
@@ -104,7 +105,9 @@ def _thunder_traces(model, world_size: int, shard_mode: str, idx_shape: tuple[in
 
 
 @functools.cache
-def _annotated(impl: str, bucketing: str, model_name: str, n_layers: int, block_size: int, micro_batch_size: int, world_size: int, shard_mode: str) -> tuple[AnnotatedTrace, ...]:
+def _annotated(
+    impl: str, bucketing: str, model_name: str, n_layers: int, block_size: int, micro_batch_size: int, world_size: int, shard_mode: str
+) -> tuple[AnnotatedTrace, ...]:
     """Forward and backward of one implementation, traced on meta (cached: the fit and every
     prediction of one testbed run share them)."""
     model, _ = build_model(model_name, n_layers or None, block_size or None)
@@ -169,7 +172,8 @@ def predict_testbed_step_ms(setting: TestbedSetting) -> float | None:
     if setting.impl not in ("thunder_overlap", "thunder"):
         return None
     _, spec = build_model(setting.model_name, setting.n_layers or None, setting.block_size or None)
-    shape = (setting.model_name, setting.n_layers, setting.block_size or spec.block_size, setting.micro_batch_size, setting.world_size, setting.shard_mode)
+    block_size = setting.block_size or spec.block_size
+    shape = (setting.model_name, setting.n_layers, block_size, setting.micro_batch_size, setting.world_size, setting.shard_mode)
     annotated = _annotated(setting.impl, setting.bucketing, *shape)
 
     comm_ms = dict(setting.comm_ms_by_bucketing) or {setting.bucketing: setting.comm_ms}

@@ -92,7 +92,9 @@ class ImplSummary:
         return abs(self.simulated_ms - self.median_ms) / self.median_ms
 
 
-def summarize(runs: dict[str, list[dict]], calibrations: dict[str, SlowLinkCalibration], simulated: dict[str, float | None]) -> list[ImplSummary]:
+def summarize(
+    runs: dict[str, list[dict]], calibrations: dict[str, SlowLinkCalibration], simulated: dict[str, float | None]
+) -> list[ImplSummary]:
     """``runs[impl]`` holds one result JSON per round; ``calibrations[impl]`` the C and M that
     bound it (M measured with the implementation's own bucketing)."""
     medians = {impl: [_round_median(r) for r in rs] for impl, rs in runs.items()}

@@ -280,7 +280,8 @@ def _mark_prologues(nodes, collectives, producer, consumers) -> None:
                 if p is None or not _is_cheap_single_input(nodes[p]):
                     continue
                 readers = {c for out in nodes[p].outputs for c in consumers.get(out, [])}
-                if readers and all(nodes[r].collective == cidx and nodes[r].kind in (NodeKind.COLLECTIVE, NodeKind.PROLOGUE) for r in readers):
+                own_kinds = (NodeKind.COLLECTIVE, NodeKind.PROLOGUE)
+                if readers and all(nodes[r].collective == cidx and nodes[r].kind in own_kinds for r in readers):
                     nodes[p].kind = NodeKind.PROLOGUE
                     nodes[p].collective = cidx
                     coll.prologue.append(p)

@@ -119,12 +119,12 @@ class TraceStepper:
         names = _argument_names(self.trace)
         if len(args) != len(names):
             raise ValueError(f"trace takes {len(names)} arguments ({names[:4]}...), got {len(args)}")
-        namespace = dict(zip(names, args))
+        namespace = dict(zip(names, args, strict=True))
         args.clear()
         self.namespace = namespace
         held: dict[str, list[Any]] = {}  # future name -> collective inputs, kept while it lives
         with torch.no_grad():
-            for index, (bsym, code) in enumerate(zip(self.trace.bound_symbols, self._code)):
+            for index, (bsym, code) in enumerate(zip(self.trace.bound_symbols, self._code, strict=True)):
                 if code is not None:
                     exec(code, self._globals, namespace)  # noqa: S102 - the trace's own generated line
                 if any(isinstance(o, FutureTensorProxy) for o in bsym.flat_proxy_outs):
