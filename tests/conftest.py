@@ -42,7 +42,7 @@ def fake_group_8() -> Iterator[dist.ProcessGroup]:
     yield from _default_group("fake", 8, FakeStore())
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def one_rank_gloo_group() -> Iterator[dist.ProcessGroup]:
     """A real gloo group of one rank in this process: collectives run (as copies), no spawn."""
     yield from _default_group("gloo", 1, dist.HashStore())
