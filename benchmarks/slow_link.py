@@ -44,8 +44,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fsdp_bench.bench_config import BUCKETING_MODES, SHARD_MODES, TRAINING_IMPLS
+from fsdp_bench.bench_models import TINY_PRESETS
 from fsdp_bench.launch import run_on_link
-from fsdp_bench.models import TINY_PRESETS
 from fsdp_bench.netns import LinkSpec, SlowLink
 from fsdp_bench.prediction import TestbedSetting, predict_testbed_step_ms
 from fsdp_bench.results import load_results

@@ -116,7 +116,7 @@ def _prediction(impl: str, compute_ms: float, comm_ms: float) -> float | None:
 
 
 def test_calibrated_simulator_places_schedules_between_the_bounds():
-    from fsdp_bench.models import build_model
+    from fsdp_bench.bench_models import build_model
     from fsdp_bench.prediction import _annotated, _communication_ms, fit_link
 
     compute_ms = comm_ms = 1000.0

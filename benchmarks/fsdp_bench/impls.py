@@ -41,9 +41,9 @@ from thunder_overlap.analysis.blocks import find_blocks
 from thunder_overlap.api import parse_sharding_strategy
 
 from fsdp_bench.bench_config import BenchmarkConfig
+from fsdp_bench.bench_models import loss_fn, materialize
 from fsdp_bench.comm_replay import CommReplay
 from fsdp_bench.distributed import RunContext
-from fsdp_bench.models import loss_fn, materialize
 from fsdp_bench.profiling import nvtx_range
 
 __all__ = ["Step", "ModelStep", "ConcurrentStep", "make_step"]

@@ -34,7 +34,7 @@ from thunder_overlap.analysis.simulator import simulate
 from thunder_overlap.api import parse_sharding_strategy
 from thunder_overlap.report.cli import trace_model
 
-from fsdp_bench.models import build_model, math_sdpa
+from fsdp_bench.bench_models import build_model, math_sdpa
 
 __all__ = ["LinkFit", "TestbedSetting", "fit_link", "fit_overlap_slowdown", "predict_testbed_step_ms"]
 
