@@ -19,16 +19,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from thunder_overlap import CostModel, OverlapConfig
 from thunder_overlap.analysis.blocks import largest_block_bytes
 from thunder_overlap.analysis.classify import classify_trace
-from thunder_overlap.config import OverlapConfig
-from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.analysis.memory_estimate import estimate_memory
-from thunder_overlap.tools.tiny_models import Llama, LlamaConfig
-from thunder_overlap.report.report import unscheduled_trace
-from thunder_overlap.report.models import trace_model
-from thunder_overlap.scheduling.scheduler import OverlapScheduler
 from thunder_overlap.analysis.simulator import simulate
+from thunder_overlap.report.models import trace_model
+from thunder_overlap.report.report import unscheduled_trace
+from thunder_overlap.scheduling.scheduler import OverlapScheduler
+from thunder_overlap.tools.tiny_models import Llama, LlamaConfig
 
 # Repeat the passes and keep the fastest run: the machine is shared, the minimum is the cost.
 REPEATS = 3
@@ -100,7 +99,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=4096)
     args = parser.parse_args(argv)
-    print(f"{'layers':>6} {'bsyms':>7} {'tracing s':>9} {'classify':>9} {'schedule':>9} {'memory':>9} {'simulate':>9} {'us/bsym':>8} {'% tracing':>9}")
+    print(
+        f"{'layers':>6} {'bsyms':>7} {'tracing s':>9} {'classify':>9} {'schedule':>9} {'memory':>9} {'simulate':>9} "
+        f"{'us/bsym':>8} {'% tracing':>9}"
+    )
     for n_layer in args.layers:
         r = measure(n_layer, args.world_size, args.seq_len)
         print(

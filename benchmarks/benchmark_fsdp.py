@@ -17,7 +17,7 @@ import sys
 
 import torch.distributed as dist
 
-from fsdp_bench.config import parse_args
+from fsdp_bench.bench_config import parse_args
 from fsdp_bench.distributed import init_distributed
 from fsdp_bench.runner import run_benchmark
 

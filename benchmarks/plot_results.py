@@ -15,7 +15,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from fsdp_bench.config import CALIBRATION_IMPLS
+from fsdp_bench.bench_config import CALIBRATION_IMPLS
 from fsdp_bench.results import load_results
 
 # Bars per row of the figure stay readable up to about a dozen labels at this width.
@@ -52,7 +52,7 @@ def plot(results: list[dict], out: Path) -> None:
     labels = list(groups)
     medians = [[statistics.median(r["iter_times_ms"]) for r in groups[k]] for k in labels]
     step = [statistics.median(m) for m in medians]
-    errors = [[s - min(m) for s, m in zip(step, medians)], [max(m) - s for s, m in zip(step, medians)]]
+    errors = [[s - min(m) for s, m in zip(step, medians, strict=True)], [max(m) - s for s, m in zip(step, medians, strict=True)]]
     memory_mib = [max(r["peak_memory_bytes"] for r in groups[k]) / 2**20 for k in labels]
     hatches = ["//" if groups[k][0]["impl"] in CALIBRATION_IMPLS else "" for k in labels]
 

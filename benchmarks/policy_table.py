@@ -19,11 +19,10 @@ from pathlib import Path
 
 import torch
 
-from thunder_overlap.config import OverlapConfig
-from thunder_overlap.analysis.cost_model import CostModel
-from thunder_overlap.tools.tiny_models import Llama, LlamaConfig
-from thunder_overlap.report.policies import PolicyComparison, compare_policies
+from thunder_overlap import CostModel, OverlapConfig
 from thunder_overlap.report.models import trace_model
+from thunder_overlap.report.policies import PolicyComparison, compare_policies
+from thunder_overlap.tools.tiny_models import Llama, LlamaConfig
 
 # (world size, network): one NVLink node, and 8 nodes over InfiniBand.
 SETTINGS = ((8, "nvlink"), (64, "infiniband"))

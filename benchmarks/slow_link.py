@@ -43,12 +43,12 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fsdp_bench.config import BUCKETING_MODES, SHARD_MODES, TRAINING_IMPLS
+from fsdp_bench.bench_config import BUCKETING_MODES, SHARD_MODES, TRAINING_IMPLS
+from fsdp_bench.bench_models import TINY_PRESETS
 from fsdp_bench.launch import run_on_link
-from fsdp_bench.models import TINY_PRESETS
 from fsdp_bench.netns import LinkSpec, SlowLink
+from fsdp_bench.prediction import TestbedSetting, predict_testbed_step_ms
 from fsdp_bench.results import load_results
-from fsdp_bench.simulator_hook import TestbedSetting, simulator_prediction_ms
 from fsdp_bench.testbed_summary import calibrate, format_table, summarize, target_checks
 
 _REQUIRED_TOOLS = ("ip", "tc", "taskset")
@@ -125,7 +125,8 @@ def _parse_args(argv: list[str]) -> TestbedConfig:
     defaults = TestbedConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--rate-mbit", type=float, default=defaults.rate_mbit, help="htb rate of the link, each direction")
-    p.add_argument("--impls", default=",".join(defaults.impls), help=f"comma-separated, of {', '.join(TRAINING_IMPLS)}, each optionally @{'|'.join(BUCKETING_MODES)}")
+    impls_help = f"comma-separated, of {', '.join(TRAINING_IMPLS)}, each optionally @{'|'.join(BUCKETING_MODES)}"
+    p.add_argument("--impls", default=",".join(defaults.impls), help=impls_help)
     p.add_argument("--shard-mode", default=defaults.shard_mode, choices=SHARD_MODES)
     p.add_argument("--rounds", type=int, default=defaults.rounds)
     p.add_argument("--model-name", default=defaults.model_name, help=f"presets: {', '.join(TINY_PRESETS)}, or a litgpt name")
@@ -137,7 +138,9 @@ def _parse_args(argv: list[str]) -> TestbedConfig:
     p.add_argument("--cores", default=",".join(map(str, defaults.cores)), help="core of rank 0, core of rank 1")
     p.add_argument("--out", default=defaults.out)
     p.add_argument("--timeout-s", type=float, default=defaults.timeout_s)
-    p.add_argument("--from-runs", action="store_true", help="summarise the run JSONs already in --out instead of measuring (no root needed)")
+    p.add_argument(
+        "--from-runs", action="store_true", help="summarise the run JSONs already in --out instead of measuring (no root needed)"
+    )
     args = p.parse_args(argv)
     try:
         cores = tuple(int(c) for c in args.cores.split(","))
@@ -213,7 +216,7 @@ def main(argv: list[str]) -> None:
     calibration_of = {impl: calibrations["none" if split_label(impl)[0] == "thunder" else split_label(impl)[1]] for impl in runs}
     first = next(iter(runs.values()))[0]
     simulated = {
-        impl: simulator_prediction_ms(
+        impl: predict_testbed_step_ms(
             TestbedSetting(
                 impl=split_label(impl)[0],
                 bucketing=split_label(impl)[1],

@@ -18,7 +18,6 @@ from thunder.distributed import prims as dist_prims
 from thunder.distributed.prims import DistributedReduceOps
 
 SIZE = 8
-WORLD_SIZE = 4
 VALUE_BYTES = SIZE * SIZE * 4
 
 

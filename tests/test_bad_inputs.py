@@ -150,8 +150,14 @@ def test_options_object_or_keywords_not_both(gloo_group):
 def test_options_must_be_resolved(gloo_group):
     with pytest.raises(TypeError, match=r"FSDPOptions holds parsed strategies, got sharding='zero3'.*FSDPOptions.resolve"):
         FSDPOptions(
-            device=torch.device("cpu"), process_group=gloo_group, sharding="zero3", bucketing=BucketingStrategy.NONE,
-            bucket_cap_bytes=None, broadcast_from=None, config=OverlapConfig(), move_state_dict_to_cpu=False,
+            device=torch.device("cpu"),
+            process_group=gloo_group,
+            sharding="zero3",
+            bucketing=BucketingStrategy.NONE,
+            bucket_cap_bytes=None,
+            broadcast_from=None,
+            config=OverlapConfig(),
+            move_state_dict_to_cpu=False,
         )
 
 
@@ -165,7 +171,11 @@ def test_cli_flags_get_errors_in_cli_terms():
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"policy": "eager"}, ValueError, r"policy must be one of \('memory_aware', 'heuristic', 'greedy', 'just_in_time', 'stock'\), got 'eager'"),
+        (
+            {"policy": "eager"},
+            ValueError,
+            r"policy must be one of \('memory_aware', 'heuristic', 'greedy', 'just_in_time', 'stock'\), got 'eager'",
+        ),
         ({"max_in_flight_allgathers": 0}, ValueError, r"max_in_flight_allgathers must be positive or None .* got 0"),
         ({"max_in_flight_allgathers": 1.5}, TypeError, r"max_in_flight_allgathers must be an int or None, got 1.5"),
         ({"max_in_flight_allgather_bytes": -1}, ValueError, r"max_in_flight_allgather_bytes must be positive"),

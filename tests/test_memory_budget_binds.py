@@ -48,7 +48,7 @@ def test_a_tight_budget_binds_and_the_measured_peak_stays_within_it(fake_group_o
     forward, backward = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
     # The budget binds: something was held back or a wait was forced for memory.
     assert any(s.held_by_memory or s.forced_waits_for_memory for s in summaries.values()), summaries
-    measured = dict(zip(("forward", "backward"), _measured_peaks(forward, backward)))
+    measured = dict(zip(("forward", "backward"), _measured_peaks(forward, backward), strict=True))
     predicted_forward = estimate_memory(forward)
     predicted = {"forward": predicted_forward.peak_bytes, "backward": estimate_memory(backward, after=predicted_forward).peak_bytes}
     for name, summary in summaries.items():

@@ -27,7 +27,10 @@ def test_zero3_that_cannot_regather_raises_instead_of_keeping_zero2_memory(gloo_
     chain = tuple(k for k in zero3._PARAMETER_CHAIN if k is not NodeKind.WAIT)
     monkeypatch.setattr(zero3, "_PARAMETER_CHAIN", chain)
     model = thunder_overlap.fsdp(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), sharding_strategy="zero3")
-    with pytest.raises(RuntimeError, match=r"ZeRO3: the forward saves these gathered parameters .*gathered from 1\.weight\): .*wait.* Use sharding_strategy='zero2'"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"ZeRO3: the forward saves these gathered parameters .*gathered from 1\.weight\): .*wait.* Use sharding_strategy='zero2'",
+    ):
         model(torch.ones(3, 4, requires_grad=True))
 
 
@@ -60,6 +63,10 @@ class _HalfUsedLayer(nn.Module):
 
 def test_bucketing_warns_about_collectives_it_leaves_per_parameter(gloo_group):
     model = thunder_overlap.fsdp(_HalfUsedLayer(), bucketing_strategy="layer")
-    with pytest.warns(UserWarning, match=r"bucketing \(backward\): 1 collectives stay per-parameter: reduce_scatter\(.*\): bucket .*reduce-scatters 1 of its 2 gradients"):
+    with pytest.warns(
+        UserWarning,
+        match=r"bucketing \(backward\): 1 collectives stay per-parameter: "
+        r"reduce_scatter\(.*\): bucket .*reduce-scatters 1 of its 2 gradients",
+    ):
         model(torch.ones(3, 4, requires_grad=True)).sum().backward()
     assert thunder_overlap.BucketingTransform.of(model).summaries["backward"].unbucketed

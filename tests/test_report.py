@@ -12,14 +12,14 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import thunder_overlap
-from thunder_overlap.analysis.classify import NodeKind
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.__main__ import main as package_main
+from thunder_overlap.analysis.classify import NodeKind
 from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.report import device_choice
 from thunder_overlap.report.cli import DEFAULT_OUT, main
 from thunder_overlap.report.report import LEGEND, report, speed_change
 from thunder_overlap.report.schedule_view import schedule_stats
+from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 
 # The command creates (and destroys) its own fake process group, so its tests come first,
 # before the module's group for report() exists.
@@ -122,8 +122,8 @@ def jitted():
     torch.manual_seed(0)
     jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3")
     jm(torch.randint(0, MODEL.vocab_size, (2, 16))).sum().backward()
+    dist.destroy_process_group()  # report() reads the traces only; the CLI tests need no group alive
     yield jm
-    dist.destroy_process_group()
 
 
 def test_report_compares_thunder_order_with_thunder_overlap(jitted):
@@ -194,8 +194,8 @@ def test_report_exports(jitted, tmp_path):
 
 
 def test_policy_comparison_puts_every_policy_side_by_side(jitted):
-    from thunder_overlap.config import OverlapConfig
     from thunder_overlap.analysis.cost_model import CostModel
+    from thunder_overlap.config import OverlapConfig
     from thunder_overlap.report.policies import COMPARED_POLICIES, POLICY_LEGEND, compare_policies
 
     cost_model = CostModel.named("h100", "custom:5:1")

@@ -8,11 +8,12 @@ execution traces (bucketed collectives) -> ``classify``
 (annotated trace) -> ``scheduling`` (decisions) -> executed trace -> ``schedule_view`` (report).
 """
 
+from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.api import fsdp, fsdp_transforms
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import BucketingStrategy, FSDPOptions, ShardingStrategy
-from thunder_overlap.plugin import FSDPOverlap, register as _register_plugin
-from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap.plugin import FSDPOverlap
+from thunder_overlap.plugin import register as _register_plugin
 from thunder_overlap.report.report import Report, report
 from thunder_overlap.report.schedule_view import ScheduleStats, schedule_picture, schedule_stats
 from thunder_overlap.transforms import BucketingTransform, OverlapScheduleTransform, Zero3Transform

@@ -18,8 +18,12 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "demo": Command("train TinyGPT on 2 gloo ranks with Thunder's FSDP and with thunder_overlap, side by side", "thunder_overlap.tools.demo:main"),
-    "report": Command("predict overlap, step time and memory of a model at any world size, without a GPU", "thunder_overlap.report.cli:main"),
+    "demo": Command(
+        "train TinyGPT on 2 gloo ranks with Thunder's FSDP and with thunder_overlap, side by side", "thunder_overlap.tools.demo:main"
+    ),
+    "report": Command(
+        "predict overlap, step time and memory of a model at any world size, without a GPU", "thunder_overlap.report.cli:main"
+    ),
 }
 # Exit status for a command line that names no known command (argparse's convention).
 USAGE_ERROR = 2

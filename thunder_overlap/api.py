@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import thunder
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import thunder
 from thunder.core.module import ThunderModule
 from thunder.core.transform_common import Transform
 from thunder.distributed import FSDPBucketingStrategy, FSDPType
@@ -16,8 +16,8 @@ from thunder.transforms import MaterializationTransform
 
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import BucketingStrategy, FSDPOptions, ShardingStrategy, options_from
-from thunder_overlap.transforms.executor import with_collectives_kept_visible
 from thunder_overlap.transforms import BucketingTransform, OverlapScheduleTransform, RefuseNoSyncTransform, Zero3Transform
+from thunder_overlap.transforms.executor import with_collectives_kept_visible
 
 __all__ = ["fsdp", "fsdp_transforms"]
 

@@ -26,23 +26,23 @@ from __future__ import annotations
 import copy
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
 
+import thunder
 import torch
 import torch.nn as nn
-import thunder
 from thunder.core.module import ThunderModule
 
 import thunder_overlap
-from thunder_overlap.options import parse_bucketing_strategy, parse_sharding_strategy
 from thunder_overlap.analysis.blocks import find_blocks
+from thunder_overlap.options import parse_bucketing_strategy, parse_sharding_strategy
 
+from fsdp_bench.bench_config import BenchmarkConfig
+from fsdp_bench.bench_models import loss_fn, materialize
 from fsdp_bench.comm_replay import CommReplay
-from fsdp_bench.config import BenchmarkConfig
 from fsdp_bench.distributed import RunContext
-from fsdp_bench.models import loss_fn, materialize
 from fsdp_bench.profiling import nvtx_range
 
 __all__ = ["Step", "ModelStep", "ConcurrentStep", "make_step"]
@@ -124,7 +124,9 @@ def _fsdp2(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, *, compile_b
     from torch.distributed.fsdp import fully_shard
 
     if cfg.bucketing_mode != "none":
-        warnings.warn(f"fsdp2 communicates per fully_shard unit (one block); --bucketing_mode={cfg.bucketing_mode} is ignored")
+        warnings.warn(
+            f"fsdp2 communicates per fully_shard unit (one block); --bucketing_mode={cfg.bucketing_mode} is ignored", stacklevel=2
+        )
     blocks = find_blocks(model)
     if not blocks:
         raise ValueError(f"--model_name={cfg.model_name!r} has no repeated blocks (nn.ModuleList) to fully_shard")

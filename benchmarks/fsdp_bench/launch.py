@@ -51,7 +51,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def _raise_if_failed(procs: list[subprocess.Popen], logs: list[Path], label: str) -> None:
-    for rank, (p, log) in enumerate(zip(procs, logs)):
+    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
         if p.poll() not in (None, 0):
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:])
             raise RuntimeError(f"{label}: rank {rank} exited with {p.returncode}; end of {log}:\n{tail}")

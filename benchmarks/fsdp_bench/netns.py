@@ -81,7 +81,7 @@ class SlowLink:
         veth0, veth1 = self.interfaces
         _run("ip", "link", "add", veth0, "type", "veth", "peer", "name", veth1)
         rate = f"{self.spec.rate_mbit}mbit"
-        for rank, (ns, dev) in enumerate(zip(self.namespaces, self.interfaces)):
+        for rank, (ns, dev) in enumerate(zip(self.namespaces, self.interfaces, strict=True)):
             _run("ip", "link", "set", dev, "netns", ns)
             in_ns = ("ip", "netns", "exec", ns)
             _run(*in_ns, "ip", "addr", "add", f"{self.address(rank)}/24", "dev", dev)

@@ -20,23 +20,23 @@ prediction says about overlap comes from that schedule.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import thunder
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from thunder_overlap.options import parse_sharding_strategy
+from thunder_overlap import CostModel
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace
-from thunder_overlap.analysis.cost_model import CostModel, NetworkProfile, device_profile
-from thunder_overlap.report.models import trace_model
+from thunder_overlap.analysis.cost_model import NetworkProfile, device_profile
 from thunder_overlap.analysis.simulator import simulate
+from thunder_overlap.options import parse_sharding_strategy
+from thunder_overlap.report.models import trace_model
 
-from fsdp_bench.models import build_model, math_sdpa
-from fsdp_bench.simulator_hook import TestbedSetting
+from fsdp_bench.bench_models import build_model, math_sdpa
 
-__all__ = ["LinkFit", "fit_link", "fit_overlap_slowdown", "predict_testbed_step_ms"]
+__all__ = ["LinkFit", "TestbedSetting", "fit_link", "fit_overlap_slowdown", "predict_testbed_step_ms"]
 
 # Unit link parameters: the simulator's communication time is linear in latency and in
 # 1/bandwidth, so pricing the traces once with each unit gives the two coefficients of the fit.
@@ -47,6 +47,34 @@ _NO_TRANSFER = NetworkProfile("latency only", _UNIT_LATENCY_S, 1e30)
 # A concurrent run at the serial bound would mean compute stops beside communication (an
 # infinite slowdown); 10x slower is already indistinguishable from that on the testbed.
 MAX_OVERLAP_SLOWDOWN = 10.0
+
+
+@dataclass(frozen=True)
+class TestbedSetting:
+    """What the prediction needs: the run it predicts and the testbed's measurements to calibrate to."""
+
+    impl: str
+    shard_mode: str
+    model_name: str
+    n_layers: int
+    block_size: int
+    micro_batch_size: int
+    world_size: int
+    # htb rate of the link in each direction.
+    rate_mbit: float
+    # Calibration: per-rank compute with no communication (C) and communication alone with this
+    # implementation's bucketing (M).
+    compute_ms: float
+    comm_ms: float
+    # The implementation's result JSON (one round), with its traces' schedule figures.
+    result_json: str
+    bucketing: str = "none"
+    # M of every communication-only run, by bucketing strategy ("none" is thunder_overlap's
+    # per-parameter collectives): with two or more the simulator fits a per-collective latency.
+    comm_ms_by_bucketing: dict[str, float] = field(default_factory=dict)
+    # C and M run at once with no dependencies (this implementation's bucketing), when measured:
+    # what overlapping costs on this machine.
+    concurrent_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -66,7 +94,8 @@ def _thunder_traces(model, world_size: int, shard_mode: str, idx_shape: tuple[in
     """Thunder's own FSDP traced on meta over a fake group, like thunder_overlap.report.models.trace_model."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        jm = thunder.distributed.fsdp(thunder.jit(model), device=torch.device("meta"), sharding_strategy=parse_sharding_strategy(shard_mode).thunder_type)
+        sharding = parse_sharding_strategy(shard_mode).thunder_type
+        jm = thunder.distributed.fsdp(thunder.jit(model), device=torch.device("meta"), sharding_strategy=sharding)
         idx = torch.zeros(idx_shape, dtype=torch.long, device="meta")
         with math_sdpa():
             thunder.compile_data(jm).get_computation_and_inputs(idx)
@@ -76,7 +105,9 @@ def _thunder_traces(model, world_size: int, shard_mode: str, idx_shape: tuple[in
 
 
 @functools.cache
-def _annotated(impl: str, bucketing: str, model_name: str, n_layers: int, block_size: int, micro_batch_size: int, world_size: int, shard_mode: str) -> tuple[AnnotatedTrace, ...]:
+def _annotated(
+    impl: str, bucketing: str, model_name: str, n_layers: int, block_size: int, micro_batch_size: int, world_size: int, shard_mode: str
+) -> tuple[AnnotatedTrace, ...]:
     """Forward and backward of one implementation, traced on meta (cached: the fit and every
     prediction of one testbed run share them)."""
     model, _ = build_model(model_name, n_layers or None, block_size or None)
@@ -141,7 +172,8 @@ def predict_testbed_step_ms(setting: TestbedSetting) -> float | None:
     if setting.impl not in ("thunder_overlap", "thunder"):
         return None
     _, spec = build_model(setting.model_name, setting.n_layers or None, setting.block_size or None)
-    shape = (setting.model_name, setting.n_layers, setting.block_size or spec.block_size, setting.micro_batch_size, setting.world_size, setting.shard_mode)
+    block_size = setting.block_size or spec.block_size
+    shape = (setting.model_name, setting.n_layers, block_size, setting.micro_batch_size, setting.world_size, setting.shard_mode)
     annotated = _annotated(setting.impl, setting.bucketing, *shape)
 
     comm_ms = dict(setting.comm_ms_by_bucketing) or {setting.bucketing: setting.comm_ms}

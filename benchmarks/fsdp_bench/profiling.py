@@ -6,8 +6,8 @@ Everything here is a no-op unless CUDA is in use, so CPU (gloo) runs take the sa
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Iterator
 
 import torch
 import torch.distributed as dist

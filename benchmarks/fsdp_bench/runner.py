@@ -6,17 +6,17 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 import thunder
+import torch
 from thunder.core.module import ThunderModule
 
-from thunder_overlap.report.schedule_view import schedule_picture, schedule_stats
+from thunder_overlap import schedule_picture, schedule_stats
 
-from fsdp_bench.config import BenchmarkConfig
+from fsdp_bench.bench_config import BenchmarkConfig
+from fsdp_bench.bench_models import ModelSpec, build_model, train_flops_per_step
 from fsdp_bench.distributed import RunContext
 from fsdp_bench.impls import ModelStep, make_step
-from fsdp_bench.memory import CPU_METHOD, CUDA_METHOD, cpu_peak_bytes
-from fsdp_bench.models import ModelSpec, build_model, train_flops_per_step
+from fsdp_bench.peak_memory import CPU_METHOD, CUDA_METHOD, cpu_peak_bytes
 from fsdp_bench.profiling import NsysWindow, nvtx_collectives, nvtx_range
 from fsdp_bench.results import BenchmarkResult
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-__all__ = ["Calibration", "ImplSummary", "calibrate", "summarize", "format_table", "target_checks"]
+__all__ = ["SlowLinkCalibration", "ImplSummary", "calibrate", "summarize", "format_table", "target_checks"]
 
 # The issue's targets, which apply at a setting where C and M are within BALANCE_LIMIT of each other.
 BALANCE_LIMIT = 1.5
@@ -28,7 +28,7 @@ def _round_median(run: dict) -> float:
 
 
 @dataclass(frozen=True)
-class Calibration:
+class SlowLinkCalibration:
     compute_ms: float  # C
     comm_ms: float  # M
     # C and M run at once with no dependencies between them: the fastest any schedule can be on
@@ -52,7 +52,7 @@ class Calibration:
         return (self.serial_ms - step_ms) / (self.serial_ms - self.ideal_ms)
 
 
-def calibrate(compute_runs: list[dict], comm_runs: list[dict], concurrent_runs: list[dict] | None = None) -> Calibration:
+def calibrate(compute_runs: list[dict], comm_runs: list[dict], concurrent_runs: list[dict] | None = None) -> SlowLinkCalibration:
     """C and M (and C with M concurrently), each the median over rounds. A compute-only rank
     steps the optimizer over the whole model where an FSDP rank steps 1/world_size of it, so C
     takes out the difference: C = step - (1 - 1/world_size) * optimizer time (and so does the
@@ -62,7 +62,7 @@ def calibrate(compute_runs: list[dict], comm_runs: list[dict], concurrent_runs: 
         surplus = 1 - 1 / run["world_size"]
         return _round_median(run) - surplus * statistics.median(run["optimizer_times_ms"])
 
-    return Calibration(
+    return SlowLinkCalibration(
         compute_ms=statistics.median(compute_ms(r) for r in compute_runs),
         comm_ms=statistics.median(_round_median(r) for r in comm_runs),
         concurrent_ms=statistics.median(compute_ms(r) for r in concurrent_runs) if concurrent_runs else None,
@@ -92,7 +92,9 @@ class ImplSummary:
         return abs(self.simulated_ms - self.median_ms) / self.median_ms
 
 
-def summarize(runs: dict[str, list[dict]], calibrations: dict[str, Calibration], simulated: dict[str, float | None]) -> list[ImplSummary]:
+def summarize(
+    runs: dict[str, list[dict]], calibrations: dict[str, SlowLinkCalibration], simulated: dict[str, float | None]
+) -> list[ImplSummary]:
     """``runs[impl]`` holds one result JSON per round; ``calibrations[impl]`` the C and M that
     bound it (M measured with the implementation's own bucketing)."""
     medians = {impl: [_round_median(r) for r in rs] for impl, rs in runs.items()}
@@ -119,7 +121,7 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def format_table(summaries: list[ImplSummary], calibrations: dict[str, Calibration]) -> str:
+def format_table(summaries: list[ImplSummary], calibrations: dict[str, SlowLinkCalibration]) -> str:
     """``calibrations`` by bucketing strategy; each implementation is placed between the bounds
     of its own strategy."""
     lines = []
@@ -148,7 +150,7 @@ def format_table(summaries: list[ImplSummary], calibrations: dict[str, Calibrati
     return "\n".join(lines)
 
 
-def target_checks(summaries: list[ImplSummary], calibration: Calibration) -> list[str]:
+def target_checks(summaries: list[ImplSummary], calibration: SlowLinkCalibration) -> list[str]:
     """One PASS/FAIL line per target of the issue, for thunder_overlap."""
     if calibration.balance > BALANCE_LIMIT:
         return [
@@ -169,7 +171,7 @@ def target_checks(summaries: list[ImplSummary], calibration: Calibration) -> lis
         checks.append(f"{verdict(speedup >= MIN_SPEEDUP_VS_THUNDER)} speedup vs thunder {speedup:.2f}x (>= {MIN_SPEEDUP_VS_THUNDER}x)")
     checks.append(f"{verdict(target.over_ideal <= MAX_OVER_IDEAL)} step / max(C,M) = {target.over_ideal:.3f} (<= {MAX_OVER_IDEAL})")
     if target.simulator_error is None:
-        checks.append("simulator: not connected (see fsdp_bench/simulator_hook.py)")
+        checks.append(f"simulator: no prediction for {TARGET_IMPL}")
     else:
         checks.append(
             f"{verdict(target.simulator_error <= MAX_SIMULATOR_ERROR)} simulator error {target.simulator_error:.1%} "

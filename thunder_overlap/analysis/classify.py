@@ -35,6 +35,7 @@ __all__ = [
     "classify_trace",
     "find_swallowed_collectives",
     "is_expensive",
+    "parameter_names_of_inputs",
 ]
 
 
@@ -173,8 +174,8 @@ def _process_group(bsym: BoundSymbol) -> dist.ProcessGroup | None:
 def find_swallowed_collectives(trace: TraceCtx) -> list[str]:
     """Names of top-level bound symbols (fusions) that contain a collective or a wait inside.
 
-    Such a fusion hides communication from any scheduler; see the torch_compile pitfall in
-    NOTES.md. Returns an empty list when every collective is top-level.
+    Such a fusion hides communication from any scheduler (Thunder 0.2.6's torch_compile executor
+    makes one on CPU from an all-gather and its wait). Returns an empty list when every collective is top-level.
     """
     swallowed = []
     for bsym in trace.bound_symbols:
@@ -280,7 +281,8 @@ def _mark_prologues(nodes, collectives, producer, consumers) -> None:
                 if p is None or not _is_cheap_single_input(nodes[p]):
                     continue
                 readers = {c for out in nodes[p].outputs for c in consumers.get(out, [])}
-                if readers and all(nodes[r].collective == cidx and nodes[r].kind in (NodeKind.COLLECTIVE, NodeKind.PROLOGUE) for r in readers):
+                own_kinds = (NodeKind.COLLECTIVE, NodeKind.PROLOGUE)
+                if readers and all(nodes[r].collective == cidx and nodes[r].kind in own_kinds for r in readers):
                     nodes[p].kind = NodeKind.PROLOGUE
                     nodes[p].collective = cidx
                     coll.prologue.append(p)
@@ -296,3 +298,15 @@ def _mark_epilogues(nodes, collectives, producer) -> None:
         sources = [producer.get(name) for name in node.inputs]
         if all(s is not None and (s in gathered_waits or nodes[s].kind is NodeKind.EPILOGUE) for s in sources):
             node.kind = NodeKind.EPILOGUE
+
+
+def parameter_names_of_inputs(prologue_trace: TraceCtx, computation_trace: TraceCtx) -> dict[str, str]:
+    """Computation-trace input name -> the name of the module parameter the prologue unpacks into it."""
+    producers = {o.name: b for b in prologue_trace.bound_symbols for o in b.flat_proxy_outs}
+    names: dict[str, str] = {}
+    # The prologue's outputs are the computation's arguments, position by position.
+    for out, inp in zip(prologue_trace.output[0], computation_trace.args, strict=True):
+        bsym = producers.get(getattr(out, "name", None))
+        if bsym is not None and bsym.sym.id is prims.PrimIDs.UNPACK_PARAMETER:
+            names[inp.name] = bsym.args[1]
+    return names

@@ -244,12 +244,12 @@ class Calibration:
         self.path.write_text(json.dumps(self.times_ms, indent=1, sort_keys=True))
 
     def _time(self, bsym: BoundSymbol) -> float:
+        from thunder.core.codeutils import SigInfo
+        from thunder.core.trace import tracectx
         from thunder.transforms.constant_folding import (
             make_trace_executable,
             trace_from_bsym_or_bsyms,
         )
-        from thunder.core.codeutils import SigInfo
-        from thunder.core.trace import tracectx
 
         from thunder_overlap.tools.trace_runner import random_tensor
 

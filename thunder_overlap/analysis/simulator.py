@@ -26,7 +26,11 @@ from thunder_overlap.analysis.overlap import Coverage
 
 __all__ = ["CollectiveTiming", "OpTiming", "Simulation", "potentially_hideable", "simulate"]
 
-_KIND_LABELS = {CollectiveKind.ALL_GATHER: "all_gather", CollectiveKind.REDUCE_SCATTER: "reduce_scatter", CollectiveKind.OTHER: "all_reduce"}
+_KIND_LABELS = {
+    CollectiveKind.ALL_GATHER: "all_gather",
+    CollectiveKind.REDUCE_SCATTER: "reduce_scatter",
+    CollectiveKind.OTHER: "all_reduce",
+}
 
 
 @dataclass(frozen=True)

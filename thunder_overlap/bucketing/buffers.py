@@ -132,7 +132,7 @@ class BucketBuffers:
         # Pointer arithmetic rather than shard_view: a view made here would be an aten op on
         # the parameters' storage in every step (memory trackers would count it as new).
         base, itemsize = self.flat_shard.data_ptr(), self.flat_shard.element_size()
-        for t, slot in zip(shards, slots):
+        for t, slot in zip(shards, slots, strict=True):
             if t.data_ptr() != base + self.plan.slots[slot].offset * itemsize:
                 name = self.plan.slots[slot].name
                 raise RuntimeError(
@@ -168,7 +168,7 @@ class BucketBuffers:
                 gathered.view(world, plan.shard_numel),
                 [s.numel for s in plan.slots],
                 dim=1,
-                out=[p.view(world, s.numel) for p, s in zip(pieces, plan.slots)],
+                out=[p.view(world, s.numel) for p, s in zip(pieces, plan.slots, strict=True)],
             )
         return [pieces[i].view(self.unsharded_shape(i)) for i in slots]
 

@@ -40,14 +40,18 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     from thunder_overlap.analysis.cost_model import DEVICE_PROFILES, NETWORK_PROFILES
 
     parser = argparse.ArgumentParser(prog="python -m thunder_overlap report", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="llama-2-7b", help=f"built-in {sorted(BUILTIN_MODELS)} or a litgpt config name (default: llama-2-7b)")
+    parser.add_argument(
+        "--model", default="llama-2-7b", help=f"built-in {sorted(BUILTIN_MODELS)} or a litgpt config name (default: llama-2-7b)"
+    )
     parser.add_argument("--n-layer", type=int, default=None, help="override the number of transformer layers")
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--sharding", default="zero3", help=f"{' or '.join(ShardingStrategy.names())} (default: zero3)")
     parser.add_argument("--bucketing", default="none", help=f"{', '.join(BucketingStrategy.names())} (default: none)")
     parser.add_argument("--device-profile", default="h100", help=f"one of {sorted(DEVICE_PROFILES)}")
     parser.add_argument(
-        "--network", default="auto", help=f"auto (nvlink up to 8 ranks, else infiniband), {sorted(NETWORK_PROFILES)}, or custom:<latency_us>:<GB/s>"
+        "--network",
+        default="auto",
+        help=f"auto (nvlink up to 8 ranks, else infiniband), {sorted(NETWORK_PROFILES)}, or custom:<latency_us>:<GB/s>",
     )
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES), help="parameter and activation dtype")
     parser.add_argument("--batch-size", type=int, default=1)
@@ -106,8 +110,8 @@ def _progress(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the report command; returns the process exit status."""
-    from thunder_overlap.config import OverlapConfig
     from thunder_overlap.analysis.cost_model import CostModel
+    from thunder_overlap.config import OverlapConfig
     from thunder_overlap.report.policies import compare_policies
     from thunder_overlap.report.report import report
 

@@ -74,9 +74,7 @@ def model_recipe(name: str, n_layer: int | None = None) -> ModelRecipe:
     return litgpt_recipe(name, n_layer=n_layer)
 
 
-def trace_model(
-    model: nn.Module, *, world_size: int, sharding: str, bucketing: str, idx_shape: tuple[int, int], config=None
-):
+def trace_model(model: nn.Module, *, world_size: int, sharding: str, bucketing: str, idx_shape: tuple[int, int], config=None):
     """Traces ``model`` (on meta) with thunder_overlap's FSDP on a fake group of ``world_size``
     and ``config`` (an OverlapConfig; give it the report's cost model, as the meta device has no
     profile of its own); returns the jitted module, whose last traces the report reads."""

@@ -39,8 +39,26 @@ def write_chrome_trace(report, path: Path) -> None:
                 ts = (offset + op.start_ms) * _US_PER_MS
                 if op.end_ms > op.start_ms:
                     name = f"wait {node.name}" if node.kind is NodeKind.WAIT else node.name
-                    events.append({"ph": "X", "pid": pid, "tid": 0, "name": name, "cat": pass_name, "ts": ts, "dur": (op.end_ms - op.start_ms) * _US_PER_MS})
-                events.append({"ph": "C", "pid": pid, "name": "live memory", "ts": (offset + op.end_ms) * _US_PER_MS, "args": {"MiB": memory[op.node] / _MIB}})
+                    events.append(
+                        {
+                            "ph": "X",
+                            "pid": pid,
+                            "tid": 0,
+                            "name": name,
+                            "cat": pass_name,
+                            "ts": ts,
+                            "dur": (op.end_ms - op.start_ms) * _US_PER_MS,
+                        }
+                    )
+                events.append(
+                    {
+                        "ph": "C",
+                        "pid": pid,
+                        "name": "live memory",
+                        "ts": (offset + op.end_ms) * _US_PER_MS,
+                        "args": {"MiB": memory[op.node] / _MIB},
+                    }
+                )
             for c in r.simulation.collectives:
                 streams.add(c.stream)
                 events.append({
@@ -64,10 +82,18 @@ def write_png(report, path: Path) -> None:
 
     orders = list(_order_reports(report))
     fig, axes = plt.subplots(len(orders) + 1, 1, figsize=(12, 2.2 * len(orders) + 3), sharex=True)
-    for ax, (order, items) in zip(axes, orders):
-        for pass_name, r, offset in items:
-            compute = [(offset + op.start_ms, op.end_ms - op.start_ms) for op in r.simulation.ops if op.end_ms > op.start_ms and r.annotated.nodes[op.node].kind is not NodeKind.WAIT]
-            stalls = [(offset + op.start_ms, op.end_ms - op.start_ms) for op in r.simulation.ops if op.end_ms > op.start_ms and r.annotated.nodes[op.node].kind is NodeKind.WAIT]
+    for ax, (order, items) in zip(axes, orders, strict=False):  # the last axis holds memory
+        for _pass_name, r, offset in items:
+            compute = [
+                (offset + op.start_ms, op.end_ms - op.start_ms)
+                for op in r.simulation.ops
+                if op.end_ms > op.start_ms and r.annotated.nodes[op.node].kind is not NodeKind.WAIT
+            ]
+            stalls = [
+                (offset + op.start_ms, op.end_ms - op.start_ms)
+                for op in r.simulation.ops
+                if op.end_ms > op.start_ms and r.annotated.nodes[op.node].kind is NodeKind.WAIT
+            ]
             ax.broken_barh(compute, (2, 0.8), color="tab:blue")
             ax.broken_barh(stalls, (2, 0.8), color="tab:red")
             comm = [(offset + c.start_ms, c.duration_ms) for c in r.simulation.collectives]

@@ -17,9 +17,9 @@ from pathlib import Path
 import thunder
 
 from thunder_overlap.analysis.blocks import largest_block_bytes
-from thunder_overlap.config import OverlapConfig
 from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.analysis.memory_estimate import MemoryEstimate
+from thunder_overlap.config import OverlapConfig
 from thunder_overlap.report.report import LEGEND, OrderReport, analyze_trace, speed_change, unscheduled_trace
 from thunder_overlap.scheduling.dispatch import schedule_trace
 from thunder_overlap.scheduling.summary import ScheduleSummary
@@ -133,7 +133,5 @@ def compare_policies(
                 forward_memory[policy] = report.memory
             results.append(PolicyResult(policy, pass_name, report, scheduled.summary))
     results.sort(key=lambda r: (r.pass_name != "forward", policies.index(r.policy)))
-    world_size = next(
-        (c.process_group.size() for r in results for c in r.report.annotated.collectives if c.process_group is not None), 1
-    )
+    world_size = next((c.process_group.size() for r in results for c in r.report.annotated.collectives if c.process_group is not None), 1)
     return PolicyComparison(tuple(results), cost_model.device.name, cost_model.network.name, world_size)

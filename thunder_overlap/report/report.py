@@ -84,7 +84,18 @@ class OrderReport:
         return [self.memory.live_after[end - 1] for end in ends]
 
     def summary(self) -> dict:
-        keys = ("order", "collectives", "hideable", "hidden", "exposed_ms", "predicted_ms", "bound_ms", "compute_ms", "communication_ms", "peak_bytes")
+        keys = (
+            "order",
+            "collectives",
+            "hideable",
+            "hidden",
+            "exposed_ms",
+            "predicted_ms",
+            "bound_ms",
+            "compute_ms",
+            "communication_ms",
+            "peak_bytes",
+        )
         return {k: getattr(self, k) for k in keys}
 
 
@@ -140,7 +151,10 @@ class Report:
         return sum((p.overlap if order == OVERLAP else p.baseline).predicted_ms for p in self.passes)
 
     def __str__(self) -> str:
-        head = f"{'pass':<9} {'order':<16} {'colls':>6} {'hideable':>8} {'hidden':>6} {'exposed ms':>10} {'predicted ms':>12} {'bound ms':>9} {'peak MiB':>10}"
+        head = (
+            f"{'pass':<9} {'order':<16} {'colls':>6} {'hideable':>8} {'hidden':>6} {'exposed ms':>10} "
+            f"{'predicted ms':>12} {'bound ms':>9} {'peak MiB':>10}"
+        )
         why = f" ({self.profile_reason})" if self.profile_reason else ""
         lines = [f"world size {self.world_size}, device {self.device}, network {self.network}{why}", head, "-" * len(head)]
         for p in self.passes:
@@ -171,7 +185,14 @@ class Report:
                     r.order: {
                         **r.summary(),
                         "collective_timings": [
-                            {"kind": c.kind, "bytes": c.unsharded_bytes, "start_ms": c.start_ms, "end_ms": c.end_ms, "exposed_ms": c.exposed_ms, "hideable": c.potentially_hideable}
+                            {
+                                "kind": c.kind,
+                                "bytes": c.unsharded_bytes,
+                                "start_ms": c.start_ms,
+                                "end_ms": c.end_ms,
+                                "exposed_ms": c.exposed_ms,
+                                "hideable": c.potentially_hideable,
+                            }
                             for c in r.simulation.collectives
                         ],
                     }
@@ -247,9 +268,7 @@ def report_traces(
                 forward_memory[order] = r.memory
             reports.append(r)
         passes.append(PassReport(name, *reports))
-    world_size = next(
-        (c.process_group.size() for p in passes for c in p.overlap.annotated.collectives if c.process_group is not None), 1
-    )
+    world_size = next((c.process_group.size() for p in passes for c in p.overlap.annotated.collectives if c.process_group is not None), 1)
     return Report(tuple(passes), cost_model.device.name, cost_model.network.name, world_size, profile_reason)
 
 

@@ -92,7 +92,7 @@ def schedule_stats(trace: TraceCtx, cost_model: CostModel | None = None) -> Sche
     simulation = simulate(annotated, list(range(len(nodes))), cost_model)
 
     counts = {CollectiveKind.ALL_GATHER: [0, 0], CollectiveKind.REDUCE_SCATTER: [0, 0]}
-    for coll, timing in zip(annotated.collectives, simulation.collectives):
+    for coll, timing in zip(annotated.collectives, simulation.collectives, strict=True):
         if coll.kind in counts:
             counts[coll.kind][0] += 1
             counts[coll.kind][1] += timing.hidden

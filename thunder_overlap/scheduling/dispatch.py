@@ -64,7 +64,5 @@ def schedule_trace(
     if scheduled is None:
         scheduled = apply_order(annotated, order, provenance=provenance)
     pass_name = "backward" if TraceTag.BACKWARD in annotated.trace.tags else "forward"
-    logger.info(
-        "%s %s schedule of %d collectives: %s", pass_name, config.policy, len(annotated.collectives), scheduler.summary.describe()
-    )
+    logger.info("%s %s schedule of %d collectives: %s", pass_name, config.policy, len(annotated.collectives), scheduler.summary.describe())
     return ScheduledTrace(scheduled, annotated, order, scheduler.summary)

@@ -61,13 +61,13 @@ class IssueOrder:
         expected = issue_sequence(annotated, [c.start for c in annotated.collectives])
         unknown = sorted(self.sequences.keys() - expected.keys())
         if unknown:
-            raise ValueError(f"issue order names process groups {unknown}, which have no collective in this trace (groups: {sorted(expected)})")
+            raise ValueError(
+                f"issue order names process groups {unknown}, which have no collective in this trace (groups: {sorted(expected)})"
+            )
         for key, collectives in expected.items():
             given = self.sequences.get(key)
             if given is None or sorted(given) != collectives:
-                raise ValueError(
-                    f"issue order for process group {key} must list each of its collectives {collectives} once, got {given}"
-                )
+                raise ValueError(f"issue order for process group {key} must list each of its collectives {collectives} once, got {given}")
 
 
 class IssueOrderCursor:

@@ -31,7 +31,7 @@ def baseline_profile(annotated: AnnotatedTrace, trace: TraceCtx, estimate: Memor
     deletions included), one entry per compute op plus one for what follows the last."""
     anchors = {id(n.bsym) for n in annotated.nodes if n.kind is NodeKind.COMPUTE}
     profile = [0]
-    for bsym, peak in zip(trace.bound_symbols, estimate.peak_during):
+    for bsym, peak in zip(trace.bound_symbols, estimate.peak_during, strict=True):
         profile[-1] = max(profile[-1], peak)
         if id(bsym) in anchors:
             profile.append(0)

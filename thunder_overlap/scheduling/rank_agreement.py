@@ -102,9 +102,7 @@ class IssueOrderAgreement:
         index_of = {key: i for i, key in enumerate(keys)}
         return [index_of[key] for key in agreed]
 
-    def agree(
-        self, pass_name: str, keys: list[CollectiveKey], issue_order: list[int], group: dist.ProcessGroup | None
-    ) -> list[int]:
+    def agree(self, pass_name: str, keys: list[CollectiveKey], issue_order: list[int], group: dist.ProcessGroup | None) -> list[int]:
         """Agrees on this pass's issue order at its first compile, where every rank is present;
         returns the agreed order as indices into ``keys`` (this rank's own when it is the first
         rank's, or when there is nobody to agree with)."""

@@ -133,7 +133,10 @@ class OverlapScheduler:
 
         order = walk(None) if self.limits.memory_budget is None else self._schedule_within_budget(walk)
         logger.debug(
-            "scheduled %d collectives around %d compute ops: %s", len(self.annotated.collectives), len(self.anchors), self.summary.describe()
+            "scheduled %d collectives around %d compute ops: %s",
+            len(self.annotated.collectives),
+            len(self.anchors),
+            self.summary.describe(),
         )
         return order
 

@@ -13,6 +13,7 @@ import heapq
 import logging
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 from thunder_overlap.analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind
@@ -134,7 +135,7 @@ class ScheduleWalk:
                 self._ready.set_aside(c)
                 continue
             coll = self.annotated.collectives[c]
-            self._force_waits(lambda: self.reduce_scatters.wait_to_make_room(coll.unsharded_bytes), "reduce-scatter bytes")
+            self._force_waits(partial(self.reduce_scatters.wait_to_make_room, coll.unsharded_bytes), "reduce-scatter bytes")
             logger.debug("issue %s %d as soon as ready, before compute op %d", coll.kind.value, c, self.position)
             self.builder.issue(c)
             self._force_waits(self.reduce_scatters.wait_over_count, "reduce-scatter count")

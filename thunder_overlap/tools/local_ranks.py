@@ -13,7 +13,8 @@ import queue as queue_module
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -73,7 +74,8 @@ def run_local_ranks(
                 if crashed:
                     raise RuntimeError(f"ranks {crashed} exited with codes {[procs[i].exitcode for i in crashed]}") from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish within {timeout_s}s") from None
+                    late = sorted(set(range(world_size)) - set(collected))
+                    raise TimeoutError(f"ranks {late} did not finish within {timeout_s}s") from None
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")

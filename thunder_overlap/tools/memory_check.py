@@ -110,8 +110,12 @@ def compare_memory(estimate: MemoryEstimate, measurement: MemoryMeasurement, *, 
     """Compares live bytes after every bound symbol; the first one off by more than
     ``tolerance_bytes`` is named. Peaks compare the estimate's peak with the measured one, which
     also counts temporaries an op allocates and frees inside itself."""
+    if len(estimate.live_after) != len(measurement.live_after):
+        raise ValueError(
+            f"the estimate has {len(estimate.live_after)} steps and the measurement {len(measurement.live_after)}: not of the same trace"
+        )
     first = None
-    for i, (p, m) in enumerate(zip(estimate.live_after, measurement.live_after)):
+    for i, (p, m) in enumerate(zip(estimate.live_after, measurement.live_after, strict=True)):
         if abs(p - m) > tolerance_bytes:
             first = i
             break

@@ -13,7 +13,7 @@ and the memory verifier must see what a real backend does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import thunder
@@ -119,12 +119,12 @@ class TraceStepper:
         names = _argument_names(self.trace)
         if len(args) != len(names):
             raise ValueError(f"trace takes {len(names)} arguments ({names[:4]}...), got {len(args)}")
-        namespace = dict(zip(names, args))
+        namespace = dict(zip(names, args, strict=True))
         args.clear()
         self.namespace = namespace
         held: dict[str, list[Any]] = {}  # future name -> collective inputs, kept while it lives
         with torch.no_grad():
-            for index, (bsym, code) in enumerate(zip(self.trace.bound_symbols, self._code)):
+            for index, (bsym, code) in enumerate(zip(self.trace.bound_symbols, self._code, strict=True)):
                 if code is not None:
                     exec(code, self._globals, namespace)  # noqa: S102 - the trace's own generated line
                 if any(isinstance(o, FutureTensorProxy) for o in bsym.flat_proxy_outs):
@@ -136,9 +136,3 @@ class TraceStepper:
                 yield index, bsym
         self.result = namespace.pop("__result__", None)
         namespace.clear()
-
-    def run_to_end(self, args: list[Any], after_each: Callable[[int, BoundSymbol], None] | None = None) -> Any:
-        for index, bsym in self.run(args):
-            if after_each is not None:
-                after_each(index, bsym)
-        return self.result

@@ -13,19 +13,19 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
+import thunder
 import torch
 import torch.nn.functional as F
-import thunder
 
-from thunder_overlap.api import fsdp as overlap_fsdp
-from thunder_overlap.options import BucketingStrategy, ShardingStrategy, parse_bucketing_strategy, parse_sharding_strategy
 from thunder_overlap.analysis.classify import NodeKind, classify_trace
+from thunder_overlap.api import fsdp as overlap_fsdp
 from thunder_overlap.config import OverlapConfig
+from thunder_overlap.options import BucketingStrategy, ShardingStrategy, parse_bucketing_strategy, parse_sharding_strategy
+from thunder_overlap.report.schedule_view import ScheduleStats, schedule_picture, schedule_stats
 from thunder_overlap.tools.live_memory import LiveMemoryTracker
 from thunder_overlap.tools.op_census import COPY_OPS, OpCensus
-from thunder_overlap.transforms import BucketingTransform
 from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
-from thunder_overlap.report.schedule_view import ScheduleStats, schedule_picture, schedule_stats
+from thunder_overlap.transforms import BucketingTransform
 
 __all__ = ["IMPLEMENTATIONS", "BucketCensus", "TrainSetup", "RankResult", "train_rank", "train_reference", "collective_sequence"]
 

@@ -38,14 +38,14 @@ from thunder.core.transform_common import Transform
 from thunder.distributed import get_skip_data_parallel_grad_sync
 from thunder.executors.passes import del_last_used
 
+from thunder_overlap.analysis.classify import AnnotatedTrace, Collective, CollectiveKind, classify_trace, parameter_names_of_inputs
 from thunder_overlap.bucketing.buffers import BucketBuffers, BufferPool, register_bucket
 from thunder_overlap.bucketing.plan import BucketPlan, bucket_owner, plan_buckets
-from thunder_overlap.analysis.classify import AnnotatedTrace, Collective, CollectiveKind, classify_trace
 from thunder_overlap.options import BucketingStrategy, parse_bucketing_strategy
 from thunder_overlap.transforms.executor import (
+    bucket_accumulate_grads,
     bucket_all_gather,
     bucket_all_gather_wait,
-    bucket_accumulate_grads,
     bucket_reduce_scatter,
     bucket_reduce_scatter_wait,
 )
@@ -156,11 +156,7 @@ class BucketingTransform(Transform):
     # --- traces -----------------------------------------------------------------------------
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
-        producers = {o.name: b for b in prologue_trace.bound_symbols for o in b.flat_proxy_outs}
-        for out, inp in zip(prologue_trace.output[0], computation_trace.args):
-            bsym = producers.get(getattr(out, "name", None))
-            if bsym is not None and bsym.sym.id is prims.PrimIDs.UNPACK_PARAMETER:
-                self._parameter_of_input[inp.name] = bsym.args[1]
+        self._parameter_of_input.update(parameter_names_of_inputs(prologue_trace, computation_trace))
         return prologue_trace, computation_trace, epilogue_trace
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:

@@ -1,9 +1,10 @@
 """An operator executor that owns FSDP's collectives, so that no fusion executor swallows them.
 
 Thunder's ``torchcompile`` executor can fuse every op the torch executor runs, collectives
-included, and then no scheduler can see or move them (NOTES.md). Claiming all-gather,
-reduce-scatter and wait here, ahead of the fusion executors, gives them symbols no fusion
-executor knows. The implementations are the torch executor's; only their names change.
+included (on CPU, 0.2.6 fuses an all-gather with its wait), and then no scheduler can see or
+move them. Claiming all-gather, reduce-scatter and wait here, ahead of the fusion executors,
+gives them symbols no fusion executor knows. The implementations are the torch executor's;
+only their names change.
 
 The bucketed collectives that :class:`~thunder_overlap.transforms.BucketingTransform` puts in
 the traces are operators of this executor too; they run on :mod:`thunder_overlap.bucketing.buffers`.

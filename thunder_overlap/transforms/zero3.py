@@ -27,9 +27,9 @@ from thunder.core.transform_common import Transform
 from thunder.core.transforms import dce
 from thunder.executors.passes import del_last_used
 
-from thunder_overlap.analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace
+from thunder_overlap.analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace, parameter_names_of_inputs
 
-__all__ = ["Zero3Transform", "RegatherPlan", "gathered_shards", "parameter_names_of_inputs", "plan_regather"]
+__all__ = ["Zero3Transform", "RegatherPlan", "gathered_shards", "plan_regather"]
 
 _PARAMETER_CHAIN = (NodeKind.COLLECTIVE, NodeKind.WAIT, NodeKind.EPILOGUE, NodeKind.PROLOGUE)
 
@@ -213,14 +213,3 @@ class Zero3Transform(Transform):
             f"them there, so they would stay unsharded between forward and backward (ZeRO2's memory): "
             f"{'; '.join(problems)}. Use sharding_strategy='zero2' for this model."
         )
-
-
-def parameter_names_of_inputs(prologue_trace: TraceCtx, computation_trace: TraceCtx) -> dict[str, str]:
-    """Computation-trace input name -> the name of the module parameter the prologue unpacks into it."""
-    producers = {o.name: b for b in prologue_trace.bound_symbols for o in b.flat_proxy_outs}
-    names: dict[str, str] = {}
-    for out, inp in zip(prologue_trace.output[0], computation_trace.args):
-        bsym = producers.get(getattr(out, "name", None))
-        if bsym is not None and bsym.sym.id is prims.PrimIDs.UNPACK_PARAMETER:
-            names[inp.name] = bsym.args[1]
-    return names

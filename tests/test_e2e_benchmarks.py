@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+# fsdp_bench is importable through pytest's pythonpath (pyproject.toml), as the scripts import
+# it from their own directory.
+from fsdp_bench.bench_config import BenchmarkConfig, parse_args
+from fsdp_bench.testbed_summary import SlowLinkCalibration, calibrate, format_table, summarize, target_checks
 
-from fsdp_bench.config import BenchmarkConfig, parse_args  # noqa: E402
-from fsdp_bench.testbed_summary import Calibration, calibrate, format_table, summarize, target_checks  # noqa: E402
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 # Compile + 2 iterations of the tiny model take about 15 s per run on a 2-core machine.
 RUN_TIMEOUT_S = 180
@@ -99,23 +100,23 @@ def test_testbed_places_runs_against_compute_and_comm_at_once():
 
 
 def test_testbed_targets_need_balanced_calibration():
-    unbalanced = Calibration(compute_ms=100.0, comm_ms=400.0)
+    unbalanced = SlowLinkCalibration(compute_ms=100.0, comm_ms=400.0)
     (line,) = target_checks([], unbalanced)
     assert "4.00x" in line and "--rate-mbit" in line
 
 
 def _prediction(impl: str, compute_ms: float, comm_ms: float) -> float | None:
-    from fsdp_bench.simulator_hook import TestbedSetting, simulator_prediction_ms
+    from fsdp_bench.prediction import TestbedSetting, predict_testbed_step_ms
 
     setting = TestbedSetting(
         impl=impl, shard_mode="zero3", model_name="tiny-gpt", n_layers=0, block_size=0, micro_batch_size=2,
         world_size=2, rate_mbit=400.0, compute_ms=compute_ms, comm_ms=comm_ms, result_json="",
     )
-    return simulator_prediction_ms(setting)
+    return predict_testbed_step_ms(setting)
 
 
 def test_calibrated_simulator_places_schedules_between_the_bounds():
-    from fsdp_bench.models import build_model
+    from fsdp_bench.bench_models import build_model
     from fsdp_bench.prediction import _annotated, _communication_ms, fit_link
 
     compute_ms = comm_ms = 1000.0
@@ -135,9 +136,9 @@ def test_calibrated_simulator_places_schedules_between_the_bounds():
 
 
 def test_link_fit_recovers_latency_and_bandwidth_from_two_bucketings():
-    from fsdp_bench.prediction import _annotated, _communication_ms, fit_link
-
     from thunder_overlap.analysis.cost_model import NetworkProfile
+
+    from fsdp_bench.prediction import _annotated, _communication_ms, fit_link
 
     shape = ("tiny-gpt", 2, 32, 2, 2, "zero3")
     traces = {b: _annotated("thunder_overlap", b, *shape) for b in ("none", "block")}

@@ -24,7 +24,7 @@ __all__ = ["TINY_PRESETS", "ModelSpec", "build_model", "materialize", "math_sdpa
 TINY_PRESETS = {
     # CI smoke test: a few hundred thousand parameters, compiles in seconds.
     "tiny-gpt": TinyGPTConfig(n_embd=64, n_head=4, n_layer=2, block_size=32),
-    # The slow-link testbed's model (about 4.3M parameters in 4 blocks, the size NOTES.md used):
+    # The slow-link testbed's model (about 4.3M parameters in 4 blocks, the size at which the testbed first measured overlap):
     # blocks big enough that per-parameter collectives run near link rate, small enough that one
     # 2-core machine computes a step in a fraction of a second.
     "tiny-gpt-4m": TinyGPTConfig(n_embd=288, n_head=6, n_layer=4, block_size=128),
@@ -99,7 +99,7 @@ def materialize(model: nn.Module, device: torch.device) -> nn.Module:
 
 @contextmanager
 def math_sdpa():
-    """litgpt models on meta need the flash/memory-efficient SDPA kernels off (NOTES.md)."""
+    """litgpt models trace on the meta device only with the flash/memory-efficient SDPA kernels off."""
     with sdpa_kernel(SDPBackend.MATH):
         yield
 

@@ -10,15 +10,15 @@ in-place updates would count the parameters too). Variants:
 - ``none``: one collective per parameter (Thunder's FSDP and thunder_overlap without buckets);
 - ``layer``/``block``: thunder_overlap's persistent bucket buffers;
 - ``<strategy>:concat_every_call``: the same buckets, but concatenated into a new buffer on
-  every call, gathered into a new buffer and copied out parameter by parameter (Thunder's old
-  ``pack``/``unpack`` bucketing, NOTES.md);
+  every call, gathered into a new buffer and copied out parameter by parameter (Thunder's
+  ``pack``/``unpack`` bucketing up to 0.2.3, which concatenated on every call);
 - ``<strategy>:allocate_every_iteration``: one copy-in and one copy-out per bucket into buffers
   taken from the allocator on every call (PyTorch FSDP2's way).
 
 The variants swap only the runtime of the buckets (the class of each
 :class:`~thunder_overlap.bucketing.buffers.BucketBuffers`); traces and schedule are the same.
 
-    python benchmarks/bucket_buffers.py --n-layer 8 --out results/bucket_buffers.md
+    python benchmarks/bucket_memory.py --n-layer 8 --out results/bucket_memory.md
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import torch.nn.functional as F
 
 from thunder_overlap.bucketing.buffers import BucketBuffers, PendingCollective
 from thunder_overlap.options import ShardingStrategy
-from thunder_overlap.tools.local_ranks import run_local_ranks
 from thunder_overlap.tools.live_memory import LiveMemoryTracker
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.tools.local_ranks import run_local_ranks
 from thunder_overlap.tools.op_census import OpCensus
+from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 
 VARIANTS = (
     "none",
@@ -70,7 +70,7 @@ class ConcatEveryCall(BucketBuffers):
 
     def start_reduce_scatter(self, grads, divisor):
         rows = [-(-g.shape[0] // self.world_size) * self.world_size for g in grads]
-        padded = [F.pad(g, (0, 0) * (g.ndim - 1) + (0, r - g.shape[0])) for g, r in zip(grads, rows)]
+        padded = [F.pad(g, (0, 0) * (g.ndim - 1) + (0, r - g.shape[0])) for g, r in zip(grads, rows, strict=True)]
         flat = torch.cat([p.reshape(self.world_size, -1) for p in padded], dim=1).reshape(-1)
         if divisor is not None:
             flat = flat / divisor
@@ -99,7 +99,7 @@ class AllocateEveryIteration(BucketBuffers):
             pending.result.view(world, plan.shard_numel),
             [s.numel for s in plan.slots],
             dim=1,
-            out=[p.view(world, s.numel) for p, s in zip(pieces, plan.slots)],
+            out=[p.view(world, s.numel) for p, s in zip(pieces, plan.slots, strict=True)],
         )
         return [pieces[i].view(self.unsharded_shape(i)) for i in slots]
 
@@ -131,13 +131,12 @@ class StepCensus:
 
 def _measure(rank: int, world_size: int, variant: str, sharding: str, model: TinyGPTConfig, steps: int) -> StepCensus:
     import thunder_overlap
-    from thunder_overlap.transforms import BucketingTransform
 
     strategy, _, runtime = variant.partition(":")
     torch.manual_seed(0)
     jm = thunder_overlap.fsdp(TinyGPT(model), device="cpu", sharding_strategy=sharding, bucketing_strategy=strategy)
     if runtime:
-        for bucket in BucketingTransform.of(jm).buckets.values():
+        for bucket in thunder_overlap.BucketingTransform.of(jm).buckets.values():
             bucket.__class__ = RUNTIMES[runtime]
     optimizer = torch.optim.SGD([p for p in jm.parameters() if p.requires_grad], lr=0.01)
     g = torch.Generator().manual_seed(rank)
@@ -193,7 +192,8 @@ def main() -> None:
     for variant in args.variants:
         r = run_local_ranks(_measure, 2, (variant, args.sharding, model, args.steps))[0]
         lines.append(
-            f"| {r.variant} | {r.allocations} | {r.allocated_mib:.2f} | {r.copies} | {r.copied_mib:.2f} | {r.peak_mib:.2f} | {r.step_ms:.1f} |"
+            f"| {r.variant} | {r.allocations} | {r.allocated_mib:.2f} | {r.copies} | {r.copied_mib:.2f} "
+            f"| {r.peak_mib:.2f} | {r.step_ms:.1f} |"
         )
         print(lines[-1], flush=True)
     print("\n".join(lines))

@@ -117,7 +117,7 @@ def test_zero3_measured_peak_is_below_zero2(runs):
 class RankDependentCollectiveEstimate:
     """Measured collective times as two ranks might see them: rank 1 thinks every collective is
     very slow (stretch prefetch as far as the other limits allow), rank 0 that they are free. On
-    their own these give different schedules (see tests/test_scheduler.py's distance tests)."""
+    their own these give different schedules (see tests/test_scheduler_synthetic.py's distance tests)."""
 
     def __call__(self, collective) -> float:
         import torch.distributed as dist
@@ -131,8 +131,8 @@ class SlowCollectiveEstimate:
 
 
 def test_ranks_agree_on_measured_estimates_before_scheduling():
-    from thunder_overlap.config import OverlapConfig
     from thunder_overlap.analysis.cost_model import CostModel
+    from thunder_overlap.config import OverlapConfig
 
     cost_model = CostModel.named("cpu", "gloo-loopback", collective_estimate=RankDependentCollectiveEstimate())
     config = OverlapConfig(max_prefetch_compute_ops=1, cost_model=cost_model)

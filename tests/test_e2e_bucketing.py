@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from thunder_overlap.bucketing.plan import bucket_owner, plan_buckets
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.tools.local_ranks import run_local_ranks
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.tools.op_census import OpCensus
+from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.tools.training import TrainSetup, shard_of, train_rank, train_reference
 
 WORLD_SIZE = 2
@@ -123,7 +123,8 @@ def test_steady_state_step_allocates_nothing_and_copies_once_per_bucket(runs, sh
 @pytest.fixture(scope="module")
 def deep_runs():
     """Block buckets on a model deeper than the prefetch window (2 blocks)."""
-    setups = {s: TrainSetup(sharding=s, bucketing="block", model=TinyGPTConfig(n_layer=6), steps=2, measure_memory=False) for s in ("zero2", "zero3")}
+    deep = TinyGPTConfig(n_layer=6)
+    setups = {s: TrainSetup(sharding=s, bucketing="block", model=deep, steps=2, measure_memory=False) for s in ("zero2", "zero3")}
     setups["zero3, one block ahead"] = replace(setups["zero3"], config=OverlapConfig(prefetch_blocks=1.0))
     return {s: run_local_ranks(train_rank, WORLD_SIZE, (setup,))[0].bucket_census for s, setup in setups.items()}
 
@@ -205,9 +206,9 @@ def sessions():
 
 
 def test_accumulation_zero_grad_modes_and_retrace_match_unbucketed(sessions):
-    for bucketed, plain in zip(sessions["block"], sessions["none"]):
+    for bucketed, plain in zip(sessions["block"], sessions["none"], strict=True):
         torch.testing.assert_close(bucketed["losses"], plain["losses"], rtol=1e-5, atol=1e-6)
-        for step, (b, p) in enumerate(zip(bucketed["grads"], plain["grads"])):
+        for step, (b, p) in enumerate(zip(bucketed["grads"], plain["grads"], strict=True)):
             for name in p:
                 torch.testing.assert_close(b[name], p[name], rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
         assert bucketed["retraced_loss"] == pytest.approx(plain["retraced_loss"], rel=1e-5)
@@ -217,7 +218,7 @@ def test_accumulation_zero_grad_modes_and_retrace_match_unbucketed(sessions):
 
 
 def test_state_dicts_round_trip_through_the_bucket_buffers(sessions):
-    for bucketed, plain in zip(sessions["block"], sessions["none"]):
+    for bucketed, plain in zip(sessions["block"], sessions["none"], strict=True):
         assert bucketed["original_state_dict"].keys() == plain["original_state_dict"].keys()
         for name, value in plain["original_state_dict"].items():
             torch.testing.assert_close(bucketed["original_state_dict"][name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -282,7 +283,7 @@ def test_no_sync_accumulates_in_the_buckets_and_sends_once():
         assert r["sent_per_micro_batch"]["no_sync"] == [0, 0, trainable_buckets] * 2
         # Thunder hands autograd None under no_sync; the sum arrives with the next backward.
         assert r["grads_none_under_no_sync"] == [True, True]
-        for step, (got, expected) in enumerate(zip(r["grads"]["no_sync"], r["grads"]["sync"])):
+        for step, (got, expected) in enumerate(zip(r["grads"]["no_sync"], r["grads"]["sync"], strict=True)):
             assert got.keys() == expected.keys()
             for name in expected:
                 torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
@@ -310,17 +311,8 @@ class _MixedPrecisionModel(nn.Module):
         return self.bf16(torch.relu(self.fp32(x)).to(torch.bfloat16)).float()
 
 
-@pytest.fixture
-def one_rank_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("sharding", ["zero2", "zero3"])
-def test_mixed_dtypes_get_buckets_of_their_own_and_train_like_eager(one_rank_group, sharding):
+def test_mixed_dtypes_get_buckets_of_their_own_and_train_like_eager(one_rank_gloo_group, sharding):
     import thunder_overlap
     from thunder_overlap.transforms import BucketingTransform
 
@@ -335,7 +327,7 @@ def test_mixed_dtypes_get_buckets_of_their_own_and_train_like_eager(one_rank_gro
     optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (eager, jm)]
     for step in range(3):
         x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
-        for model, optimizer in zip((eager, jm), optimizers):
+        for model, optimizer in zip((eager, jm), optimizers, strict=True):
             optimizer.zero_grad()
             model(x).square().sum().backward()
             optimizer.step()

@@ -11,25 +11,19 @@ import pytest
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from synthetic_traces import VALUE_BYTES, WORLD_SIZE, build_trace, valid_program
 from thunder_overlap.analysis.classify import CollectiveKind, NodeKind, classify_trace, is_expensive
-from thunder_overlap.config import SCHEDULING_POLICIES, OverlapConfig
 from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.analysis.memory_estimate import estimate_memory
-from thunder_overlap.scheduling.scheduler import OverlapScheduler, apply_order, just_in_time_order
-from thunder_overlap.scheduling import IssueOrder, issue_sequence, schedule_trace, stock_order
 from thunder_overlap.analysis.simulator import simulate
+from thunder_overlap.config import SCHEDULING_POLICIES, OverlapConfig
+from thunder_overlap.scheduling import IssueOrder, issue_sequence, schedule_trace, stock_order
+from thunder_overlap.scheduling.scheduler import OverlapScheduler, apply_order, just_in_time_order
+
+from synthetic_traces import VALUE_BYTES, build_trace, valid_program
 
 COLLECTIVE_MS = 1.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fake_process_group():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("fake_group_4")
 
 
 def _cost_model(matmul_ms: float) -> CostModel:
@@ -169,7 +163,7 @@ def test_coalesced_collectives_pay_latency_once():
     net = CostModel.named("cpu", "custom:1000:1000")  # 1 ms per ring step: latency dominates
     greedy = OverlapScheduler(annotated, OverlapConfig(policy="greedy").limits(None)).schedule()
     jit = just_in_time_order(annotated)
-    latency_ms = (WORLD_SIZE - 1) * 1.0
+    latency_ms = (dist.get_world_size() - 1) * 1.0
     # Greedy issues all three back to back: two of them ride on the first one's latency.
     assert simulate(annotated, greedy, net).communication_ms == pytest.approx(
         simulate(annotated, jit, net).communication_ms - 2 * latency_ms
@@ -240,8 +234,11 @@ def test_every_schedule_is_a_valid_reordering(choices, config, matmul_ms):
     # when only collectives and the return do).
     limit = config.limits(None).max_allgathers
     if limit is not None and config.policy in ("memory_aware", "heuristic"):
-        gathered = {nodes[coll.wait].outputs[0]: c for c, coll in enumerate(annotated.collectives)
-                    if coll.kind is CollectiveKind.ALL_GATHER and coll.wait is not None}
+        gathered = {
+            nodes[coll.wait].outputs[0]: c
+            for c, coll in enumerate(annotated.collectives)
+            if coll.kind is CollectiveKind.ALL_GATHER and coll.wait is not None
+        }
         read_by_compute = {gathered[name] for n in nodes if n.kind is NodeKind.COMPUTE for name in n.inputs if name in gathered}
         # Beyond the limit only when the next compute op needs them all at once.
         compute_positions = [p for p, i in enumerate(order) if nodes[i].kind is NodeKind.COMPUTE]
@@ -307,7 +304,9 @@ def test_an_issue_order_that_needs_unrun_compute_raises():
     # The gather's first use is the first matmul, but the order puts a gradient of it first.
     annotated, group = _two_gradients()
     scheduler = OverlapScheduler(annotated, OverlapConfig().limits(None), issue_order=IssueOrder({group: [1, 0, 2]}))
-    with pytest.raises(ValueError, match=r"issue order \[1, 0, 2\] cannot be kept: collective 0 .* needs collective 1 .* which has not run"):
+    with pytest.raises(
+        ValueError, match=r"issue order \[1, 0, 2\] cannot be kept: collective 0 .* needs collective 1 .* which has not run"
+    ):
         scheduler.schedule()
 
 

@@ -1,0 +1,292 @@
+"""Schedules of real final traces, in one process on the fake process group (4 ranks).
+
+Collectives on the fake group complete at once, so these tests look at trace order and in-flight
+accounting, not numerics (tests/test_e2e_two_ranks.py checks numerics on real gloo ranks).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import thunder
+import torch
+import torch.distributed as dist
+
+import thunder_overlap
+from thunder_overlap import FSDPOverlap, OverlapConfig, schedule_stats
+from thunder_overlap.analysis.blocks import largest_block_bytes
+from thunder_overlap.analysis.classify import AnnotatedTrace, Collective, CollectiveKind, NodeKind, classify_trace, is_expensive
+from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.tools.training import collective_sequence
+
+MODEL = TinyGPTConfig(n_layer=3, n_embd=32)
+COLLECTIVE_WORDS = ("all_gather", "reduce_scatter", "wait")
+# Configurations whose schedules every order test below checks: the default, each limit alone
+# pushed until it binds, and the policies at both ends.
+CONFIGS = {
+    "default": None,
+    "count limit": OverlapConfig(max_in_flight_allgathers=2),
+    "byte limit": OverlapConfig(max_in_flight_allgather_bytes=10_000, max_in_flight_reduce_scatter_bytes=10_000),
+    "greedy": OverlapConfig(policy="greedy"),
+    "just_in_time": OverlapConfig(policy="just_in_time"),
+}
+
+pytestmark = pytest.mark.usefixtures("fake_group_4")
+
+
+def _run(jm) -> tuple:
+    torch.manual_seed(0)
+    jm(torch.randint(0, MODEL.vocab_size, (2, 8))).sum().backward()
+    return thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
+
+
+@functools.cache
+def _traces(sharding: str = "zero3", config: OverlapConfig | None = None):
+    """Final (forward, backward) traces; cached, as compiling dominates this module's time."""
+    torch.manual_seed(0)
+    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy=sharding, config=config)
+    return _run(jm)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_traces_with_the_group():
+    yield
+    _traces.cache_clear()  # they refer to this module's process group
+
+
+def _compute_outputs(trace) -> list[str]:
+    annotated = classify_trace(trace)
+    return [n.outputs[0] for n in annotated.nodes if n.kind is NodeKind.COMPUTE and n.outputs]
+
+
+def _shard_name(parameter_name: str) -> str:
+    """The trace input holding a parameter's local shard."""
+    return "t_" + parameter_name.replace(".", "_")
+
+
+def _gathered(annotated: AnnotatedTrace) -> list[str]:
+    return [annotated.nodes[c.start].inputs[0] for c in annotated.collectives if c.kind is CollectiveKind.ALL_GATHER]
+
+
+def _reduce_scatters(annotated: AnnotatedTrace) -> list[Collective]:
+    return [c for c in annotated.collectives if c.kind is CollectiveKind.REDUCE_SCATTER]
+
+
+def _expected_collectives(model: torch.nn.Module) -> tuple[list[str], int, list[str]]:
+    """What one step of ``model`` must move: the forward gathers every parameter once (tied ones
+    once), the backward reduce-scatters every trainable one, and ZeRO3 re-gathers the parameters
+    the backward reads: weights of matmuls (input gradients), of norms and the tied head, but no
+    bias (its gradient does not read it) and not the position embedding (a lookup's gradient
+    does not read the table)."""
+    named = dict(model.named_parameters())
+    forward = sorted(_shard_name(n) for n in named)
+    trainable = sum(p.requires_grad for p in named.values())
+    regathered = sorted(_shard_name(n) for n in named if n.endswith(".weight") and n != "wpe.weight")
+    return forward, trainable, regathered
+
+
+def _assert_moves_each_parameter_once(forward, backward, sharding: str, *, exact_regathers: bool = True) -> None:
+    expected_forward, trainable, regathered = _expected_collectives(TinyGPT(MODEL))
+    forward_annotated, backward_annotated = classify_trace(forward), classify_trace(backward)
+    assert sorted(_gathered(forward_annotated)) == expected_forward
+    assert not _reduce_scatters(forward_annotated)
+    assert len(_reduce_scatters(backward_annotated)) == trainable
+    backward_gathers = _gathered(backward_annotated)
+    assert len(set(backward_gathers)) == len(backward_gathers), "a parameter is re-gathered twice"
+    if sharding == "zero2":
+        assert backward_gathers == []
+    elif exact_regathers:
+        assert sorted(backward_gathers) == regathered
+    else:
+        assert set(regathered) <= set(backward_gathers) <= set(expected_forward)
+
+
+def _has_compute_between_issue_and_wait(annotated: AnnotatedTrace, collective: Collective) -> bool:
+    return any(annotated.nodes[i].kind is NodeKind.COMPUTE for i in range(collective.start + 1, collective.wait))
+
+
+@pytest.mark.parametrize("sharding", ["zero2", "zero3"])
+def test_one_collective_per_parameter_and_pass(sharding):
+    _assert_moves_each_parameter_once(*_traces(sharding), sharding)
+
+
+@pytest.mark.parametrize("sharding", ["zero2", "zero3"])
+def test_collectives_are_top_level_and_named(sharding):
+    for trace in _traces(sharding):
+        annotated = classify_trace(trace)
+        movers = [n for n in annotated.nodes if n.kind in (NodeKind.COLLECTIVE, NodeKind.WAIT)]
+        assert movers
+        assert all(any(w in n.name for w in COLLECTIVE_WORDS) for n in movers)
+
+
+def test_compute_order_is_unchanged_by_scheduling():
+    torch.manual_seed(0)
+    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3")
+    _run(jm)
+    for history in (thunder.last_traces(jm), thunder.last_backward_traces(jm)):
+        before = next(t for t in reversed(history) if "memory_aware schedule" not in str(t.get_provenance()))
+        after = history[-1]
+        assert "memory_aware schedule" in str(after.get_provenance())
+        assert _compute_outputs(after) == _compute_outputs(before)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_policy_and_limit_keeps_thunders_compute_order_and_moves_each_parameter_once(name):
+    stock = _traces(config=OverlapConfig(policy="stock"))
+    scheduled = _traces(config=CONFIGS[name])
+    for trace, reference in zip(scheduled, stock, strict=True):
+        assert _compute_outputs(trace) == _compute_outputs(reference)
+    _assert_moves_each_parameter_once(*scheduled, "zero3")
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_waits_follow_their_issue_in_issue_order(name):
+    for trace in _traces(config=CONFIGS[name]):
+        annotated = classify_trace(trace)
+        for c in annotated.collectives:
+            assert c.start < c.wait
+        # One process group: its collectives complete in the order they were issued.
+        assert len({c.group_key for c in annotated.collectives}) == 1
+        assert sorted(annotated.collectives, key=lambda c: c.start) == sorted(annotated.collectives, key=lambda c: c.wait)
+
+
+# The overlapping policies without a byte limit (a binding one may force a wait early to make
+# room for the next issue; just_in_time issues each collective right before its wait instead).
+@pytest.mark.parametrize("name", ["default", "count limit", "greedy"])
+def test_allgather_waits_sit_right_before_first_use(name):
+    for trace in _traces(config=CONFIGS[name]):
+        annotated = classify_trace(trace)
+        # No compute runs between an all-gather's wait and the first op that reads its result
+        # (a reduce-scatter's wait may come early: the memory budget forces the oldest ones).
+        for c in annotated.collectives:
+            if c.kind is CollectiveKind.ALL_GATHER:
+                first_use = annotated.consumers[annotated.nodes[c.wait].outputs[0]][0]
+                between = annotated.nodes[c.wait + 1 : first_use]
+                assert all(n.kind is not NodeKind.COMPUTE for n in between), f"{annotated.nodes[c.wait].name} waits early"
+
+
+def test_count_limit_bounds_allgathers_in_flight():
+    unlimited = [schedule_stats(t) for t in _traces(config=OverlapConfig(max_in_flight_allgather_bytes=10**12))]
+    limited = _traces(config=CONFIGS["count limit"])
+    assert max(s.max_allgathers_in_flight for s in unlimited) > 2, "the limit would not be exercised"
+    for trace in limited:
+        assert schedule_stats(trace).max_allgathers_in_flight <= 2
+    # Two ahead are still enough for compute to run under every forward all-gather but the first.
+    forward = classify_trace(limited[0])
+    gathers = [c for c in forward.collectives if c.kind is CollectiveKind.ALL_GATHER]
+    hidden = [_has_compute_between_issue_and_wait(forward, c) for c in sorted(gathers, key=lambda c: c.start)]
+    assert sum(hidden) >= len(gathers) - 2, hidden
+
+
+def test_byte_limits_bound_bytes_in_flight():
+    limit = largest_block_bytes(TinyGPT(MODEL)) // 2
+    config = OverlapConfig(max_in_flight_allgather_bytes=limit, max_in_flight_reduce_scatter_bytes=limit)
+    forward, backward = (schedule_stats(t) for t in _traces(config=config))
+    largest_param = max(p.numel() * p.element_size() for p in TinyGPT(MODEL).parameters())
+    # A single collective larger than the limit is still issued (alone); everything else fits.
+    for stats in (forward, backward):
+        assert stats.peak_allgather_bytes_in_flight <= max(limit, largest_param)
+    assert 0 < backward.peak_reduce_scatter_bytes_in_flight <= max(limit, largest_param)
+
+
+def test_stock_policy_keeps_thunder_order():
+    forward, backward = (classify_trace(t) for t in _traces(config=OverlapConfig(policy="stock")))
+    # Forward: every all-gather is issued before the first compute op.
+    first_compute = next(n.index for n in forward.nodes if n.kind is NodeKind.COMPUTE)
+    assert all(c.start < first_compute for c in forward.collectives)
+    # Backward: every reduce-scatter is issued after the last matmul, so none overlaps one.
+    last_matmul = max(n.index for n in backward.nodes if n.kind is NodeKind.COMPUTE and is_expensive(n.bsym))
+    assert all(c.start > last_matmul for c in _reduce_scatters(backward))
+
+
+def test_identical_models_get_identical_schedules():
+    first = [collective_sequence(t) for t in _traces("zero3")]
+    second = [collective_sequence(t) for t in _traces.__wrapped__("zero3")]
+    assert first == second
+
+
+def test_plugin_by_name_uses_the_defaults():
+    from thunder.recipes import BaseRecipe
+
+    torch.manual_seed(0)
+    forward, backward = _run(thunder.compile(TinyGPT(MODEL), recipe=BaseRecipe(fuser="torch.compile"), plugins="fsdp-overlap"))
+    _assert_moves_each_parameter_once(forward, backward, "zero2")  # the default is ZeRO2
+
+
+def test_plugin_by_instance():
+    from thunder.recipes import BaseRecipe
+
+    torch.manual_seed(0)
+    # On CPU the only fuser is torch.compile, which would otherwise swallow the collectives.
+    jm = thunder.compile(
+        TinyGPT(MODEL),
+        recipe=BaseRecipe(fuser="torch.compile"),
+        plugins=[FSDPOverlap(sharding_strategy="zero3", device="cpu")],
+    )
+    # Under the torch.compile fuser's recipe the backward also re-gathers the norms' biases.
+    _assert_moves_each_parameter_once(*_run(jm), "zero3", exact_regathers=False)
+
+
+def test_transforms_compose_with_thunder_jit():
+    transforms = thunder_overlap.fsdp_transforms(
+        device=torch.device("cpu"),
+        process_group=dist.distributed_c10d._get_default_group(),
+        sharding_strategy=thunder.distributed.FSDPType.ZERO3,
+    )
+    torch.manual_seed(0)
+    forward, backward = _run(thunder.jit(TinyGPT(MODEL), transforms=transforms))
+    _assert_moves_each_parameter_once(forward, backward, "zero3")
+    assert schedule_stats(forward).max_allgathers_in_flight < schedule_stats(forward).allgathers
+    assert [collective_sequence(t) for t in (forward, backward)] == [collective_sequence(t) for t in _traces("zero3")]
+
+
+def test_already_jitted_module_is_accepted():
+    torch.manual_seed(0)
+    jm = thunder_overlap.fsdp(thunder.jit(TinyGPT(MODEL)), device="cpu", sharding_strategy="zero3")
+    forward, backward = _run(jm)
+    _assert_moves_each_parameter_once(forward, backward, "zero3")
+    assert [collective_sequence(t) for t in (forward, backward)] == [collective_sequence(t) for t in _traces("zero3")]
+
+
+def test_fusing_executor_cannot_swallow_collectives():
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    torch.manual_seed(0)
+    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", executors=[torch_compile_ex])
+    _assert_moves_each_parameter_once(*_run(jm), "zero2")
+
+
+def test_collectives_fused_by_a_prejitted_module_raise_a_clear_error():
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    torch.manual_seed(0)
+    jm = thunder_overlap.fsdp(thunder.jit(TinyGPT(MODEL), executors=[torch_compile_ex]), device="cpu")
+    with pytest.raises(RuntimeError, match="collectives were fused into .*torchcompile"):
+        _run(jm)
+
+
+class _NoBlocks(torch.nn.Module):
+    """Parameters in plain attributes: no container of blocks to size prefetching by."""
+
+    depth = 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        for i in range(self.depth):
+            self.add_module(f"layer{i}", torch.nn.Linear(16, 16))
+
+    def forward(self, x):
+        for i in range(self.depth):
+            x = torch.tanh(getattr(self, f"layer{i}")(x))
+        return x
+
+
+def test_a_model_without_blocks_falls_back_to_a_count_limit():
+    config = OverlapConfig(fallback_in_flight_allgathers=3)
+    with pytest.warns(UserWarning, match="has no nn.ModuleList/nn.Sequential of blocks .* to 3"):
+        jm = thunder_overlap.fsdp(_NoBlocks(), device="cpu", sharding_strategy="zero3", config=config)
+    jm(torch.ones(2, 16)).sum().backward()
+    forward = schedule_stats(thunder.last_traces(jm)[-1])
+    assert forward.allgathers == 16
+    assert forward.max_allgathers_in_flight <= 3
