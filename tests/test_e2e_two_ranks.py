@@ -130,7 +130,12 @@ class SlowCollectiveEstimate:
         return 1e6
 
 
-def test_ranks_agree_on_measured_estimates_before_scheduling():
+def _issue_order(collectives: list[str]) -> list[str]:
+    """The collectives of ``RankResult.collectives`` without their waits, in issue order."""
+    return [c for c in collectives if "wait" not in c.split("(")[0]]
+
+
+def test_ranks_with_rank_dependent_estimates_issue_one_order():
     from thunder_overlap.analysis.cost_model import CostModel
     from thunder_overlap.config import OverlapConfig
 
@@ -138,33 +143,12 @@ def test_ranks_agree_on_measured_estimates_before_scheduling():
     config = OverlapConfig(max_prefetch_compute_ops=1, cost_model=cost_model)
     setup = TrainSetup(sharding="zero3", model=MODEL, steps=1, config=config, measure_memory=False)
     ranks = run_local_ranks(train_rank, WORLD_SIZE, (setup,))
-    assert ranks[0].forward_picture == ranks[1].forward_picture
-    assert ranks[0].backward_picture == ranks[1].backward_picture
-    # Not vacuous: with rank 1's estimates on both ranks the schedule is another one.
+    # Each rank places collectives by its own estimates; which comes before which is agreed.
+    assert _issue_order(ranks[0].collectives) == _issue_order(ranks[1].collectives)
+    # Not vacuous: rank 1's estimates on both ranks give another placement.
     slow = CostModel.named("cpu", "gloo-loopback", collective_estimate=SlowCollectiveEstimate())
     slow_setup = TrainSetup(
         sharding="zero3", model=MODEL, steps=1, config=OverlapConfig(max_prefetch_compute_ops=1, cost_model=slow), measure_memory=False
     )
     (slow_rank, _) = run_local_ranks(train_rank, WORLD_SIZE, (slow_setup,))
     assert slow_rank.forward_picture != ranks[0].forward_picture
-
-
-def _mismatched_models(rank: int, world_size: int) -> str | None:
-    """Each rank builds a different model: their collectives cannot pair up."""
-    from dataclasses import replace
-
-    import thunder_overlap
-
-    torch.manual_seed(0)
-    jm = thunder_overlap.fsdp(TinyGPT(replace(MODEL, n_layer=2 + rank)), device="cpu")
-    try:
-        jm(torch.randint(0, MODEL.vocab_size, (1, 8)))
-    except RuntimeError as e:
-        return str(e)
-    return None
-
-
-def test_ranks_that_would_issue_different_collectives_raise_instead_of_hanging():
-    messages = run_local_ranks(_mismatched_models, WORLD_SIZE, ())
-    assert all(m is not None and "would hang" in m for m in messages), messages
-    assert "rank 0 of the process group" in messages[0] and "ranks [1]" in messages[0]

@@ -32,10 +32,8 @@ def test_without_a_process_group(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def gloo_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.distributed_c10d._get_default_group()
-    dist.destroy_process_group()
+def gloo_group(one_rank_gloo_group):
+    return one_rank_gloo_group
 
 
 @pytest.mark.parametrize(

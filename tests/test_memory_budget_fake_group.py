@@ -1,6 +1,6 @@
-"""The memory budget on a real model, set tight enough to bind: it holds all-gathers back or
-forces waits, the schedule's measured peak stays within it, and training still matches the
-single-process reference."""
+"""The memory budget on a real model (traced on the fake process group, run on CPU), set tight
+enough to bind: it holds all-gathers back or forces waits, and the schedule's measured peak stays
+within it. tests/test_e2e_memory_budget.py trains under the same budget on two gloo ranks."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ import torch
 import thunder_overlap
 from thunder_overlap import OverlapConfig, OverlapScheduleTransform
 from thunder_overlap.analysis.memory_estimate import estimate_memory
-from thunder_overlap.tools.local_ranks import run_local_ranks
 from thunder_overlap.tools.memory_check import run_measured
 from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.tools.trace_runner import materialize_inputs
-from thunder_overlap.tools.training import TrainSetup, shard_of, train_rank, train_reference
 
 MODEL = TinyGPTConfig(n_layer=4, n_embd=64)
 # No slack: the budget is the just-in-time order's own predicted peak, so any prefetch that
@@ -40,7 +38,7 @@ def _measured_peaks(forward, backward) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("sharding", ["zero2", "zero3"])
-def test_a_tight_budget_binds_and_the_measured_peak_stays_within_it(fake_group_of_8, sharding):
+def test_a_tight_budget_binds_and_the_measured_peak_stays_within_it(fake_group_8, sharding):
     torch.manual_seed(0)
     jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy=sharding, config=TIGHT)
     jm(torch.randint(0, MODEL.vocab_size, (4, 32))).sum().backward()
@@ -56,15 +54,3 @@ def test_a_tight_budget_binds_and_the_measured_peak_stays_within_it(fake_group_o
         assert predicted[name] == summary.peak_bytes
         # The estimator is exact on CPU up to temporaries an op frees inside itself.
         assert measured[name] <= summary.budget_bytes * 1.05, (name, measured[name], summary.budget_bytes)
-
-
-def test_training_under_a_tight_budget_matches_the_reference():
-    setup = TrainSetup(sharding="zero3", model=MODEL, steps=2, config=TIGHT, measure_memory=False)
-    ranks = run_local_ranks(train_rank, 2, (setup,))
-    reference_losses, reference_state = train_reference(setup, 2)
-    mean_losses = [sum(r.losses[i] for r in ranks) / 2 for i in range(setup.steps)]
-    torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(reference_losses), rtol=1e-5, atol=1e-5)
-    for r in ranks:
-        for name, shard in r.shards.items():
-            expected, rows = shard_of(reference_state[name], r.rank, 2)
-            torch.testing.assert_close(shard[:rows], expected, rtol=1e-5, atol=1e-6, msg=f"{name} on rank {r.rank}")

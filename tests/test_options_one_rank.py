@@ -13,10 +13,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
-def gloo_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.distributed_c10d._get_default_group()
-    dist.destroy_process_group()
+def gloo_group(one_rank_gloo_group):
+    return one_rank_gloo_group
 
 
 def test_strategies_are_their_names_and_convert_to_thunder_at_the_boundary():

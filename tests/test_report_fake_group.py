@@ -21,8 +21,8 @@ from thunder_overlap.report.report import LEGEND, report, speed_change
 from thunder_overlap.report.schedule_view import schedule_stats
 from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 
-# The command creates (and destroys) its own fake process group, so its tests come first,
-# before the module's group for report() exists.
+# The command creates (and destroys) its own fake process group; the module's traced model
+# (the ``jitted`` fixture) destroys its group before the tests read it, so any order works.
 
 
 def test_cli_on_a_two_layer_llama_at_world_size_8(tmp_path, capsys, monkeypatch):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import thunder_overlap
@@ -15,10 +14,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
-def gloo_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.distributed_c10d._get_default_group()
-    dist.destroy_process_group()
+def gloo_group(one_rank_gloo_group):
+    return one_rank_gloo_group
 
 
 def test_zero3_that_cannot_regather_raises_instead_of_keeping_zero2_memory(gloo_group, monkeypatch):
