@@ -11,30 +11,13 @@ import torch
 import thunder_overlap
 from thunder_overlap import OverlapConfig, OverlapScheduleTransform
 from thunder_overlap.analysis.memory_estimate import estimate_memory
-from thunder_overlap.tools.memory_check import run_measured
+from thunder_overlap.tools.memory_check import measure_step
 from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
-from thunder_overlap.tools.trace_runner import materialize_inputs
 
 MODEL = TinyGPTConfig(n_layer=4, n_embd=64)
 # No slack: the budget is the just-in-time order's own predicted peak, so any prefetch that
 # would raise the peak is held back.
 TIGHT = OverlapConfig(memory_slack_bytes=0, memory_slack_ratio=0.0)
-
-
-def _measured_peaks(forward, backward) -> tuple[int, int]:
-    """Runs the forward on random inputs kept alive (parameters), then the backward on what the
-    forward saved, and returns the bytes measured alive at most in each."""
-    args = materialize_inputs(forward, "cpu")
-    parameters = list(args)  # held, as a module holds its parameters
-    measured_forward, result = run_measured(forward, args)
-    saved = [list(result[1][0]), list(result[1][1])]
-    del result
-    backward_args = materialize_inputs(backward, "cpu")
-    backward_args[0] = saved
-    del saved
-    measured_backward, _ = run_measured(backward, backward_args)
-    del parameters
-    return measured_forward.peak_bytes, measured_backward.peak_bytes
 
 
 @pytest.mark.parametrize("sharding", ["zero2", "zero3"])
@@ -46,9 +29,10 @@ def test_a_tight_budget_binds_and_the_measured_peak_stays_within_it(fake_group_8
     forward, backward = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
     # The budget binds: something was held back or a wait was forced for memory.
     assert any(s.held_by_memory or s.forced_waits_for_memory for s in summaries.values()), summaries
-    measured = dict(zip(("forward", "backward"), _measured_peaks(forward, backward), strict=True))
-    predicted_forward = estimate_memory(forward)
-    predicted = {"forward": predicted_forward.peak_bytes, "backward": estimate_memory(backward, after=predicted_forward).peak_bytes}
+    measured = {name: m.peak_bytes for name, m in zip(("forward", "backward"), measure_step(forward, backward), strict=True)}
+    # The scheduler budgets each pass on its own: the backward's inputs (what the forward saved)
+    # count as its inputs, as they do when the runtime check runs it.
+    predicted = {"forward": estimate_memory(forward).peak_bytes, "backward": estimate_memory(backward).peak_bytes}
     for name, summary in summaries.items():
         assert summary.peak_bytes <= summary.budget_bytes
         assert predicted[name] == summary.peak_bytes

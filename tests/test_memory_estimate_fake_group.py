@@ -11,9 +11,8 @@ import torch
 
 import thunder_overlap
 from thunder_overlap.analysis.memory_estimate import estimate_memory
-from thunder_overlap.tools.memory_check import compare_memory, measure_memory, run_measured
+from thunder_overlap.tools.memory_check import compare_memory, measure_memory, measure_step
 from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
-from thunder_overlap.tools.trace_runner import materialize_inputs
 
 X_BYTES = 64 * 32 * 4  # the f32[64, 32] input of the small functions below
 
@@ -94,22 +93,6 @@ def _traces(sharding: str):
     return thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
 
 
-def _measure_step(forward, backward):
-    """Runs the forward on random inputs kept alive (parameters), then the backward on what the
-    forward saved, as Thunder's runtime hands it over."""
-    args = materialize_inputs(forward, "cpu")
-    parameters = list(args)  # held, as a module holds its parameters
-    measured_forward, result = run_measured(forward, args)
-    saved = [list(result[1][0]), list(result[1][1])]
-    del result
-    backward_args = materialize_inputs(backward, "cpu")
-    backward_args[0] = saved
-    del saved
-    measured_backward, _ = run_measured(backward, backward_args)
-    del parameters
-    return measured_forward, measured_backward
-
-
 def _nbytes(proxy) -> int:
     return proxy.dtype.bytes * torch.Size(proxy.shape).numel()
 
@@ -119,7 +102,7 @@ def test_estimate_matches_the_runtime_forward_and_backward(fake_group, sharding)
     forward, backward = _traces(sharding)
     predicted_forward = estimate_memory(forward)
     predicted_backward = estimate_memory(backward, after=predicted_forward)
-    measured_forward, measured_backward = _measure_step(forward, backward)
+    measured_forward, measured_backward = measure_step(forward, backward)
     for predicted, measured in ((predicted_forward, measured_forward), (predicted_backward, measured_backward)):
         comparison = compare_memory(predicted, measured)
         assert abs(comparison.peak_error) <= 0.05, comparison
@@ -131,7 +114,7 @@ def test_verifier_names_the_first_divergence(fake_group):
     # Pretend the parameters are not persistent: the backward then frees each sharded parameter
     # once its re-gather's future dies (the all-gather holds its input), while the module keeps it.
     wrong = estimate_memory(backward, after=estimate_memory(forward, persistent_inputs=["idx"]))
-    _, measured_backward = _measure_step(forward, backward)
+    _, measured_backward = measure_step(forward, backward)
     comparison = compare_memory(wrong, measured_backward)
     assert comparison.first_divergence is not None
     assert comparison.first_divergence_code.startswith("del ft")

@@ -17,7 +17,7 @@ from thunder_overlap.analysis.memory_estimate import CUDA_ALLOCATION_GRANULARITY
 from thunder_overlap.tools.live_memory import LiveMemoryTracker
 from thunder_overlap.tools.trace_runner import TraceStepper, materialize_inputs
 
-__all__ = ["MemoryComparison", "MemoryMeasurement", "compare_memory", "measure_memory", "run_measured"]
+__all__ = ["MemoryComparison", "MemoryMeasurement", "compare_memory", "measure_memory", "measure_step", "run_measured"]
 
 @dataclass
 class MemoryMeasurement:
@@ -131,3 +131,20 @@ def compare_memory(estimate: MemoryEstimate, measurement: MemoryMeasurement, *, 
         predicted_at_divergence=None if first is None else estimate.live_after[first],
         measured_at_divergence=None if first is None else measurement.live_after[first],
     )
+
+
+def measure_step(forward: TraceCtx, backward: TraceCtx) -> tuple[MemoryMeasurement, MemoryMeasurement]:
+    """Runs an FSDP forward trace on random inputs kept alive (the module holds its parameters),
+    then its backward on what the forward saved, as Thunder's runtime hands it over; returns
+    what was measured in each."""
+    args = materialize_inputs(forward, "cpu")
+    parameters = list(args)
+    measured_forward, result = run_measured(forward, args)
+    saved = [list(result[1][0]), list(result[1][1])]
+    del result
+    backward_args = materialize_inputs(backward, "cpu")
+    backward_args[0] = saved
+    del saved
+    measured_backward, _ = run_measured(backward, backward_args)
+    del parameters
+    return measured_forward, measured_backward
