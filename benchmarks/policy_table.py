@@ -2,16 +2,18 @@
 
 For each world size (with its network), sharding and bucketing strategy, traces the model once
 on the meta device over a fake process group and compares the policies with
-:func:`thunder_overlap.policy_comparison.compare_policies` (the same numbers as
+:func:`thunder_overlap.report.policies.compare_policies` (the same numbers as
 ``python -m thunder_overlap report --compare-policies``). About 40 s of tracing per setting for
 8 layers.
 
-    python benchmarks/policy_table.py --n-layer 8 --out results/policies.md
+    python benchmarks/policy_table.py --n-layer 8 --bucketing none block \\
+        --out benchmarks/measured/policies/policies.md --json benchmarks/measured/policies/policies.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import replace
@@ -52,9 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sharding", nargs="+", default=["zero2", "zero3"])
     parser.add_argument("--bucketing", nargs="+", default=["none"])
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
+    parser.add_argument("--json", default=None, help="also write every comparison's raw figures to this JSON file")
     args = parser.parse_args(argv)
 
     lines = [HEADER]
+    raw = []
     for world_size, network in SETTINGS:
         cost_model = CostModel.named(args.device_profile, network)
         for sharding in args.sharding:
@@ -68,12 +72,16 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 comparison = compare_policies(jm, cost_model=cost_model, config=config)
                 lines += table_rows(comparison, network, sharding, bucketing)
+                raw.append({"sharding": sharding, "bucketing": bucketing, "n_layer": args.n_layer, **comparison.to_json()})
                 print(f"{world_size} {network} {sharding} {bucketing}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
     text = "\n".join(lines)
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(raw, indent=1))
     return 0
 
 
