@@ -8,6 +8,13 @@ execution traces (bucketed collectives) -> ``classify``
 (annotated trace) -> ``scheduling`` (decisions) -> executed trace -> ``schedule_view`` (report).
 """
 
+from thunder_overlap.tools import console as _console
+
+# `python -m thunder_overlap ...` imports this package (and so thunder) before any command runs;
+# only there are Thunder's known import-time warnings dropped. Programs using the library see them.
+if _console.invoked_as_command():
+    _console.silence_known_warnings()
+
 from thunder_overlap.api import fsdp, fsdp_transforms
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.plugin import FSDPOverlap, register as _register_plugin
