@@ -18,12 +18,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = [
-    "KNOWN_OUTPUT_LINES",
+    "KNOWN_OUTPUT",
     "KNOWN_WARNINGS",
     "Heartbeat",
     "children_without_known_warnings",
     "filter_known_output",
     "invoked_as_command",
+    "without_known_output",
     "progress",
     "silence_known_warnings",
     "warnings_env_for_children",
@@ -47,15 +48,17 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
     ),
 )
 
-# Lines that native code of a dependency writes straight to the stdout file descriptor.
+# Messages that native code of a dependency writes straight to the stdout file descriptor.
 # gloo prints one per rank and process group when its connections are up (torch 2.9.1; no
-# environment variable or log level turns it off), and ranks interleave them mid-line.
-KNOWN_OUTPUT_LINES: tuple[re.Pattern[str], ...] = (
-    re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+$"),
+# environment variable or log level turns it off). It writes each message in pieces, so two
+# ranks' messages arrive interleaved, one inside the other: they are removed from the whole
+# text, innermost first, not line by line.
+KNOWN_OUTPUT: tuple[re.Pattern[str], ...] = (
+    re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+\n?"),
 )
 
-# Seconds to wait for the filter to forward the last lines once the block ends; only a child
-# still alive (holding the pipe) past the block could make it wait that long.
+# Seconds to wait for the pipe's last bytes once the block ends; only a child still alive
+# (holding the pipe) past the block could make it wait that long.
 FILTER_DRAIN_S = 30.0
 # Seconds between "still working" lines while a long step runs.
 HEARTBEAT_S = 15.0
@@ -99,17 +102,25 @@ def children_without_known_warnings() -> Iterator[None]:
             os.environ["PYTHONWARNINGS"] = saved
 
 
-def _is_known_line(line: str) -> bool:
-    return any(pattern.match(line) for pattern in KNOWN_OUTPUT_LINES)
+def without_known_output(text: str) -> str:
+    """``text`` less every :data:`KNOWN_OUTPUT` message, nested ones included. Whatever is not a
+    whole known message stays, so an unknown line is never lost."""
+    previous = None
+    while previous != text:
+        previous = text
+        for pattern in KNOWN_OUTPUT:
+            text = pattern.sub("", text)
+    return text
 
 
 @contextlib.contextmanager
 def filter_known_output(fd: int = 1) -> Iterator[None]:
-    """Drops :data:`KNOWN_OUTPUT_LINES` written to file descriptor ``fd`` inside the block, by
-    this process or by processes it starts there (they inherit the descriptor).
+    """Drops :data:`KNOWN_OUTPUT` written to file descriptor ``fd`` inside the block, by this
+    process or by processes it starts there (they inherit the descriptor).
 
-    The descriptor is pointed at a pipe read by a thread that forwards every other line. Native
-    code writes below Python's ``sys.stdout``, so filtering there would miss it.
+    The descriptor is pointed at a pipe; what arrives there is written out, filtered, when the
+    block ends (messages of several processes can only be told apart once they are complete).
+    Native code writes below Python's ``sys.stdout``, so filtering there would miss it.
     """
     stream = sys.stdout if fd == 1 else sys.stderr if fd == 2 else None
     if stream is not None:
@@ -118,25 +129,28 @@ def filter_known_output(fd: int = 1) -> Iterator[None]:
     read_end, write_end = os.pipe()
     os.dup2(write_end, fd)
     os.close(write_end)
+    received = bytearray()
 
-    def forward() -> None:
-        with os.fdopen(read_end, "rb") as pipe, os.fdopen(os.dup(original), "wb", buffering=0) as out:
-            for raw in iter(pipe.readline, b""):
-                if not _is_known_line(raw.decode(errors="replace").rstrip("\r\n")):
-                    out.write(raw)
+    def drain() -> None:
+        # Reading while the block runs keeps writers from blocking on a full pipe.
+        with os.fdopen(read_end, "rb") as pipe:
+            for chunk in iter(lambda: pipe.read1(1 << 16), b""):
+                received.extend(chunk)
 
-    thread = threading.Thread(target=forward, name=f"filter-fd-{fd}", daemon=True)
+    thread = threading.Thread(target=drain, name=f"filter-fd-{fd}", daemon=True)
     thread.start()
     try:
         yield
     finally:
         if stream is not None:
             stream.flush()
-        # Restoring the descriptor closes this process's last write end; the thread ends once
+        # Restoring the descriptor closes this process's last write end; the pipe ends once
         # every child that inherited one has exited too.
         os.dup2(original, fd)
-        os.close(original)
         thread.join(FILTER_DRAIN_S)
+        kept = without_known_output(received.decode(errors="replace"))
+        os.write(original, kept.encode())
+        os.close(original)
 
 
 def progress(message: str) -> None:

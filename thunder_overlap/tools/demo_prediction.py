@@ -54,6 +54,9 @@ class PredictedStep:
     thunder_ms: float  # per-parameter collectives in Thunder's order
     buckets_only_ms: float  # the demo's buckets in Thunder's order
     overlap_ms: float  # the demo's buckets as thunder_overlap schedules them
+    # Estimated peak live bytes of a step (forward, then backward on what the forward kept).
+    thunder_peak_bytes: int
+    overlap_peak_bytes: int
 
     @property
     def speedup(self) -> float:
@@ -100,4 +103,6 @@ def predict_step(setup: PredictionSetup) -> PredictedStep:
         thunder_ms=theirs.step_ms(BASELINE),
         buckets_only_ms=ours.step_ms(BASELINE),
         overlap_ms=ours.step_ms(OVERLAP),
+        thunder_peak_bytes=max(p.baseline.peak_bytes for p in theirs.passes),
+        overlap_peak_bytes=max(p.overlap.peak_bytes for p in ours.passes),
     )
