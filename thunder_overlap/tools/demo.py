@@ -207,7 +207,7 @@ def _predicted(results: DemoResults, bucketing: str) -> list[str]:
     peaks = ", ".join(
         f"{p.world_size} GPUs {_mib(p.thunder_peak_bytes)} -> {_mib(p.overlap_peak_bytes)}" for p in results.predictions
     )
-    lines.append(f"  Predicted peak memory per GPU, Thunder's FSDP -> thunder_overlap: {peaks}")
+    lines += _paragraph(f"Predicted peak memory per GPU, Thunder's FSDP -> thunder_overlap: {peaks}")
     return lines
 
 
