@@ -3,10 +3,18 @@
     import thunder_overlap
     model = thunder_overlap.fsdp(model, sharding_strategy="zero3")
 
-Data flows one way: model -> Thunder's FSDP transform (and ``buckets``: flat buffers) ->
-execution traces (bucketed collectives) -> ``classify``
-(annotated trace) -> ``scheduling`` (decisions) -> executed trace -> ``schedule_view`` (report).
+Data flows one way, and the subpackages follow it: model -> Thunder's FSDP transform and
+``transforms`` (ZeRO3, ``bucketing``) -> execution traces -> ``analysis`` (annotated trace, cost
+and memory estimates) -> ``scheduling`` (decisions) -> executed trace -> ``report``. ``tools``
+holds the scaffolding of tests, benchmarks and the demo.
 """
+
+from thunder_overlap.tools import console as _console
+
+# `python -m thunder_overlap ...` imports this package (and so thunder) before any command runs;
+# only there are Thunder's known import-time warnings dropped. Programs using the library see them.
+if _console.invoked_as_command():
+    _console.silence_known_warnings()
 
 from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.api import fsdp, fsdp_transforms

@@ -1,0 +1,108 @@
+"""The demo's predicted step times on H100s: the demo's TinyGPT traced at 8 and 64 ranks.
+
+Each prediction traces the model on the meta device in a process that pretends to be rank 0 of
+``world_size`` ranks (PyTorch's fake process group) and simulates the traces with the cost model,
+as ``python -m thunder_overlap report`` does. Three orders come out of two traces:
+
+- Thunder's FSDP: the per-parameter trace (``bucketing="none"``) in Thunder's order;
+- buckets alone: the trace with the demo's buckets, still in Thunder's order;
+- thunder_overlap: that trace as thunder_overlap schedules it.
+
+All three carry thunder_overlap's ZeRO3 re-gathers (Thunder 0.2.6 runs ZeRO3 as ZeRO2), so the
+columns differ only by the buckets and by the schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PREDICTED_SCALES", "PredictedStep", "PredictionSetup", "predict_step"]
+
+# (ranks, network): one NVLink node, and eight nodes over InfiniBand.
+PREDICTED_SCALES: tuple[tuple[int, str], ...] = ((8, "nvlink"), (64, "infiniband"))
+DEVICE_PROFILE = "h100"
+DTYPE = "bfloat16"
+# Tokens per GPU for the prediction: the demo's CPU batch (16 tokens) would leave an H100 idle
+# and every collective's latency exposed. 256 sequences of the model's 32 positions (8192
+# tokens) is a usual per-GPU batch for a model this small.
+PREDICTED_BATCH = 256
+
+
+@dataclass(frozen=True)
+class PredictionSetup:
+    model: object  # tiny_models.TinyGPTConfig (kept untyped here so this module imports no torch)
+    sharding: str
+    bucketing: str
+    world_size: int
+    network: str
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {self.world_size}")
+
+
+@dataclass(frozen=True)
+class PredictedStep:
+    """Predicted forward + backward time of one step on one rank, both orders."""
+
+    world_size: int
+    network: str
+    device: str
+    dtype: str
+    batch: int
+    seq_len: int
+    thunder_ms: float  # per-parameter collectives in Thunder's order
+    buckets_only_ms: float  # the demo's buckets in Thunder's order
+    overlap_ms: float  # the demo's buckets as thunder_overlap schedules them
+    # Estimated peak live bytes of a step (forward, then backward on what the forward kept).
+    thunder_peak_bytes: int
+    overlap_peak_bytes: int
+
+    @property
+    def speedup(self) -> float:
+        """Thunder's FSDP time over thunder_overlap's."""
+        return self.thunder_ms / self.overlap_ms
+
+
+def _traced_report(setup: PredictionSetup, bucketing: str, cost_model):
+    import torch
+
+    from thunder_overlap.config import OverlapConfig
+    from thunder_overlap.report.models import trace_model
+    from thunder_overlap.report.report import report
+    from thunder_overlap.tools.tiny_models import TinyGPT
+
+    with torch.device("meta"):
+        model = TinyGPT(setup.model).to(getattr(torch, DTYPE))
+    jm = trace_model(
+        model,
+        world_size=setup.world_size,
+        sharding=setup.sharding,
+        bucketing=bucketing,
+        idx_shape=(PREDICTED_BATCH, setup.model.block_size),
+        config=OverlapConfig(cost_model=cost_model),
+    )
+    return report(jm, cost_model=cost_model)
+
+
+def predict_step(setup: PredictionSetup) -> PredictedStep:
+    """Traces and simulates; call where no process group is initialised (a fresh process)."""
+    from thunder_overlap.analysis.cost_model import CostModel
+    from thunder_overlap.report.report import BASELINE, OVERLAP
+
+    cost_model = CostModel.named(DEVICE_PROFILE, setup.network)
+    ours = _traced_report(setup, setup.bucketing, cost_model)
+    theirs = ours if setup.bucketing == "none" else _traced_report(setup, "none", cost_model)
+    return PredictedStep(
+        world_size=setup.world_size,
+        network=setup.network,
+        device=DEVICE_PROFILE,
+        dtype=DTYPE,
+        batch=PREDICTED_BATCH,
+        seq_len=setup.model.block_size,
+        thunder_ms=theirs.step_ms(BASELINE),
+        buckets_only_ms=ours.step_ms(BASELINE),
+        overlap_ms=ours.step_ms(OVERLAP),
+        thunder_peak_bytes=max(p.baseline.peak_bytes for p in theirs.passes),
+        overlap_peak_bytes=max(p.overlap.peak_bytes for p in ours.passes),
+    )
