@@ -52,6 +52,7 @@ def _demo_measured_prefix() -> str:
 
 EXCERPTS: tuple[Excerpt, ...] = (
     Excerpt("demo-output", ("demo",), _demo_measured_prefix()),
+    Excerpt("cli-help", ("--help",)),
     Excerpt("report-help", ("report", "--help")),
 )
 
