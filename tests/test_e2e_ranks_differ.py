@@ -153,3 +153,25 @@ def test_ranks_that_would_move_different_collectives_raise_on_every_rank():
     for message in messages:
         assert message is not None and "would hang" in message, messages
         assert "ranks [1]" in message and "rank 0 issues all_gather" in message, message
+
+
+def _ranks_with_different_policies(rank: int, world_size: int) -> tuple[list[str], dict[str, bool], float]:
+    import thunder_overlap
+    from thunder_overlap import OverlapConfig, OverlapScheduleTransform
+
+    torch.manual_seed(0)
+    # Greedy raises every ZeRO3 re-gather to the top of the backward; just-in-time interleaves
+    # them with the reduce-scatters: on their own, the two ranks would pair different collectives.
+    policy = "greedy" if rank == 0 else "just_in_time"
+    jm = thunder_overlap.fsdp(TinyGPT(MODEL), sharding_strategy="zero3", config=OverlapConfig(policy=policy))
+    idx, targets = _batch(rank, 0, (2, 8))
+    loss = _loss(jm(idx), targets)
+    loss.backward()
+    return _issue_order(jm), OverlapScheduleTransform.of(jm).agreement.adopted, loss.item()
+
+
+def test_ranks_whose_own_orders_differ_adopt_the_first_ranks_order():
+    (order_0, adopted_0, _), (order_1, adopted_1, _) = run_local_ranks(_ranks_with_different_policies, WORLD_SIZE, (), timeout_s=300)
+    assert order_0 == order_1
+    # Not vacuous: rank 1's own backward order was another one, and it gave it up.
+    assert adopted_1["backward"] and not any(adopted_0.values())

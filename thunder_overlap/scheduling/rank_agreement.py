@@ -88,6 +88,8 @@ class IssueOrderAgreement:
         self.exchange = exchange
         # (pass name, sorted keys) -> the keys in the agreed issue order.
         self._agreed: dict[tuple[str, tuple[CollectiveKey, ...]], list[CollectiveKey]] = {}
+        # Pass name -> whether this rank gave up its own first order for the first rank's.
+        self.adopted: dict[str, bool] = {}
 
     @staticmethod
     def _entry(pass_name: str, keys: list[CollectiveKey]) -> tuple[str, tuple[CollectiveKey, ...]]:
@@ -111,6 +113,7 @@ class IssueOrderAgreement:
         if self.exchange and _exchange_is_possible(group):
             agreed = self._exchange(mine, group)
         self._agreed[self._entry(pass_name, keys)] = agreed
+        self.adopted[pass_name] = agreed != mine
         logger.debug("%s: %d collectives, issue order %s", pass_name, len(agreed), "adopted from rank 0" if agreed != mine else "own")
         index_of = {key: i for i, key in enumerate(keys)}
         return [index_of[key] for key in agreed]
