@@ -18,7 +18,7 @@ in-place updates would count the parameters too). Variants:
 The variants swap only the runtime of the buckets (the class of each
 :class:`~thunder_overlap.bucketing.buffers.BucketBuffers`); traces and schedule are the same.
 
-    python benchmarks/bucket_memory.py --n-layer 8 --out results/bucket_memory.md
+    python benchmarks/bucket_memory.py --n-layer 8 --sharding zero3 --out benchmarks/measured/bucket_memory/zero3.md
 """
 
 from __future__ import annotations
