@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch.multiprocessing as mp
 
 from thunder_overlap.options import BucketingStrategy, ShardingStrategy
+from thunder_overlap.report.report import speed_change
 from thunder_overlap.tools.console import (
     Heartbeat,
     children_without_known_warnings,
@@ -198,10 +199,10 @@ def _predicted(results: DemoResults, bucketing: str) -> list[str]:
     lines = textwrap.wrap(head, PICTURE_WIDTH + 6, subsequent_indent="  ")
     lines.append(f"  {'':<19}" + "".join(f"{c:>20}" for c in columns))
     for p in results.predictions:
-        verdict = f"{p.speedup:.2f}x faster" if p.speedup >= 1 else f"{1 / p.speedup:.2f}x slower"
+        verdict = speed_change(p.thunder_ms, p.overlap_ms)
         shown = (p.thunder_ms, *([p.buckets_only_ms] if with_buckets else []), p.overlap_ms)
         times = "".join(f"{ms:>17.3f} ms" for ms in shown)
-        lines.append(f"  {p.world_size:>3} GPUs, {p.network:<10}{times}  ({verdict})")
+        lines.append(f"  {p.world_size:>3} GPUs, {p.network:<10}{times}  {verdict}")
     if with_buckets and any(p.overlap_ms > p.buckets_only_ms * SCHEDULE_LOSS_TOLERANCE for p in results.predictions):
         lines += _paragraph(
             "Where thunder_overlap trails the buckets alone, collective latency dominates this small model: Thunder's "

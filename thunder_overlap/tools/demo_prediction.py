@@ -58,11 +58,6 @@ class PredictedStep:
     thunder_peak_bytes: int
     overlap_peak_bytes: int
 
-    @property
-    def speedup(self) -> float:
-        """Thunder's FSDP time over thunder_overlap's."""
-        return self.thunder_ms / self.overlap_ms
-
 
 def _traced_report(setup: PredictionSetup, bucketing: str, cost_model):
     import torch
