@@ -2,6 +2,9 @@
 
 Used by the demo, the tests and the CPU benchmarks. Errors on any rank are raised in the caller
 with that rank's traceback; a rank that dies or a run past ``timeout_s`` never hangs the caller.
+Each rank's standard output (native code's too: gloo writes there in pieces, so two ranks' lines
+would interleave mid-line) goes to a file of its own, and the caller writes the files to its own
+standard output one rank after the other when the ranks are done.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import os
 import pickle
 import queue as queue_module
 import socket
+import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -27,16 +32,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, backend, args, results, timeout_s) -> None:
+def _worker(fn, rank, world_size, port, backend, args, results, timeout_s, output_path) -> None:
     import torch.distributed as dist
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
-    )
+    sys.stdout.flush()
+    output = os.open(output_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(output, 1)
+    os.close(output)
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
-        )
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
         # Pickled here, by value: torch would otherwise share tensors through file descriptors
         # that vanish when this process exits.
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
@@ -57,8 +63,10 @@ def run_local_ranks(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
+    output_dir = tempfile.TemporaryDirectory(prefix="thunder_overlap_ranks_")
+    outputs = [os.path.join(output_dir.name, f"rank{rank}.out") for rank in range(world_size)]
     procs = [
-        ctx.Process(target=_worker, args=(fn, rank, world_size, port, backend, args, results, timeout_s), daemon=True)
+        ctx.Process(target=_worker, args=(fn, rank, world_size, port, backend, args, results, timeout_s, outputs[rank]), daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:
@@ -85,4 +93,17 @@ def run_local_ranks(
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
+        _forward_outputs(outputs)
+        output_dir.cleanup()
     return [collected[r] for r in range(world_size)]
+
+
+def _forward_outputs(paths: list[str]) -> None:
+    """Writes each rank's captured standard output to this process's, one rank after another."""
+    sys.stdout.flush()
+    for path in paths:
+        if os.path.exists(path):
+            with open(path, "rb") as captured:
+                data = memoryview(captured.read())
+            while data:  # os.write may write less than asked into a pipe
+                data = data[os.write(1, data) :]
