@@ -125,6 +125,19 @@ def test_ring_collective_time():
     assert CostModel(DEVICE, NETWORK).collective_ms(gather, world_size=2) == pytest.approx(1e-3 + 4.0)
 
 
+def test_latency_steps_of_ring_and_tree():
+    ring = NetworkProfile("ring", latency_s=1e-6, bus_bandwidth=1e9)
+    tree = NetworkProfile("tree", latency_s=1e-6, bus_bandwidth=1e9, algorithm="tree")
+    assert [ring.latency_steps(n) for n in (1, 2, 8, 1024)] == [0, 1, 7, 1023]
+    assert [tree.latency_steps(n) for n in (1, 2, 8, 1000, 1024)] == [0, 1, 3, 10, 10]
+    # At 1024 ranks a ring pays 1023 latencies per launch, a tree 10; the transfer is the same.
+    model_ring, model_tree = CostModel(DEVICE, ring), CostModel(DEVICE, tree)
+    assert model_ring.latency_ms(1024) == pytest.approx(1.023) and model_tree.latency_ms(1024) == pytest.approx(0.010)
+    assert model_ring.transfer_ms(1 << 20, 1024) == model_tree.transfer_ms(1 << 20, 1024)
+    with pytest.raises(ValueError, match="algorithm.*'ring', 'tree'.*'butterfly'"):
+        NetworkProfile("bad", 1e-6, 1e9, algorithm="butterfly")
+
+
 def test_collective_without_group_needs_a_world_size():
     orphan = Collective(CollectiveKind.REDUCE_SCATTER, start=0, wait=1, process_group=None, unsharded_bytes=100)
     with pytest.raises(ValueError, match="world_size"):
@@ -139,5 +152,10 @@ def test_profiles_by_name_and_clear_errors():
         network_profile("ethernet")
     with pytest.raises(ValueError, match="custom"):
         network_profile("custom:5:0")
+    assert network_profile("custom:5:100:tree").algorithm == "tree"
+    assert network_profile("infiniband-pat").algorithm == "tree" and network_profile("infiniband").algorithm == "ring"
+    for bad in ("custom:5:100:butterfly", "custom:5", "custom:5:100:ring:extra"):
+        with pytest.raises(ValueError, match="ring\\|tree"):
+            network_profile(bad)
     with pytest.raises(ValueError, match="unknown device profile 'tpu'.*h100"):
         CostModel.named("tpu")

@@ -6,10 +6,13 @@ FLOP per output element; bytes are the op's tensor inputs and outputs, and zero 
 outputs alias their input. Calibration replaces the roofline with the time measured on the real
 device for each distinct op shape (:class:`Calibration`), and a user hook can override both.
 
-Collectives: ring all-gather and reduce-scatter on ``n`` ranks take
-``latency * (n - 1) + (n - 1) / n * unsharded_bytes / bus_bandwidth`` (an all-reduce twice that),
-the model NCCL's own performance notes and nccl-tests' "bus bandwidth" use. ``n`` is the size of
-the collective's process group, read from the trace.
+Collectives: an all-gather or reduce-scatter on ``n`` ranks takes
+``latency * steps(n) + (n - 1) / n * unsharded_bytes / bus_bandwidth`` (an all-reduce twice that),
+the model NCCL's own performance notes and nccl-tests' "bus bandwidth" use. ``steps(n)`` is the
+network's algorithm: ``n - 1`` for a ring, ``ceil(log2 n)`` for a tree (NCCL's PAT). ``n`` is the
+size of the collective's process group, read from the trace. Every launch pays the latency: a
+collective of the trace is one launch, and a coalesced launch of several tensors is one collective
+of the trace (see ``classify``), so collectives issued back to back never share it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ __all__ = [
     "Calibration",
     "CostModel",
     "DeviceProfile",
+    "LATENCY_ALGORITHMS",
     "NetworkProfile",
     "default_network",
     "device_profile",
@@ -63,13 +67,34 @@ class DeviceProfile:
     launch_overhead_s: float = 5e-6
 
 
+# How many latencies one all-gather or reduce-scatter launch pays on n ranks, per algorithm.
+LATENCY_ALGORITHMS = ("ring", "tree")
+
+
 @dataclass(frozen=True)
 class NetworkProfile:
-    """A ring's per-step latency and its bus bandwidth (nccl-tests' ``busbw``)."""
+    """Per-step latency, bus bandwidth (nccl-tests' ``busbw``) and the algorithm whose step
+    count multiplies the latency: ``"ring"`` pays ``n - 1`` steps, ``"tree"`` ``ceil(log2 n)``."""
 
     name: str
     latency_s: float
     bus_bandwidth: float  # bytes/s
+    algorithm: str = "ring"
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in LATENCY_ALGORITHMS:
+            raise ValueError(f"NetworkProfile.algorithm must be one of {LATENCY_ALGORITHMS}, got {self.algorithm!r}")
+        if not self.latency_s >= 0 or not self.bus_bandwidth > 0:
+            raise ValueError(
+                f"NetworkProfile {self.name!r} needs latency_s >= 0 and bus_bandwidth > 0, "
+                f"got {self.latency_s!r} and {self.bus_bandwidth!r}"
+            )
+
+    def latency_steps(self, ranks: int) -> int:
+        """Latencies one launch pays on ``ranks`` ranks."""
+        if ranks <= 1:
+            return 0
+        return ranks - 1 if self.algorithm == "ring" else math.ceil(math.log2(ranks))
 
 
 # Datasheet peaks (dense, no sparsity): NVIDIA H100 SXM5 (989 TFLOP/s BF16, 67 FP32, 3.35 TB/s
@@ -87,9 +112,15 @@ DEVICE_PROFILES: dict[str, DeviceProfile] = {
 # 360 GB/s bus bandwidth for all-gather at large sizes, and a few microseconds per ring step.
 # InfiniBand NDR (one 400 Gb/s = 50 GB/s NIC per GPU): about 45 GB/s bus bandwidth across nodes,
 # with ~10 us per step (network hops plus proxy thread). Loopback gloo on a CPU: about 1 GB/s.
+# Algorithms: NCCL runs all-gather and reduce-scatter as rings (its tree algorithm is for
+# all-reduce), so the ring's n - 1 steps is what "nvlink" and "infiniband" pay: at 1024 ranks that
+# makes every launch cost ~10 ms of latency, which is why buckets must grow with the world size.
+# NCCL >= 2.23's PAT algorithm runs them in log2(n) steps, but only with one GPU per node:
+# "infiniband-pat" models that. gloo's algorithms are rings too.
 NETWORK_PROFILES: dict[str, NetworkProfile] = {
     "nvlink": NetworkProfile("nvlink", 3e-6, 360e9),
     "infiniband": NetworkProfile("infiniband", 10e-6, 45e9),
+    "infiniband-pat": NetworkProfile("infiniband-pat", 10e-6, 45e9, algorithm="tree"),
     "gloo-loopback": NetworkProfile("gloo-loopback", 50e-6, 1e9),
 }
 
@@ -113,21 +144,23 @@ def device_profile(name: str | DeviceProfile) -> DeviceProfile:
 
 
 def network_profile(name: str | NetworkProfile) -> NetworkProfile:
-    """A named profile, or ``"custom:<latency_us>:<bus GB/s>"`` (e.g. ``custom:5:100``)."""
+    """A named profile, or ``"custom:<latency_us>:<bus GB/s>[:ring|tree]"`` (e.g. ``custom:5:100``,
+    a ring unless the algorithm is named)."""
     if isinstance(name, NetworkProfile):
         return name
     if name in NETWORK_PROFILES:
         return NETWORK_PROFILES[name]
     if name.startswith("custom:"):
+        fields = name.split(":")[1:]
         try:
-            _, latency_us, gbps = name.split(":")
-            latency, bandwidth = float(latency_us) * 1e-6, float(gbps) * 1e9
-        except ValueError:
+            latency, bandwidth = float(fields[0]) * 1e-6, float(fields[1]) * 1e9
+            algorithm = fields[2] if len(fields) == 3 else "ring"
+        except (ValueError, IndexError):
             latency = bandwidth = -1.0
-        if latency >= 0 and bandwidth > 0:
-            return NetworkProfile(name, latency, bandwidth)
+        if len(fields) in (2, 3) and latency >= 0 and bandwidth > 0 and algorithm in LATENCY_ALGORITHMS:
+            return NetworkProfile(name, latency, bandwidth, algorithm)
     raise ValueError(
-        f"unknown network {name!r}; accepted: {sorted(NETWORK_PROFILES)} or 'custom:<latency_us>:<bus_GBps>' "
+        f"unknown network {name!r}; accepted: {sorted(NETWORK_PROFILES)} or 'custom:<latency_us>:<bus_GBps>[:ring|tree]' "
         "with latency >= 0 and bandwidth > 0"
     )
 
@@ -350,25 +383,26 @@ class CostModel:
         bytes_s = op_bytes(bsym) / (d.memory_bandwidth * d.bandwidth_efficiency)
         return (max(flops_s, bytes_s) + d.launch_overhead_s) * 1e3
 
-    def collective_ms(self, collective: Collective, world_size: int | None = None, *, pay_latency: bool = True) -> float:
-        """Ring time of ``collective`` over its process group (or ``world_size`` ranks).
-
-        ``pay_latency=False`` leaves out the per-step latency: a collective that goes out
-        together with one of the same kind, group and dtype is coalesced with it (NCCL groups
-        them, and a bucketing pass would have fused them), so only the first pays it.
-        """
+    def collective_ms(self, collective: Collective, world_size: int | None = None) -> float:
+        """Time of ``collective``, one launch, over its process group (or ``world_size`` ranks):
+        its latency plus its transfer."""
         if self.collective_estimate is not None:
             estimate = self.collective_estimate(collective)
             if estimate is not None:
                 return float(estimate)
         n = world_size if world_size is not None else _group_size(collective)
-        if n <= 1:
+        phases = 2 if collective.kind is CollectiveKind.OTHER else 1  # all-reduce: reduce-scatter + all-gather
+        return phases * (self.latency_ms(n) + self.transfer_ms(collective.unsharded_bytes, n))
+
+    def latency_ms(self, ranks: int) -> float:
+        """What one all-gather or reduce-scatter launch on ``ranks`` ranks pays however small."""
+        return self.network.latency_steps(ranks) * self.network.latency_s * 1e3
+
+    def transfer_ms(self, unsharded_bytes: int, ranks: int) -> float:
+        """Bandwidth time of an all-gather or reduce-scatter of ``unsharded_bytes`` on ``ranks`` ranks."""
+        if ranks <= 1:
             return 0.0
-        net = self.network
-        steps = 2 if collective.kind is CollectiveKind.OTHER else 1  # all-reduce: reduce-scatter + all-gather
-        latency = net.latency_s * (n - 1) if pay_latency else 0.0
-        seconds = steps * (latency + (n - 1) / n * collective.unsharded_bytes / net.bus_bandwidth)
-        return seconds * 1e3
+        return (ranks - 1) / ranks * unsharded_bytes / self.network.bus_bandwidth * 1e3
 
 
 def _group_size(collective: Collective) -> int:

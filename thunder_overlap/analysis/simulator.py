@@ -4,8 +4,9 @@ The compute stream runs the trace's ops in the given order, each for its cost-mo
 process group has one communication stream that runs its collectives in issue order: a collective
 starts when it is issued (the compute stream reaches it) and its stream is free, and a wait blocks
 the compute stream until the collective is done. What the compute stream spends blocked at a wait
-is that collective's *exposed* time. Collectives of one kind, group and dtype issued back to
-back while the previous one is still in flight are coalesced: they pay the latency once. With
+is that collective's *exposed* time. Every collective of the trace is one launch and pays its
+latency, however close to another it is issued: back-to-back NCCL launches serialise on the
+communicator's stream. Only a coalesced launch (one node for several tensors) shares one. With
 ``CostModel.overlap_compute_slowdown`` > 0, compute runs that much slower while any collective
 is in flight. Whether a collective is *hidden* is decided by
 :class:`thunder_overlap.analysis.overlap.Coverage` from this simulation (see there).
@@ -187,7 +188,6 @@ def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel)
     streams: dict[int, int] = {}
     stream_free: list[float] = []
     stream_busy: list[float] = []
-    last_issue: list[tuple | None] = []  # per stream: (bucket key, compute time) of the last issue
     issued: dict[int, tuple[int, float, float, float]] = {}  # collective -> (stream, issue, start, end)
     waited: dict[int, tuple[float, float]] = {}  # collective -> (reached wait, exposed)
     ops: list[OpTiming] = []
@@ -204,12 +204,7 @@ def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel)
             if stream == len(stream_free):
                 stream_free.append(0.0)
                 stream_busy.append(0.0)
-                last_issue.append(None)
-            # Issued with nothing in between after a like one still in flight: coalesced.
-            key = coll.bucket_key
-            coalesced = last_issue[stream] == (key, now) and stream_free[stream] > now
-            last_issue[stream] = (key, now)
-            duration = cost_model.collective_ms(coll, pay_latency=not coalesced)
+            duration = cost_model.collective_ms(coll)
             start = max(now, stream_free[stream])
             stream_free[stream] = start + duration
             stream_busy[stream] += duration

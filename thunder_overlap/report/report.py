@@ -40,10 +40,9 @@ hidden: collectives whose whole run the compute stream spends computing, not wai
 exposed ms: time the compute stream stands still waiting for communication.
 predicted ms: the pass simulated on one compute stream and one communication stream per group.
 bound ms: max(compute, busiest communication stream): no order of these ops can be faster.
-A collective's duration is its ring time (latency x (ranks - 1) + bytes / bandwidth), except that
-  one issued right after a like one (same kind, group and dtype) that is still in flight rides on
-  its latency; so the same size takes less time in an order that issues collectives back to back
-  (Thunder's forward issues them all at once), and communication and bound ms differ between orders."""
+A collective's duration is its latency (latency x (ranks - 1) on a ring, x log2(ranks) on a tree)
+  plus bytes / bandwidth. Each launch pays the latency; a coalesced launch of several tensors is one
+  launch, so orders that coalesce differently differ in communication and bound ms."""
 
 
 def speed_change(before_ms: float, after_ms: float) -> str:

@@ -205,9 +205,8 @@ def _predicted(results: DemoResults, bucketing: str) -> list[str]:
         lines.append(f"  {p.world_size:>3} GPUs, {p.network:<10}{times}  {verdict}")
     if with_buckets and any(p.overlap_ms > p.buckets_only_ms * SCHEDULE_LOSS_TOLERANCE for p in results.predictions):
         lines += _paragraph(
-            "Where thunder_overlap trails the buckets alone, collective latency dominates this small model: Thunder's "
-            "order issues the all-gathers back to back, which the cost model counts as one coalesced latency, while "
-            "thunder_overlap spreads them out and pays it per bucket."
+            "Where thunder_overlap trails the buckets alone, collective latency dominates this small model: "
+            "every launch pays it, and the order that issues the buckets later leaves more of it exposed."
         )
     peaks = ", ".join(
         f"{p.world_size} GPUs {_mib(p.thunder_peak_bytes)} -> {_mib(p.overlap_peak_bytes)}" for p in results.predictions
