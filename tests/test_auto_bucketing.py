@@ -59,9 +59,11 @@ def test_latency_dominated_gives_buckets_of_several_blocks_and_bandwidth_dominat
     assert all(b.unsharded_bytes <= 3 * block for b in latency_bound.buckets)
     assert {b.ended for b in latency_bound.buckets} <= {BucketEnd.BLOCK_BOUNDARY, BucketEnd.CAP, BucketEnd.END}
     assert latency_bound.target_bytes > 3 * block
-    # Bandwidth-dominated: a block is already large enough; blocks stay whole and apart.
-    assert _blocks_per_bucket(bandwidth_bound).count(1) == MODEL.n_layer
+    # Bandwidth-dominated: less than a block saturates the link, so no bucket spans two blocks and
+    # every block is in buckets of its own (split where a piece already saturates).
     assert max(_blocks_per_bucket(bandwidth_bound)) == 1
+    assert len(bandwidth_bound.buckets) > MODEL.n_layer
+    assert BucketEnd.SATURATED in {b.ended for b in bandwidth_bound.buckets}
     assert all(b.latency_share <= SHARE for b in bandwidth_bound.buckets)
     assert len(latency_bound.buckets) < len(bandwidth_bound.buckets)
 
@@ -254,6 +256,9 @@ def test_block_types_through_fsdp(fake_group_8):
     labels = [p.label for p in BucketingTransform.of(jm).plans]
     assert labels == ["0", *[f"1.layers.{i}" for i in range(4)], "2.proj"]
     auto = thunder_overlap.fsdp(_sequential_model(), device="cpu", bucketing_strategy="auto", block_types="MyBlock", config=config)
-    assert [b.owners for b in BucketingTransform.of(auto).summaries["plan"].buckets][1:5] == [(f"1.layers.{i}",) for i in range(4)]
+    # No latency: every piece saturates the link, so auto buckets are the named blocks or pieces of one.
+    owners = [b.owners for b in BucketingTransform.of(auto).summaries["plan"].buckets]
+    assert {o for bucket in owners for o in bucket} >= {f"1.layers.{i}" for i in range(4)}
+    assert all(sum(o.startswith("1.layers.") for o in bucket) <= 1 for bucket in owners)
     schedule = thunder_overlap.OverlapScheduleTransform.of(jm)
     assert schedule.largest_block_bytes == unsharded_bytes(_sequential_model()[1].layers[0])

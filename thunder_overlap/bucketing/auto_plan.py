@@ -6,11 +6,13 @@ prefetching it may take. For each dtype (and ``requires_grad``), parameters are 
 in first-use order (registration order, which the forward of a transformer follows), into
 contiguous buckets:
 
-- a bucket ends once it saturates bandwidth, i.e. once its latency share of one all-gather is at
-  most ``OverlapConfig.auto_bucket_latency_share`` (``bytes >= latency x bandwidth x (1 - share)
-  / share``, for the actual world size and network), at the next block boundary (or module
-  boundary outside blocks): blocks smaller than that merge, larger ones stay whole, since
-  splitting a block adds launches (each paying latency) while prefetching moves whole blocks;
+- a bucket ends as soon as it saturates bandwidth, i.e. once its latency share of one all-gather
+  is at most ``OverlapConfig.auto_bucket_latency_share`` (``bytes >= latency x bandwidth x (1 -
+  share) / share``, for the actual world size and network), even inside a block: a larger bucket
+  saves little latency but arrives later, so the first compute that needs it waits longer, and
+  its copy-out grows. Blocks smaller than that merge; on a fast network a block splits into a
+  few saturating pieces (where the rest of the block saturates too, so that no bucket holds the
+  tail of one block with the head of the next);
 - no bucket exceeds the cap: the smallest of ``bucket_cap_mb``, the scheduler's all-gather byte
   limit (a bucket larger than what may be in flight cannot be prefetched beside another) and the
   memory budget's fixed slack (prefetching a bucket holds it beside the one in use, beyond the
@@ -168,7 +170,9 @@ def _end_before(previous: _Parameter, parameter: _Parameter, size: int, rest: in
         return BucketEnd.CAP
     if cap is not None and new_owner and size + rest > cap and rest <= cap:
         return BucketEnd.BLOCK_BOUNDARY
-    if size >= target and new_owner:
+    # Inside a block, cut only where the rest of the block saturates on its own: a bucket then
+    # never holds the tail of one block with the head of the next.
+    if size >= target and (new_owner or rest >= target):
         return BucketEnd.SATURATED
     return None
 

@@ -165,8 +165,7 @@ def make_plan(owner_label: str, members: list[tuple[str, torch.Tensor]], dtype: 
 class BucketEnd(str, Enum):
     """Why a bucket ends where it does."""
 
-    # auto: it reached the size that saturates bandwidth and the next parameter starts another
-    # block (or module, outside blocks).
+    # auto: it reached the size that saturates bandwidth.
     SATURATED = "saturated"
     # The next parameter would take it over the cap (bucket_cap_mb, the prefetch limit or the
     # memory slack, whichever is smallest).
