@@ -385,8 +385,12 @@ class CostModel:
     def local_copy_ms(self, bsym: BoundSymbol) -> float:
         """Time of the local copies a bucketed collective's start or wait makes, on the compute
         stream: their bytes (read + written) at the device's memory bandwidth x efficiency."""
+        return self.copy_ms(local_copy_bytes(bsym))
+
+    def copy_ms(self, moved_bytes: int) -> float:
+        """A memory-bound copy that reads and writes ``moved_bytes`` in all."""
         d = self.device
-        return local_copy_bytes(bsym) / (d.memory_bandwidth * d.bandwidth_efficiency) * 1e3
+        return moved_bytes / (d.memory_bandwidth * d.bandwidth_efficiency) * 1e3
 
     def roofline_ms(self, bsym: BoundSymbol) -> float:
         d = self.device

@@ -19,7 +19,12 @@ contiguous buckets:
   just-in-time peak); only the cap splits a block, and a block that fits under the cap alone is
   not split across buckets to fill one;
 - small parameters (norms, biases, embeddings) merge with their neighbours, and a small remainder
-  at the end merges into the bucket before it.
+  at the end merges into the bucket before it;
+- merging costs copies: a bucket of several tensors is copied out of the gathered buffer and its
+  gradients laid out into one (about ``COPY_BYTES_PER_BYTE`` bytes moved per byte, at memory
+  bandwidth), which a one-tensor bucket skips. A parameter joins an unsaturated bucket only where
+  the launch latency it saves exceeds the copy time it adds, so on a fast network a parameter
+  that saturates the link on its own goes alone, as it would without buckets.
 
 Inductor's pre-bucketing of FSDP collectives sizes buckets from the group's latency and bandwidth
 and clips them to fixed bounds; here the size also respects the memory budget, and the latency and
@@ -110,11 +115,13 @@ def plan_auto_buckets(
         streams.setdefault((shard.dtype, shard.requires_grad), []).append(parameter)
     target = saturating_bytes(cost_model, world_size, latency_share)
     cap, cap_source = caps.binding()
+    # Bytes whose merging copy costs as much as one launch's latency.
+    copy_break_even = _copy_break_even_bytes(cost_model, world_size)
 
     planned: list[tuple[int, BucketPlan, BucketEnd]] = []
     position = {name: i for i, (name, _) in enumerate(shards)}
     for (dtype, requires_grad), stream in streams.items():
-        buckets = _pack(stream, target, cap)
+        buckets = _pack(stream, target, cap, copy_break_even)
         for members, ended, label in _labelled(buckets):
             plan = make_plan(label, [(p.name, p.shard) for p in members], dtype, requires_grad)
             planned.append((position[members[0].name], plan, ended))
@@ -133,7 +140,20 @@ def plan_auto_buckets(
     return [plan for plan, _ in ordered], summary
 
 
-def _pack(stream: list[_Parameter], target: int, cap: int | None) -> list[tuple[list[_Parameter], BucketEnd]]:
+# Bytes moved per byte of a bucket holding several tensors, per collective: the all-gather's
+# copy-out reads and writes it (2), as the reduce-scatter's lay-out does (2, per
+# analysis/local_copies.py): about 2 per collective.
+COPY_BYTES_PER_BYTE = 2
+
+
+def _copy_break_even_bytes(cost_model: CostModel, world_size: int) -> float:
+    """Bytes a merge may add to a bucket's copies before they cost more than the launch saved."""
+    latency_ms = cost_model.latency_ms(world_size)
+    ms_per_byte = cost_model.copy_ms(1 << 30) / (1 << 30)
+    return latency_ms / (COPY_BYTES_PER_BYTE * ms_per_byte) if ms_per_byte > 0 else float("inf")
+
+
+def _pack(stream: list[_Parameter], target: int, cap: int | None, copy_break_even: float) -> list[tuple[list[_Parameter], BucketEnd]]:
     """Greedy contiguous packing of one dtype's parameters (see the module's docstring)."""
     # Bytes from each parameter to the end of its owner's run: what the rest of its block weighs.
     rest_of_owner = [0] * len(stream)
@@ -147,6 +167,10 @@ def _pack(stream: list[_Parameter], target: int, cap: int | None) -> list[tuple[
     for i, parameter in enumerate(stream):
         if current:
             ended = _end_before(stream[i - 1], parameter, size, rest_of_owner[i], target, cap)
+            # One tensor needs no copy-out; a second makes the whole bucket copy.
+            copied_by_merge = parameter.unsharded_bytes + (size if len(current) == 1 else 0)
+            if ended is None and copied_by_merge > copy_break_even:
+                ended = BucketEnd.COPY
             if ended is not None:
                 buckets.append((current, ended))
                 current, size = [], 0
@@ -158,7 +182,8 @@ def _pack(stream: list[_Parameter], target: int, cap: int | None) -> list[tuple[
         # A remainder too small to saturate (a final norm, a head's bias) joins the bucket before.
         (before, _), (last, _) = buckets[-2], buckets[-1]
         merged = _bytes(before) + _bytes(last)
-        if _bytes(last) < target and (cap is None or merged <= cap):
+        copied_by_merge = _bytes(last) + (_bytes(before) if len(before) == 1 else 0)
+        if _bytes(last) < target and (cap is None or merged <= cap) and copied_by_merge <= copy_break_even:
             buckets[-2:] = [(before + last, BucketEnd.END)]
     return buckets
 

@@ -173,6 +173,9 @@ class BucketEnd(str, Enum):
     # auto: the next block fits under the cap on its own but not beside this bucket; cutting here
     # keeps it whole.
     BLOCK_BOUNDARY = "block boundary"
+    # auto: adding the next parameter would cost more copy time (its bucket's copy-out and
+    # lay-out) than the launch latency it saves.
+    COPY = "copy"
     # auto: the last parameters of its dtype (a small remainder merges into the bucket before it).
     END = "end"
     # layer/block: its module or block ends.
