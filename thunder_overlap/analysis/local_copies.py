@@ -18,7 +18,9 @@ What each bucket operator copies (``U`` is the bucket's unsharded bytes, ``G`` i
 - ``bucket_all_gather_wait``: ``2 U``, the ``split_with_sizes_copy`` from the rank-major gather
   output to the parameter-major layout; nothing when the bucket holds one tensor (views suffice).
 - ``bucket_reduce_scatter``: ``G + U`` for the ``_chunk_cat`` that lays the gradients out (and
-  pads them), plus ``2 U`` for the in-place pre-average when it divides. Gradients summed under
+  pads them), plus ``2 U`` for the in-place pre-average when it divides; a bucket of one
+  gradient that needs no padding skips the lay-out: ``G + U`` for an out-of-place pre-average,
+  nothing without one. Gradients summed under
   no_sync add ``2 U`` once, on the step after; not counted.
 - ``bucket_reduce_scatter_wait``: nothing; the reduce-scatter wrote the gradient shard in place.
 - ``bucket_accumulate_grads`` (no_sync): the ``_chunk_cat`` (``G + U``) and the sum into the kept
@@ -76,9 +78,13 @@ def _laid_out_bytes(bsym: BoundSymbol, gradient_bytes: int) -> int:
 
 def reduce_scatter_copy_in(bsym: BoundSymbol) -> int:
     """``_chunk_cat`` of the gradients into the laid-out input, and the pre-average in place."""
-    gradients = sum(_bytes(t) for t in _tensors(bsym.flat_args))
+    grads = _tensors(bsym.flat_args)
+    gradients = sum(_bytes(t) for t in grads)
     laid_out = _laid_out_bytes(bsym, gradients)
     divides = bsym.args[-1] is not None
+    if len(grads) == 1 and laid_out == gradients:
+        # One unpadded gradient is sent as it is, or pre-averaged out of place in one pass.
+        return gradients + laid_out if divides else 0
     return gradients + laid_out + (2 * laid_out if divides else 0)
 
 
