@@ -53,6 +53,15 @@ def test_cli_on_a_two_layer_llama_at_world_size_8(tmp_path, capsys, monkeypatch)
     assert json.loads((tmp_path / "report.trace.json").read_text())["traceEvents"]
 
 
+def test_cli_with_auto_buckets_prints_the_plan(tmp_path, capsys):
+    argv = ["--model", "tiny-gpt", "--n-layer", "2", "--world-size", "64", "--bucketing", "auto", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # 64 ranks: InfiniBand, 63 ring steps of 10 us per launch; every bucket's share is printed.
+    assert re.search(r"^auto buckets on 64 ranks over infiniband \(630 us per launch\), saturating at", out, re.M)
+    assert re.search(r"^  blocks\.1.* MiB  latency +\d+\.\d%  (end|block boundary|cap|saturated)$", out, re.M), out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -60,7 +69,7 @@ def test_cli_on_a_two_layer_llama_at_world_size_8(tmp_path, capsys, monkeypatch)
         (["--world-size", "0"], "--world-size 0 is impossible"),
         (["--n-layer", "0"], "--n-layer 0 is impossible"),
         (["--sharding", "zero4"], "--sharding must be zero2 or zero3 (got 'zero4')"),
-        (["--bucketing", "blocks"], "--bucketing must be none, layer or block (got 'blocks')"),
+        (["--bucketing", "blocks"], "--bucketing must be none, layer, block or auto (got 'blocks')"),
         (["--network", "carrier-pigeon"], "unknown network 'carrier-pigeon'"),
         (["--device-profile", "tpu"], "unknown device profile 'tpu'"),
         (["--model", "tiny-gpt", "--seq-len", "1000"], "--seq-len 1000"),

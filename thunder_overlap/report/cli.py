@@ -153,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     _progress(f"analysed in {time.perf_counter() - baseline_traced:.2f} s")
 
     print(result)
+    if args.bucketing is BucketingStrategy.AUTO:
+        from thunder_overlap.transforms import BucketingTransform
+
+        # Which buckets the cost model chose for this world size and network, and why.
+        print(BucketingTransform.of(jm).summaries["plan"])
     if args.steps:
         print(result["forward"].step_table(max_rows=args.steps))
     out = Path(args.out)

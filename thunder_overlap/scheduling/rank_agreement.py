@@ -14,6 +14,9 @@ shapes, and a rank retraces alone when its batch changes shape. So the order is 
    which collective comes before which may not. No rank communicates to do so, so a rank that
    retraces alone cannot pair a check with its peers' collectives.
 
+The same exchange carries each rank's bucket plan digest: ranks that formed other buckets (another
+``bucket_cap_mb`` on one rank, say) raise on every rank, naming the ranks, before any collective.
+
 Collectives are identified across traces by :class:`CollectiveKey`: kind, dtype, the shape of
 what they move (parameter shapes, never activation shapes) and how many equal ones precede them
 in Thunder's own order, which follows the parameters.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -84,8 +88,10 @@ class IssueOrderAgreement:
     and estimates.
     """
 
-    def __init__(self, *, exchange: bool = True) -> None:
+    def __init__(self, *, exchange: bool = True, plan_digest: Callable[[], str | None] | None = None) -> None:
         self.exchange = exchange
+        # This rank's bucket plan digest (None without buckets), read at the exchange.
+        self.plan_digest = plan_digest if plan_digest is not None else (lambda: None)
         # (pass name, sorted keys) -> the keys in the agreed issue order.
         self._agreed: dict[tuple[str, tuple[CollectiveKey, ...]], list[CollectiveKey]] = {}
         # Pass name -> whether this rank gave up its own first order for the first rank's.
@@ -111,7 +117,7 @@ class IssueOrderAgreement:
         mine = [keys[c] for c in issue_order]
         agreed = mine
         if self.exchange and _exchange_is_possible(group):
-            agreed = self._exchange(mine, group)
+            agreed = self._exchange(mine, group, self.plan_digest())
         self._agreed[self._entry(pass_name, keys)] = agreed
         self.adopted[pass_name] = agreed != mine
         logger.debug("%s: %d collectives, issue order %s", pass_name, len(agreed), "adopted from rank 0" if agreed != mine else "own")
@@ -119,9 +125,11 @@ class IssueOrderAgreement:
         return [index_of[key] for key in agreed]
 
     @staticmethod
-    def _exchange(mine: list[CollectiveKey], group: dist.ProcessGroup) -> list[CollectiveKey]:
-        orders: list[list[CollectiveKey] | None] = [None] * group.size()
-        dist.all_gather_object(orders, mine, group=group)
+    def _exchange(mine: list[CollectiveKey], group: dist.ProcessGroup, plan_digest: str | None) -> list[CollectiveKey]:
+        gathered: list[tuple[str | None, list[CollectiveKey]] | None] = [None] * group.size()
+        dist.all_gather_object(gathered, (plan_digest, mine), group=group)
+        _check_same_bucket_plan([digest for digest, _ in gathered])
+        orders = [order for _, order in gathered]
         reference = orders[0]
         differing = [rank for rank, order in enumerate(orders) if sorted(order, key=str) != sorted(reference, key=str)]
         if differing:
@@ -133,3 +141,15 @@ class IssueOrderAgreement:
                 "Give every rank the same model, sharding and bucketing."
             )
         return reference
+
+
+def _check_same_bucket_plan(digests: list[str | None]) -> None:
+    """Raises (on every rank: each sees every digest) when ranks planned other buckets than rank 0."""
+    differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+    if differing:
+        shown = ", ".join(f"rank {rank}: {digests[rank]}" for rank in [0, *differing])
+        raise RuntimeError(
+            f"thunder_overlap: ranks {differing} of the process group planned other buckets than rank 0 (plan digests {shown}), "
+            "so their collectives would not pair up. Give every rank the same model, bucketing_strategy, bucket_cap_mb, "
+            "block_types and OverlapConfig; BucketingTransform.of(model).summaries['plan'] lists each rank's buckets."
+        )
