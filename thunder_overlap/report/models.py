@@ -49,8 +49,21 @@ def _llama_2_7b(n_layer: int | None) -> ModelRecipe:
     return ModelRecipe(lambda: Llama(config), config.block_size, config.vocab_size, config.n_layer)
 
 
+def _llama_2_70b(n_layer: int | None) -> ModelRecipe:
+    from thunder_overlap.tools.tiny_models import Llama, LlamaConfig
+
+    # Llama-2-70B: 8192 wide, 64 query heads sharing 8 key/value heads, 80 layers.
+    config = LlamaConfig(n_embd=8192, n_head=64, n_query_groups=8, n_layer=80, intermediate_size=28672)
+    config = replace(config, n_layer=n_layer or config.n_layer)
+    return ModelRecipe(lambda: Llama(config), config.block_size, config.vocab_size, config.n_layer)
+
+
 # name -> recipe for a number of layers (None: the config's own).
-BUILTIN_MODELS: dict[str, Callable[[int | None], ModelRecipe]] = {"tiny-gpt": _tiny_gpt, "llama-2-7b": _llama_2_7b}
+BUILTIN_MODELS: dict[str, Callable[[int | None], ModelRecipe]] = {
+    "tiny-gpt": _tiny_gpt,
+    "llama-2-7b": _llama_2_7b,
+    "llama-2-70b": _llama_2_70b,
+}
 
 
 def litgpt_recipe(name: str, *, n_layer: int | None = None, block_size: int | None = None, builtins=BUILTIN_MODELS) -> ModelRecipe:
