@@ -155,6 +155,15 @@ def target_checks(rows: list[ScalingRow]) -> list[str]:
     return lines
 
 
+def _write(rows: list[ScalingRow], markdown_path: str | None, json_path: str | None) -> None:
+    if markdown_path:
+        Path(markdown_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(markdown_path).write_text("\n".join([HEADER, *(r.markdown() for r in rows), "", *target_checks(rows)]) + "\n")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n-layer", type=int, default=8, help="layers of Llama-2-7B")
@@ -169,19 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     rows: list[ScalingRow] = []
-    for world_size in args.world_sizes:
-        for sharding in args.sharding:
-            rows += measure_setting("llama-2-7b", args.n_layer, args.seq_len, world_size, sharding, args.device_profile, args.bucketing)
+    settings = [("llama-2-7b", args.n_layer, world_size, sharding) for world_size in args.world_sizes for sharding in args.sharding]
     if args.n_layer_70b:
-        rows += measure_setting("llama-2-70b", args.n_layer_70b, args.seq_len, 1024, "zero3", args.device_profile, args.bucketing)
-    text = "\n".join([HEADER, *(r.markdown() for r in rows), "", *target_checks(rows)])
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        settings.append(("llama-2-70b", args.n_layer_70b, 1024, "zero3"))
+    for model_name, n_layer, world_size, sharding in settings:
+        rows += measure_setting(model_name, n_layer, args.seq_len, world_size, sharding, args.device_profile, args.bucketing)
+        # Written after every setting: a long run that stops keeps what it measured.
+        _write(rows, args.out, args.json)
+    print("\n".join([HEADER, *(r.markdown() for r in rows), "", *target_checks(rows)]))
     return 0
 
 
