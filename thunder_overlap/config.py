@@ -88,6 +88,12 @@ class OverlapConfig:
     # retrace. False skips the exchange: each rank keeps its own first order, safe only when every
     # rank's first step has the same shapes and estimates. Skipped on the fake group and one rank.
     check_ranks_agree: bool = True
+    # Collectives of one kind, process group and dtype that the schedule issues back to back go
+    # out as one coalesced launch (one latency instead of one each) where the cost model says it
+    # pays: the saved latencies outweigh waiting for the whole launch at its first member's wait
+    # (scheduling/launches.py). Ranks agree on the launches with the issue order. The "stock"
+    # and "just_in_time" policies never coalesce: they are baselines of Thunder's own launches.
+    coalesce: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -106,8 +112,15 @@ class OverlapConfig:
         _check_number("memory_slack_ratio", self.memory_slack_ratio, (int, float), allow_zero=True, optional=False)
         if not isinstance(self.check_ranks_agree, bool):
             raise TypeError(f"OverlapConfig.check_ranks_agree must be a bool, got {self.check_ranks_agree!r}")
+        if not isinstance(self.coalesce, bool):
+            raise TypeError(f"OverlapConfig.coalesce must be a bool, got {self.coalesce!r}")
         if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
             raise TypeError(f"OverlapConfig.cost_model must be a thunder_overlap.CostModel or None, got {self.cost_model!r}")
+
+    @property
+    def coalesces(self) -> bool:
+        """Whether schedules under this configuration may coalesce launches."""
+        return self.coalesce and self.policy not in ("stock", "just_in_time")
 
     def limits(self, largest_block_bytes: int | None) -> ScheduleLimits:
         """Resolves the limits the policy applies, given the model's largest block size (None

@@ -14,6 +14,10 @@ shapes, and a rank retraces alone when its batch changes shape. So the order is 
    which collective comes before which may not. No rank communicates to do so, so a rank that
    retraces alone cannot pair a check with its peers' collectives.
 
+Ranks agree on the coalesced launches (:mod:`~thunder_overlap.scheduling.launches`) in the same
+exchange: which collectives go out together is part of what must pair up. A retrace reproduces
+the agreed launches.
+
 Collectives are identified across traces by :class:`CollectiveKey`: kind, dtype, the shape of
 what they move (parameter shapes, never activation shapes) and how many equal ones precede them
 in Thunder's own order, which follows the parameters.
@@ -88,6 +92,8 @@ class IssueOrderAgreement:
         self.exchange = exchange
         # (pass name, sorted keys) -> the keys in the agreed issue order.
         self._agreed: dict[tuple[str, tuple[CollectiveKey, ...]], list[CollectiveKey]] = {}
+        # (pass name, sorted keys) -> the agreed coalesced launches, each a list of keys in issue order.
+        self._launches: dict[tuple[str, tuple[CollectiveKey, ...]], list[list[CollectiveKey]]] = {}
         # Pass name -> whether this rank gave up its own first order for the first rank's.
         self.adopted: dict[str, bool] = {}
 
@@ -104,24 +110,46 @@ class IssueOrderAgreement:
         index_of = {key: i for i, key in enumerate(keys)}
         return [index_of[key] for key in agreed]
 
-    def agree(self, pass_name: str, keys: list[CollectiveKey], issue_order: list[int], group: dist.ProcessGroup | None) -> list[int]:
-        """Agrees on this pass's issue order at its first compile, where every rank is present;
-        returns the agreed order as indices into ``keys`` (this rank's own when it is the first
-        rank's, or when there is nobody to agree with)."""
+    def agreed_launches(self, pass_name: str, keys: list[CollectiveKey]) -> list[list[int]] | None:
+        """The coalesced launches agreed for this pass (each a list of indices into ``keys``, in
+        issue order), or None when this pass has not compiled before."""
+        agreed = self._launches.get(self._entry(pass_name, keys))
+        if agreed is None:
+            return None
+        index_of = {key: i for i, key in enumerate(keys)}
+        return [[index_of[key] for key in launch] for launch in agreed]
+
+    def agree(
+        self,
+        pass_name: str,
+        keys: list[CollectiveKey],
+        issue_order: list[int],
+        group: dist.ProcessGroup | None,
+        launches: list[list[int]] = (),
+    ) -> list[int]:
+        """Agrees on this pass's issue order and coalesced ``launches`` at its first compile, where
+        every rank is present; returns the agreed order as indices into ``keys`` (this rank's own
+        when it is the first rank's, or when there is nobody to agree with). The agreed launches
+        are :meth:`agreed_launches`."""
         mine = [keys[c] for c in issue_order]
-        agreed = mine
+        my_launches = [[keys[c] for c in launch] for launch in launches]
+        agreed, agreed_launches = mine, my_launches
         if self.exchange and _exchange_is_possible(group):
-            agreed = self._exchange(mine, group)
+            agreed, agreed_launches = self._exchange(mine, my_launches, group)
         self._agreed[self._entry(pass_name, keys)] = agreed
+        self._launches[self._entry(pass_name, keys)] = agreed_launches
         self.adopted[pass_name] = agreed != mine
         logger.debug("%s: %d collectives, issue order %s", pass_name, len(agreed), "adopted from rank 0" if agreed != mine else "own")
         index_of = {key: i for i, key in enumerate(keys)}
         return [index_of[key] for key in agreed]
 
     @staticmethod
-    def _exchange(mine: list[CollectiveKey], group: dist.ProcessGroup) -> list[CollectiveKey]:
-        orders: list[list[CollectiveKey] | None] = [None] * group.size()
-        dist.all_gather_object(orders, mine, group=group)
+    def _exchange(
+        mine: list[CollectiveKey], my_launches: list[list[CollectiveKey]], group: dist.ProcessGroup
+    ) -> tuple[list[CollectiveKey], list[list[CollectiveKey]]]:
+        gathered: list[tuple | None] = [None] * group.size()
+        dist.all_gather_object(gathered, (mine, my_launches), group=group)
+        orders = [order for order, _ in gathered]
         reference = orders[0]
         differing = [rank for rank, order in enumerate(orders) if sorted(order, key=str) != sorted(reference, key=str)]
         if differing:
@@ -132,4 +160,4 @@ class IssueOrderAgreement:
                 f"which would hang at the first differing one: {_first_difference(orders[first], reference, first)}. "
                 "Give every rank the same model, sharding and bucketing."
             )
-        return reference
+        return reference, gathered[0][1]
