@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-from synthetic_traces import VALUE_BYTES, build_trace
 
 from thunder_overlap.analysis.classify import CollectiveKind, NodeKind, classify_trace
 from thunder_overlap.analysis.cost_model import CostModel, DeviceProfile, NetworkProfile
@@ -15,6 +14,8 @@ from thunder_overlap.scheduling.dispatch import schedule_trace
 from thunder_overlap.scheduling.launches import LaunchGroup, apply_launches, candidate_runs
 from thunder_overlap.scheduling.rank_agreement import IssueOrderAgreement, collective_keys
 from thunder_overlap.scheduling.scheduler import just_in_time_order
+
+from synthetic_traces import VALUE_BYTES, build_trace
 
 pytestmark = pytest.mark.usefixtures("fake_group_4")
 
