@@ -69,10 +69,11 @@ def test_latency_bound_networks_coalesce_and_bandwidth_bound_ones_do_not():
     assert [g.members for g in latency_bound.launches] == [(0, 1, 2), (3, 4)]
     assert latency_bound.summary.coalesced_launches == 2 and latency_bound.summary.coalesced_collectives == 5
     assert _launch_names(latency_bound.trace) == ["coalesced_all_gather", "coalesced_wait", "coalesced_reduce_scatter", "coalesced_wait"]
-    # Without latency to save, waiting for the whole launch at the first gather's use only delays it.
+    # Without latency to save, waiting for every gather at the first one's use only delays it. The
+    # reductions are both waited on at the end: one launch for them stalls no longer.
     bandwidth_bound = schedule_trace(annotated, config, largest_block_bytes=None, cost_model=_cost_model(BANDWIDTH_BOUND))
-    assert bandwidth_bound.launches == ()
-    assert "coalesced_wait" not in _launch_names(bandwidth_bound.trace)
+    assert [g.members for g in bandwidth_bound.launches] == [(3, 4)]
+    assert "coalesced_all_gather" not in _launch_names(bandwidth_bound.trace)
 
 
 def test_turned_off_and_baseline_policies_do_not_coalesce():
@@ -111,3 +112,14 @@ def test_ranks_agree_on_launches_with_the_issue_order():
         annotated, OverlapConfig(policy="greedy"), largest_block_bytes=None, cost_model=_cost_model(LATENCY_BOUND), launches=[[0, 1, 2]]
     )
     assert [g.members for g in scheduled.launches] == [(0, 1, 2)]
+
+
+def test_a_hidden_collective_is_not_merged_into_an_exposed_launch():
+    # The first gather is needed at once (exposed); the second only after four matmuls, which
+    # hide it. Coalesced, the second's transfer would join the first's stall: its saved latency
+    # was hidden anyway, so nothing is gained.
+    program = [("gather",), ("matmul", 0, 1), ("matmul", 2, 1), ("matmul", 3, 1), ("matmul", 4, 1), ("gather",), ("matmul", 5, 6)]
+    annotated = classify_trace(build_trace(program, dist.group.WORLD))
+    scheduled = schedule_trace(annotated, OverlapConfig(policy="greedy"), largest_block_bytes=None, cost_model=_cost_model(LATENCY_BOUND))
+    assert candidate_runs(annotated, scheduled.order) == [[0, 1]]
+    assert scheduled.launches == ()

@@ -90,9 +90,10 @@ class OverlapConfig:
     check_ranks_agree: bool = True
     # Collectives of one kind, process group and dtype that the schedule issues back to back go
     # out as one coalesced launch (one latency instead of one each) where the cost model says it
-    # pays: the saved latencies outweigh waiting for the whole launch at its first member's wait
-    # (scheduling/launches.py). Ranks agree on the launches with the issue order. The "stock"
-    # and "just_in_time" policies never coalesce: they are baselines of Thunder's own launches.
+    # does not make the rank wait longer: waiting for the whole launch at its first member's wait
+    # stalls compute no longer than the members' separate launches did (scheduling/launches.py).
+    # Ranks agree on the launches with the issue order. The "stock" and "just_in_time" policies
+    # never coalesce: they are baselines of Thunder's own launches.
     coalesce: bool = True
 
     def __post_init__(self) -> None:

@@ -5,10 +5,13 @@ one group (``torch.distributed._coalescing_manager``, one ``ncclGroupStart/End``
 it. After scheduling, :func:`plan_launches` finds *runs*: collectives of the same kind, process
 group and dtype (``Collective.bucket_key``) issued one after the other with nothing but their
 own prologues in between, so they are consecutive in their group's issue order. It grows a launch
-along a run while coalescing pays, judged on one simulation of the uncoalesced order: the
-coalesced launch (one latency plus every member's transfer, from the first member's start) ends
-no later than the compute stream reaches the first member's wait, or the latencies it saves
-exceed what it adds to the first member's exposure (its wait now waits for every member).
+along a run while coalescing does not make the rank wait longer, judged on one simulation of the
+uncoalesced order: the coalesced launch (one latency plus every member's transfer, from the first
+member's start) is waited on where the first member was, so the compute stream stalls there until
+it ends; launched one by one, the members stalled the stream for their exposed times. A latency
+saved where it was hidden anyway is worth nothing, so merging a hidden member into an exposed
+launch, which would expose its transfer, is refused. Ties coalesce: fewer launches free the
+process group's stream sooner for what follows.
 
 :func:`apply_launches` rewrites the trace: one coalesced issue operator where the launch issues,
 one ``coalesced_wait`` at the earliest member wait, which returns every member's outputs under
@@ -111,9 +114,9 @@ def plan_launches(annotated: AnnotatedTrace, order: list[int], cost_model: CostM
         for c in run[1:]:
             first = timings[members[0]]
             transfers = sum(_transfer_ms(cost_model, annotated.collectives[m], latency) for m in (*members, c))
-            end = first.start_ms + latency + transfers
-            added_exposure = max(0.0, end - first.wait_ms) - first.exposed_ms
-            if end <= first.wait_ms or len(members) * latency > added_exposure:
+            coalesced_stall = max(0.0, first.start_ms + latency + transfers - first.wait_ms)
+            separate_stall = sum(timings[m].exposed_ms for m in (*members, c))
+            if coalesced_stall <= separate_stall:
                 members.append(c)
                 continue
             if len(members) > 1:
