@@ -12,6 +12,7 @@ from thunder.core.trace import TraceCtx, TraceTag
 
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace
 from thunder_overlap.analysis.cost_model import CostModel, default_cost_model
+from thunder_overlap.analysis.memory_estimate import estimate_memory
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.scheduling.issue_order import IssueOrder
 from thunder_overlap.scheduling.launches import LaunchGroup, apply_launches, candidate_runs, plan_launches
@@ -74,11 +75,23 @@ def schedule_trace(
         planned = plan_launches(annotated, order, estimates.get())
     else:
         planned = []
+    scheduled = None
     if planned:
         scheduled = apply_launches(annotated, order, planned, provenance=provenance)
-        scheduler.summary.coalesced_launches = len(planned)
-        scheduler.summary.coalesced_collectives = sum(len(g.members) for g in planned)
-    else:
+        summary = scheduler.summary
+        if summary.budget_bytes is not None:
+            # A launch waits for all its members at the first one's wait, so later members'
+            # outputs live longer: the budget is checked again. Launches agreed between ranks
+            # are kept whatever this rank predicts (all ranks must launch the same).
+            peak = estimate_memory(scheduled).peak_bytes
+            if peak > summary.budget_bytes and launches is None:
+                logger.debug("coalesced launches would reach %d B, over the budget of %d B: not coalescing", peak, summary.budget_bytes)
+                scheduled, planned = None, []
+            else:
+                summary.peak_bytes = peak
+        summary.coalesced_launches = len(planned)
+        summary.coalesced_collectives = sum(len(g.members) for g in planned)
+    if scheduled is None:
         scheduled = scheduler.checked_trace or apply_order(annotated, order, provenance=provenance)
     pass_name = "backward" if TraceTag.BACKWARD in annotated.trace.tags else "forward"
     logger.info("%s %s schedule of %d collectives: %s", pass_name, config.policy, len(annotated.collectives), scheduler.summary.describe())
