@@ -3,8 +3,9 @@
 For each world size (with its network), sharding and bucketing strategy, traces the model once
 on the meta device over a fake process group and compares the policies with
 :func:`thunder_overlap.report.policies.compare_policies` (the same numbers as
-``python -m thunder_overlap report --compare-policies``). About 40 s of tracing per setting for
-8 layers.
+``python -m thunder_overlap report --compare-policies``), with Thunder's own FSDP of the same
+model as the first row of each pass (traced by ``compare_policies``). About 80 s of tracing per
+setting for 8 layers.
 
     python benchmarks/policy_table.py --n-layer 8 --bucketing none block \\
         --out benchmarks/measured/policies/policies.md --json benchmarks/measured/policies/policies.json

@@ -48,11 +48,12 @@ def gloo_group(one_rank_gloo_group):
         (
             {"bucketing_strategy": "buckets"},
             ValueError,
-            r"^bucketing_strategy must be 'none', 'layer' or 'block' \(or FSDPBucketingStrategy\.NONE/LAYER/BLOCK\), got 'buckets'$",
+            r"^bucketing_strategy must be 'none', 'layer', 'block' or 'auto' "
+            r"\(or FSDPBucketingStrategy\.NONE/LAYER/BLOCK\), got 'buckets'$",
         ),
         # A member of the other strategy enum is not silently read as its string value.
         ({"sharding_strategy": BucketingStrategy.NONE}, ValueError, r"sharding_strategy must be .*got <BucketingStrategy.NONE"),
-        ({"bucket_cap_mb": 25}, ValueError, r"bucket_cap_mb=25 needs bucketing_strategy 'layer' or 'block'"),
+        ({"bucket_cap_mb": 25}, ValueError, r"bucket_cap_mb=25 needs bucketing_strategy 'layer', 'block' or 'auto'"),
         ({"bucket_cap_mb": 0, "bucketing_strategy": "block"}, ValueError, r"bucket_cap_mb must be a positive .*got 0"),
         ({"bucket_cap_mb": "25", "bucketing_strategy": "layer"}, ValueError, r"bucket_cap_mb must be a positive .*got '25'"),
         ({"device": "cuda"}, ValueError, r"device='cuda' does not match .*'gloo'.*cpu"),
@@ -125,7 +126,7 @@ def test_fsdp_transforms_accept_bucketing_strategy_strings_and_enums(gloo_group,
     ("kwargs", "error", "message"),
     [
         ({"sharding_strategy": "zero4"}, ValueError, r"^sharding_strategy must be 'zero2' or 'zero3' .*got 'zero4'$"),
-        ({"bucketing_strategy": "flat"}, ValueError, r"^bucketing_strategy must be 'none', 'layer' or 'block' .*got 'flat'$"),
+        ({"bucketing_strategy": "flat"}, ValueError, r"^bucketing_strategy must be 'none', 'layer', 'block' or 'auto' .*got 'flat'$"),
         ({"device": "potato"}, ValueError, r"device='potato' is not a valid torch device"),
         # fsdp_transforms used to take the cap in bytes; it now takes fsdp's bucket_cap_mb.
         ({"bucket_cap_bytes": 2**20}, TypeError, r"bucket_cap_bytes=1048576 is now bucket_cap_mb=1\.0 \(MiB, as in fsdp\)"),
@@ -162,7 +163,7 @@ def test_options_must_be_resolved(gloo_group):
 def test_cli_flags_get_errors_in_cli_terms():
     with pytest.raises(ValueError, match=r"^--sharding must be zero2 or zero3 \(got 'zero4'\)$"):
         parse_sharding_strategy("zero4", flag="--sharding")
-    with pytest.raises(ValueError, match=r"^--bucketing must be none, layer or block \(got 'blocks'\)$"):
+    with pytest.raises(ValueError, match=r"^--bucketing must be none, layer, block or auto \(got 'blocks'\)$"):
         parse_bucketing_strategy("blocks", flag="--bucketing")
 
 
@@ -197,7 +198,7 @@ def test_bad_config_values(kwargs, error, message):
 def test_no_sync_without_buckets_is_refused_instead_of_dropping_gradients(gloo_group):
     model = thunder_overlap.fsdp(_model())
     with thunder.distributed.skip_data_parallel_grad_sync():
-        with pytest.raises(NotImplementedError, match=r"no_sync .*needs bucketing_strategy='layer' or 'block' \(got 'none'\)"):
+        with pytest.raises(NotImplementedError, match=r"no_sync .*needs bucketing_strategy='layer', 'block' or 'auto' \(got 'none'\)"):
             model(torch.randn(3, 4)).sum().backward()
     # Outside it the model trains as usual.
     model(torch.randn(3, 4)).sum().backward()

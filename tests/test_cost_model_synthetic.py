@@ -159,3 +159,60 @@ def test_profiles_by_name_and_clear_errors():
             network_profile(bad)
     with pytest.raises(ValueError, match="unknown device profile 'tpu'.*h100"):
         CostModel.named("tpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Local copies of the bucketed collectives (thunder_overlap.analysis.local_copies)
+
+
+def _bucket_ops(group, *, divisor: float | None = 4.0):
+    """A bucket of two bf16 weights, (7, 8) and (4, 8), on the 4 ranks of ``group``: shards of
+    2 and 1 rows (the first padded from 7 to 8 rows), 24 elements per rank, 96 unsharded (192
+    bytes). Returns the bound symbols of its collectives' starts and waits by role."""
+    from thunder.core.proxies import FutureTensorProxy
+
+    from thunder_overlap.transforms.executor import (
+        bucket_all_gather,
+        bucket_all_gather_wait,
+        bucket_reduce_scatter,
+        bucket_reduce_scatter_wait,
+    )
+
+    def proxy(*shape):
+        return TensorProxy(shape=shape, dtype=dtypes.bfloat16, device=devices.cpu)
+
+    with tracectx(TraceCtx()):
+        shards = [proxy(2, 8), proxy(1, 8)]
+        gathered = FutureTensorProxy(shape=(96,), dtype=dtypes.bfloat16, device=devices.cpu)
+        grads = [proxy(7, 8), proxy(4, 8)]
+        reduced = FutureTensorProxy(shape=(24,), dtype=dtypes.bfloat16, device=devices.cpu)
+        return {
+            "start_gather": bucket_all_gather.bind(0, group, shards, (0, 1), output=gathered),
+            "wait_gather": bucket_all_gather_wait.bind(gathered, 0, (0, 1), output=(proxy(8, 8), proxy(4, 8))),
+            "wait_whole": bucket_all_gather_wait.bind(gathered, 0, (0,), output=(proxy(12, 8),)),
+            "start_scatter": bucket_reduce_scatter.bind(0, group, grads, divisor, output=reduced),
+            "wait_scatter": bucket_reduce_scatter_wait.bind(reduced, 0, (0, 1), output=(proxy(2, 8), proxy(1, 8))),
+        }
+
+
+def test_bucket_copies_cost_their_bytes_at_memory_bandwidth(fake_group_4):
+    from thunder_overlap.analysis.local_copies import LOCAL_COPY_BYTES, local_copy_bytes
+
+    ops = _bucket_ops(fake_group_4)
+    # The flat shard is the parameters' storage (no copy-in); the reduce-scatter writes the
+    # gradient shard in place (no copy-out).
+    assert local_copy_bytes(ops["start_gather"]) == local_copy_bytes(ops["wait_scatter"]) == 0
+    # split_with_sizes_copy reads and writes the 192 gathered bytes; one tensor needs views only.
+    assert local_copy_bytes(ops["wait_gather"]) == 2 * 192
+    assert local_copy_bytes(ops["wait_whole"]) == 0
+    # _chunk_cat reads the gradients (112 + 64 bytes) and writes the padded 192; the
+    # pre-average reads and writes those 192 again.
+    assert local_copy_bytes(ops["start_scatter"]) == 176 + 192 + 2 * 192
+    assert local_copy_bytes(_bucket_ops(fake_group_4, divisor=None)["start_scatter"]) == 176 + 192
+    # 1 GB/s at full efficiency: 1 ns per byte; at 80% efficiency 1.25 ns.
+    assert CostModel(DEVICE, NETWORK).local_copy_ms(ops["start_scatter"]) == pytest.approx(752e-6)
+    slower = DeviceProfile("test", 1e12, 1e12, 1e9, bandwidth_efficiency=0.8)
+    assert CostModel(slower, NETWORK).local_copy_ms(ops["wait_gather"]) == pytest.approx(384 * 1.25e-6)
+    # Per-parameter collectives and compute ops copy nothing of the kind.
+    assert CostModel(DEVICE, NETWORK).local_copy_ms(_bsym(ltorch.add, (4, 4), (4, 4))) == 0.0
+    assert set(LOCAL_COPY_BYTES) >= {"bucket_all_gather", "bucket_all_gather_wait", "bucket_reduce_scatter"}

@@ -175,3 +175,24 @@ def test_ranks_whose_own_orders_differ_adopt_the_first_ranks_order():
     assert order_0 == order_1
     # Not vacuous: rank 1's own backward order was another one, and it gave it up.
     assert adopted_1["backward"] and not any(adopted_0.values())
+
+
+def _one_rank_caps_its_buckets_differently(rank: int, world_size: int) -> str | None:
+    import thunder_overlap
+
+    torch.manual_seed(0)
+    # Rank 1 alone caps its buckets: its plan (and its collectives) differ from rank 0's.
+    cap = None if rank == 0 else 0.05
+    jm = thunder_overlap.fsdp(TinyGPT(MODEL), sharding_strategy="zero3", bucketing_strategy="auto", bucket_cap_mb=cap)
+    try:
+        jm(torch.randint(0, MODEL.vocab_size, (1, 8)))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_with_different_bucket_plans_raise_on_every_rank():
+    messages = run_local_ranks(_one_rank_caps_its_buckets_differently, WORLD_SIZE, (), timeout_s=120)
+    for message in messages:
+        assert message is not None and "ranks [1] of the process group planned other buckets than rank 0" in message, messages
+        assert "bucket_cap_mb" in message and "summaries['plan']" in message, message

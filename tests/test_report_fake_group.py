@@ -18,8 +18,10 @@ from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.report import device_choice
 from thunder_overlap.report.cli import DEFAULT_OUT, main
-from thunder_overlap.report.report import LEGEND, report, speed_change
+from thunder_overlap.report.models import trace_model
+from thunder_overlap.report.report import BASELINE, LEGEND, OVERLAP, UNSCHEDULED, report, speed_change
 from thunder_overlap.report.schedule_view import schedule_stats
+from thunder_overlap.report.thunder_baseline import ThunderFSDPTraces, thunder_fsdp_baseline
 from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 
 # The command creates (and destroys) its own fake process group; the module's traced model
@@ -37,13 +39,28 @@ def test_cli_on_a_two_layer_llama_at_world_size_8(tmp_path, capsys, monkeypatch)
     tmp_path = tmp_path / DEFAULT_OUT
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["world_size"] == 8
-    forward = data["passes"]["forward"]
+    forward, backward = data["passes"]["forward"], data["passes"]["backward"]
+    assert BASELINE == "thunder 0.2.6" and set(data["step_ms"]) == {BASELINE, UNSCHEDULED, OVERLAP}
     # 2 blocks of 7 weights (two norms, qkv, proj, three MLP), the embedding, the final norm and
     # the head: one all-gather each.
-    assert forward["thunder"]["collectives"] == forward["thunder_overlap"]["collectives"] == 2 * 7 + 3
-    assert forward["thunder_overlap"]["predicted_ms"] <= forward["thunder"]["predicted_ms"]
+    assert forward[BASELINE]["collectives"] == forward[UNSCHEDULED]["collectives"] == forward[OVERLAP]["collectives"] == 2 * 7 + 3
+    assert forward[OVERLAP]["predicted_ms"] <= forward[BASELINE]["predicted_ms"]
+    # ZeRO3 (the default): Thunder keeps the unsharded parameters, so its backward only
+    # reduce-scatters; thunder_overlap re-gathers each parameter before it reduce-scatters.
+    kinds = {order: [c["kind"] for c in backward[order]["collective_timings"]] for order in (BASELINE, OVERLAP)}
+    assert kinds[BASELINE].count("reduce_scatter") == kinds[OVERLAP].count("reduce_scatter") == 2 * 7 + 3
+    assert "all_gather" not in kinds[BASELINE] and kinds[OVERLAP].count("all_gather") > 0
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "report.trace.json").read_text())["traceEvents"]
+
+
+def test_cli_with_auto_buckets_prints_the_plan(tmp_path, capsys):
+    argv = ["--model", "tiny-gpt", "--n-layer", "2", "--world-size", "64", "--bucketing", "auto", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # 64 ranks: InfiniBand, 63 ring steps of 10 us per launch; every bucket's share is printed.
+    assert re.search(r"^auto buckets on 64 ranks over infiniband \(630 us per launch\), saturating at", out, re.M)
+    assert re.search(r"^  blocks\.1.* MiB  latency +\d+\.\d%  (end|block boundary|cap|saturated)$", out, re.M), out
 
 
 @pytest.mark.parametrize(
@@ -53,7 +70,7 @@ def test_cli_on_a_two_layer_llama_at_world_size_8(tmp_path, capsys, monkeypatch)
         (["--world-size", "0"], "--world-size 0 is impossible"),
         (["--n-layer", "0"], "--n-layer 0 is impossible"),
         (["--sharding", "zero4"], "--sharding must be zero2 or zero3 (got 'zero4')"),
-        (["--bucketing", "blocks"], "--bucketing must be none, layer or block (got 'blocks')"),
+        (["--bucketing", "blocks"], "--bucketing must be none, layer, block or auto (got 'blocks')"),
         (["--network", "carrier-pigeon"], "unknown network 'carrier-pigeon'"),
         (["--device-profile", "tpu"], "unknown device profile 'tpu'"),
         (["--model", "tiny-gpt", "--seq-len", "1000"], "--seq-len 1000"),
@@ -130,12 +147,20 @@ def jitted():
     yield jm
 
 
-def test_coalescing_trades_overlap_for_latency(jitted):
+@pytest.fixture(scope="module")
+def thunder_fsdp(jitted) -> ThunderFSDPTraces:
+    """Thunder's own FSDP traces of the same model, traced once for the tests that pass them."""
+    return thunder_fsdp_baseline(jitted)
+
+
+def test_coalescing_trades_overlap_for_latency(jitted, thunder_fsdp):
     from thunder_overlap.report.policies import compare_policies
 
     cost_model = CostModel.named("cpu", "gloo-loopback")
-    separate = compare_policies(jitted, cost_model=cost_model, config=OverlapConfig(coalesce=False), policies=("greedy",))
-    coalesced = compare_policies(jitted, cost_model=cost_model, policies=("greedy",))
+    separate = compare_policies(
+        jitted, cost_model=cost_model, config=OverlapConfig(coalesce=False), policies=("greedy",), thunder_fsdp=thunder_fsdp
+    )
+    coalesced = compare_policies(jitted, cost_model=cost_model, policies=("greedy",), thunder_fsdp=thunder_fsdp)
     for pass_name in ("forward", "backward"):
         one_by_one, together = separate.result("greedy", pass_name), coalesced.result("greedy", pass_name)
         assert one_by_one.summary.coalesced_launches == 0
@@ -146,29 +171,41 @@ def test_coalescing_trades_overlap_for_latency(jitted):
     assert forward.report.communication_ms < separate.result("greedy", "forward").report.communication_ms
 
 
-def test_report_compares_thunder_order_with_thunder_overlap(jitted):
-    # A slow network (1 GB/s) so that communication matters at this size.
+def test_report_compares_thunder_fsdp_with_thunder_overlap(jitted):
+    # A slow network (1 GB/s) so that communication matters at this size. No baseline given:
+    # the report traces Thunder's own FSDP of the same model.
     result = report(jitted, device_profile="h100", network="custom:5:1")
     assert result.world_size == 8
     for p in result.passes:
-        assert p.baseline.collectives == p.overlap.collectives > 0
-        assert p.overlap.predicted_ms <= p.baseline.predicted_ms + 1e-9
-        assert p.overlap.hidden >= p.baseline.hidden
-        assert p.overlap.compute_ms == pytest.approx(p.baseline.compute_ms)  # same work, other order
+        # thunder_overlap's traces before and after scheduling: the same work in another order.
+        assert p.unscheduled.collectives == p.overlap.collectives > 0
+        assert p.overlap.predicted_ms <= p.unscheduled.predicted_ms + 1e-9
+        assert p.overlap.hidden >= p.unscheduled.hidden
+        assert p.overlap.compute_ms == pytest.approx(p.unscheduled.compute_ms)
         # Communication differs only by latency saved where like collectives go out together:
         # at most 7 ring steps of 5 us (custom:5:1 on 8 ranks) per collective.
         latency_ms = 7 * 5e-3 * len(p.overlap.annotated.collectives)
-        assert abs(p.overlap.communication_ms - p.baseline.communication_ms) <= latency_ms
+        assert abs(p.overlap.communication_ms - p.unscheduled.communication_ms) <= latency_ms
         assert p.overlap.predicted_ms >= p.overlap.bound_ms - 1e-9
         assert p.overlap.exposed_ms == pytest.approx(p.overlap.predicted_ms - p.overlap.compute_ms)
-    # The baseline is Thunder's order: every forward all-gather is issued before any compute.
-    baseline = result["forward"].baseline.annotated
+    # The baseline is Thunder's own FSDP: every forward all-gather is issued before any compute,
+    # one per parameter, and its ZeRO3 backward gathers nothing (it kept the unsharded
+    # parameters), where thunder_overlap's re-gathers every parameter.
+    forward, backward = result["forward"], result["backward"]
+    baseline = forward.baseline.annotated
     first_compute = next(n.index for n in baseline.nodes if n.kind is NodeKind.COMPUTE)
     assert all(c.start < first_compute for c in baseline.collectives)
+    assert forward.baseline.collectives == forward.overlap.collectives
+    assert {c.kind.value for c in backward.baseline.annotated.collectives} == {"reduce_scatter"}
+    assert "all_gather" in {c.kind.value for c in backward.overlap.annotated.collectives}
     text = str(result)
-    assert "forward   thunder " in text and "backward  thunder_overlap" in text
+    assert "forward   thunder 0.2.6 " in text and "backward  unscheduled " in text and "backward  thunder_overlap" in text
     assert "hides" in text and text.endswith(LEGEND)
-    assert re.search(r"thunder_overlap [0-9.]+ ms: \d+\.\d\dx (faster \(\d+% less|slower \(\d+% more) time\)", text)
+    assert re.search(
+        r"thunder 0\.2\.6 [0-9.]+ ms, unscheduled [0-9.]+ ms, thunder_overlap [0-9.]+ ms: thunder_overlap against "
+        r"thunder 0\.2\.6: \d+\.\d\dx (faster \(\d+% less|slower \(\d+% more) time\)",
+        text,
+    )
 
 
 def test_report_of_a_cpu_model_simulates_its_device_and_says_why():
@@ -179,37 +216,43 @@ def test_report_of_a_cpu_model_simulates_its_device_and_says_why():
         torch.manual_seed(0)
         jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3")
         jm(torch.randint(0, MODEL.vocab_size, (2, 16))).sum().backward()
-        result = report(jm)  # TinyGPT on cpu, fake process group of 8 ranks
+        result = report(jm)  # TinyGPT on cpu, fake process group of 8 ranks (Thunder's FSDP traced on it)
     finally:
         dist.destroy_process_group()
+    traced = ThunderFSDPTraces(result["forward"].baseline.trace, result["backward"].baseline.trace, 8, "zero3")
     assert (result.device, result.network) == ("cpu", "gloo-loopback")
     assert str(result).startswith(
         "world size 8, device cpu, network gloo-loopback (the model's parameters are on cpu and its process group is fake)"
     )
-    explicit = report(jm, device_profile="h100", network="custom:5:1")
+    explicit = report(jm, device_profile="h100", network="custom:5:1", thunder_fsdp=traced)
     assert (explicit.device, explicit.network) == ("h100", "custom:5:1")
 
 
-def test_one_definition_of_hidden_thunder_forward_hides_almost_nothing(jitted):
-    # At 8 ranks over loopback gloo the first all-gather (7 ring steps of 50 us) outlasts the
-    # attention-mask ops Thunder runs between its issues and its waits, and the others queue
-    # behind it while the rank stands at the waits. At most the last one in the queue, waited
-    # on after the position embedding, runs beside compute. The old rule (any compute between
-    # issue and wait) called all of them overlapped.
-    cost_model = CostModel.named("cpu", "gloo-loopback")
-    forward = report(jitted, cost_model=cost_model)["forward"]
+def test_one_definition_of_hidden_thunder_forward_hides_almost_nothing(jitted, thunder_fsdp):
+    # 8 ranks on a link of 5 us per ring step: Thunder issues every all-gather before any compute,
+    # so they queue behind each other while the rank stands at their waits; only the last few in
+    # the queue run beside compute. thunder_overlap prefetches each behind the compute before its
+    # first use. The old rule (any op between issue and wait) called all of Thunder's overlapped.
+    cost_model = CostModel.named("cpu", "custom:5:1")
+    forward = report(jitted, cost_model=cost_model, thunder_fsdp=thunder_fsdp)["forward"]
     thunder_stats = schedule_stats(forward.baseline.trace, cost_model)
     overlap_stats = schedule_stats(forward.overlap.trace, cost_model)
     assert thunder_stats.allgathers == 28
-    assert thunder_stats.allgathers_overlapped == forward.baseline.hidden <= 1
+    assert thunder_stats.allgathers_overlapped == forward.baseline.hidden <= 28 // 4
     assert overlap_stats.allgathers_overlapped == forward.overlap.hidden
     assert overlap_stats.allgather_overlap_fraction >= 0.9
-    # With no cost model given, schedule_stats judges a cpu trace by the same profile.
-    assert schedule_stats(forward.baseline.trace) == thunder_stats
+    # On loopback gloo (350 us of latency per launch) communication outlasts this model's compute:
+    # every launch pays its latency, so no order hides an all-gather, and none is said to.
+    loopback = CostModel.named("cpu", "gloo-loopback")
+    assert schedule_stats(forward.baseline.trace, loopback).allgathers_overlapped == 0
+    assert schedule_stats(forward.overlap.trace, loopback).allgathers_overlapped == 0
+    # With no cost model given, schedule_stats judges a cpu trace by the loopback profile (Thunder's
+    # baseline is traced on the meta device, so ask thunder_overlap's cpu trace).
+    assert schedule_stats(forward.unscheduled.trace) == schedule_stats(forward.unscheduled.trace, loopback)
 
 
-def test_report_exports(jitted, tmp_path):
-    result = report(jitted)
+def test_report_exports(jitted, thunder_fsdp, tmp_path):
+    result = report(jitted, thunder_fsdp=thunder_fsdp)
     data = result.to_json(tmp_path / "r.json")
     assert json.loads((tmp_path / "r.json").read_text()) == json.loads(json.dumps(data))
     assert set(data["passes"]) == {"forward", "backward"}
@@ -217,12 +260,14 @@ def test_report_exports(jitted, tmp_path):
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     assert {e["ph"] for e in events} >= {"X", "C", "M"}
     assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1}  # compute and one comm stream
+    processes = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert processes == {f"{order} order" for order in (BASELINE, UNSCHEDULED, OVERLAP)}
     table = result["backward"].step_table(max_rows=40)
     assert "issue RS" in table or "issue AG" in table
     assert len(table.splitlines()) == 42  # header, 40 rows, "... more steps"
 
 
-def test_policy_comparison_puts_every_policy_side_by_side(jitted):
+def test_policy_comparison_puts_every_policy_side_by_side(jitted, thunder_fsdp):
     from thunder_overlap.analysis.cost_model import CostModel
     from thunder_overlap.config import OverlapConfig
     from thunder_overlap.report.policies import COMPARED_POLICIES, POLICY_LEGEND, compare_policies
@@ -231,7 +276,7 @@ def test_policy_comparison_puts_every_policy_side_by_side(jitted):
     # A budget with no slack at all: memory_aware may not exceed the just-in-time peak. Separate
     # launches, as this compares overlap (coalescing: test_coalescing_trades_overlap_for_latency).
     tight = OverlapConfig(memory_slack_bytes=0, memory_slack_ratio=0.0, coalesce=False)
-    comparison = compare_policies(jitted, cost_model=cost_model, config=tight)
+    comparison = compare_policies(jitted, cost_model=cost_model, config=tight, thunder_fsdp=thunder_fsdp)
     for pass_name in ("forward", "backward"):
         rows = {p: comparison.result(p, pass_name) for p in COMPARED_POLICIES}
         jit = rows["just_in_time"]
@@ -241,10 +286,36 @@ def test_policy_comparison_puts_every_policy_side_by_side(jitted):
         for policy in ("heuristic", "greedy", "memory_aware"):
             assert rows[policy].report.hidden >= jit.report.hidden
             assert rows[policy].report.predicted_ms <= jit.report.predicted_ms + 1e-9
-    backward = {p: comparison.result(p, "backward").report for p in COMPARED_POLICIES}
+    backward = {p: comparison.result(p, "backward").report for p in (BASELINE, *COMPARED_POLICIES)}
+    # Thunder's own FSDP is the first row of each pass; its ZeRO3 backward gathers nothing.
+    assert [r.policy for r in comparison.results][:2] == [BASELINE, "stock"]
+    assert {c.kind.value for c in backward[BASELINE].annotated.collectives} == {"reduce_scatter"}
+    assert backward["stock"].collectives > backward[BASELINE].collectives
     assert backward["greedy"].peak_bytes > backward["just_in_time"].peak_bytes
     assert backward["memory_aware"].hidden > backward["just_in_time"].hidden
     text = str(comparison)
     assert all(p in text for p in COMPARED_POLICIES) and "vs JIT" in text
-    assert re.search(r"^  memory_aware against stock: \d+\.\d\dx (faster|slower)", text, re.M)
+    assert re.search(r"^  memory_aware against thunder 0\.2\.6: \d+\.\d\dx (faster|slower)", text, re.M)
     assert text.endswith(f"{POLICY_LEGEND}\n{LEGEND}")
+
+
+def test_baseline_is_thunder_fsdp_per_parameter_even_with_block_buckets():
+    # Thunder 0.2.6 stores its bucketing strategy and never reads it: the baseline has one
+    # all-gather per parameter where thunder_overlap's traces have one per bucket, and no bucket
+    # operator (so none of their copies).
+    with torch.device("meta"):
+        model = TinyGPT(MODEL)
+    cost_model = CostModel.named("h100", "nvlink")
+    jm = trace_model(model, world_size=8, sharding="zero3", bucketing="block", idx_shape=(2, 16))
+    result = report(jm, cost_model=cost_model)
+    forward, backward = result["forward"], result["backward"]
+    assert forward.baseline.order == "thunder 0.2.6" and forward.unscheduled.order == "unscheduled"
+    assert forward.baseline.collectives == 28 > forward.unscheduled.collectives == forward.overlap.collectives
+    assert {c.kind.value for c in backward.baseline.annotated.collectives} == {"reduce_scatter"}
+    assert "all_gather" in {c.kind.value for c in backward.unscheduled.annotated.collectives}
+    for p in result.passes:
+        assert not any(n.name.startswith("bucket_") for n in p.baseline.annotated.nodes)
+        assert any(n.name.startswith("bucket_") for n in p.overlap.annotated.nodes)
+    # The buckets' copies are compute-stream work of thunder_overlap's traces.
+    copies = [cost_model.local_copy_ms(n.bsym) for p in result.passes for n in p.overlap.annotated.nodes]
+    assert sum(copies) > 0

@@ -196,3 +196,78 @@ def test_hidden_allows_one_percent_of_the_duration_uncovered():
     assert Coverage(duration_ms=2.0, covered_ms=2.0 - HIDDEN_UNCOVERED_FRACTION).hidden  # half of 1% uncovered
     assert not Coverage(duration_ms=2.0, covered_ms=1.9).hidden
     assert Coverage(duration_ms=0.0, covered_ms=0.0).hidden  # nothing to hide (a group of one rank)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bucket copies run on the compute stream at the launch and at the wait.
+
+
+def _bucket_round_trip() -> AnnotatedTrace:
+    """A bucket of two bf16 weights (200,000 unsharded elements each, 800 kB gathered on 2
+    ranks): all-gather issue, a (3 ms), wait with copy-out, b (1 ms), then the gradients'
+    reduce-scatter (pre-averaged, no process group in the symbol: laid out as the gradients)
+    and its wait."""
+    from thunder.core import devices, dtypes
+    from thunder.core.proxies import FutureTensorProxy, TensorProxy
+    from thunder.core.trace import TraceCtx, tracectx
+
+    from thunder_overlap.transforms.executor import (
+        bucket_all_gather,
+        bucket_all_gather_wait,
+        bucket_reduce_scatter,
+        bucket_reduce_scatter_wait,
+    )
+
+    def proxy(*shape, future=False):
+        kind = FutureTensorProxy if future else TensorProxy
+        return kind(shape=shape, dtype=dtypes.bfloat16, device=devices.cpu)
+
+    with tracectx(TraceCtx()):
+        gathered, reduced = proxy(400_000, future=True), proxy(200_000, future=True)
+        weights, grads = [proxy(1000, 200), proxy(1000, 200)], [proxy(1000, 200), proxy(1000, 200)]
+        shards = [proxy(500, 200), proxy(500, 200)]
+        start_gather = bucket_all_gather.bind(0, None, shards, (0, 1), output=gathered)
+        wait_gather = bucket_all_gather_wait.bind(gathered, 0, (0, 1), output=tuple(weights))
+        start_scatter = bucket_reduce_scatter.bind(0, None, grads, 2.0, output=reduced)
+        wait_scatter = bucket_reduce_scatter_wait.bind(reduced, 0, (0, 1), output=tuple(shards))
+    group = _Group()
+    nodes = [
+        _node(0, NodeKind.HEADER, "unpack_trivial", outputs=["x", "s"]),
+        TraceNode(1, start_gather, NodeKind.COLLECTIVE, ("s",), ("fg",), 0),
+        _node(2, NodeKind.COMPUTE, "a", inputs=["x"], outputs=["y"]),
+        TraceNode(3, wait_gather, NodeKind.WAIT, ("fg",), ("w",), 0),
+        _node(4, NodeKind.COMPUTE, "b", inputs=["y", "w"], outputs=["g"]),
+        TraceNode(5, start_scatter, NodeKind.COLLECTIVE, ("g",), ("fr",), 1),
+        TraceNode(6, wait_scatter, NodeKind.WAIT, ("fr",), ("r",), 1),
+        _node(7, NodeKind.RETURN, "python_return", inputs=["r"]),
+    ]
+    collectives = [
+        Collective(CollectiveKind.ALL_GATHER, 1, 3, group, 800_000),
+        Collective(CollectiveKind.REDUCE_SCATTER, 5, 6, group, 800_000),
+    ]
+    return _trace(nodes, collectives)
+
+
+def test_bucket_copies_take_their_bytes_over_memory_bandwidth_on_the_compute_stream():
+    from thunder_overlap.analysis.local_copies import local_copy_bytes
+
+    trace = _bucket_round_trip()
+    cost_model = _cost_model()  # 1 GB/s of memory at 80% efficiency: 1.25 ms per MB
+    bandwidth = cost_model.device.memory_bandwidth * cost_model.device.bandwidth_efficiency
+    copy_out_ms = local_copy_bytes(trace.nodes[3].bsym) / bandwidth * 1e3
+    lay_out_ms = local_copy_bytes(trace.nodes[5].bsym) / bandwidth * 1e3
+    # The copy-out reads and writes the 800 kB gathered; the lay-out reads the 800 kB of
+    # gradients, writes them, and the pre-average reads and writes them again.
+    assert (copy_out_ms, lay_out_ms) == (pytest.approx(2.0), pytest.approx(4.0))
+    sim = simulate(trace, list(range(8)), cost_model)
+    ops = {op.node: (op.start_ms, op.end_ms) for op in sim.ops}
+    gather, scatter = sim.collectives
+    # The gather (0.4 ms) is done by the time a ends at 3 ms; the copy-out runs 3-5 ms, b 5-6.
+    assert gather.exposed_ms == 0.0 and ops[3] == (3.0, pytest.approx(5.0)) and ops[4] == (pytest.approx(5.0), pytest.approx(6.0))
+    # The lay-out runs 6-10 ms before the reduce-scatter launches (0.4 ms); its wait stalls.
+    assert ops[5] == (pytest.approx(6.0), pytest.approx(10.0))
+    assert (scatter.issue_ms, scatter.end_ms) == (pytest.approx(10.0), pytest.approx(10.4))
+    assert scatter.exposed_ms == pytest.approx(0.4) and sim.step_ms == pytest.approx(10.4)
+    # Copies are compute-stream work: they count in compute and in the bound.
+    assert sim.compute_ms == pytest.approx(3.0 + 2.0 + 1.0 + 4.0)
+    assert sim.bound_ms == pytest.approx(10.0)

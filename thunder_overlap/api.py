@@ -14,6 +14,7 @@ from thunder.distributed import FSDPBucketingStrategy, FSDPType
 from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 from thunder.transforms import MaterializationTransform
 
+from thunder_overlap.analysis.blocks import find_blocks
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import BucketingStrategy, FSDPOptions, ShardingStrategy, options_from
 from thunder_overlap.transforms import BucketingTransform, OverlapScheduleTransform, RefuseNoSyncTransform, Zero3Transform
@@ -24,12 +25,13 @@ __all__ = ["fsdp", "fsdp_transforms"]
 
 def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any) -> list[Transform]:
     """The transforms ``fsdp`` applies, for ``thunder.jit(model, transforms=...)``: Thunder's
-    sharding and materialisation, then ZeRO3 re-gathering (ZeRO3 only), bucketing (layer or
-    block only), then scheduling.
+    sharding and materialisation, then ZeRO3 re-gathering (ZeRO3 only), bucketing (layer, block
+    or auto only), then scheduling.
 
     Pass resolved ``options``, or the keywords of :meth:`FSDPOptions.resolve` (``device``,
     ``process_group``, ``sharding_strategy``, ``bucketing_strategy``, ``bucket_cap_mb``,
-    ``broadcast_from``, ``config``, ``move_state_dict_to_cpu``), checked as ``fsdp`` checks them.
+    ``broadcast_from``, ``config``, ``move_state_dict_to_cpu``, ``block_types``), checked as
+    ``fsdp`` checks them (``block_types`` is checked against the model when it is transformed).
     """
     options = options_from(options, option_kwargs, "fsdp_transforms")
     transforms: list[Transform] = [
@@ -45,13 +47,23 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
     ]
     if options.sharding is ShardingStrategy.ZERO3:
         transforms.append(Zero3Transform())
+    plan_digest = None
     if options.bucketing.has_buckets:
         # After ZeRO3, so that its backward re-gathers are bucketed too; after materialisation,
         # which may replace the parameters the buckets hold.
-        transforms.append(BucketingTransform(options.bucketing, options.process_group, options.bucket_cap_bytes))
+        bucketing = BucketingTransform(
+            options.bucketing,
+            options.process_group,
+            options.bucket_cap_bytes,
+            config=options.config,
+            block_types=options.block_types,
+        )
+        transforms.append(bucketing)
+        plan_digest = bucketing.plan_digest
     else:
         transforms.append(RefuseNoSyncTransform())
-    transforms.append(OverlapScheduleTransform(options.config))
+    # The ranks' first exchange compares their bucket plans too.
+    transforms.append(OverlapScheduleTransform(options.config, block_types=options.block_types, plan_digest=plan_digest))
     return transforms
 
 
@@ -66,6 +78,7 @@ def fsdp(
     config: OverlapConfig | None = None,
     move_state_dict_to_cpu: bool = False,
     bucket_cap_mb: float | None = None,
+    block_types: type[nn.Module] | str | list[type[nn.Module] | str] | tuple[type[nn.Module] | str, ...] | None = None,
     **jit_options: Any,
 ) -> ThunderModule:
     """Shards ``model`` like ``thunder.distributed.fsdp`` and overlaps its communication.
@@ -79,16 +92,23 @@ def fsdp(
             Thunder's ``FSDPType``. ZeRO3 saves only sharded parameters for backward and
             re-gathers them there.
         bucketing_strategy: ``"none"`` (one collective per parameter), ``"layer"`` (one per module
-            owning parameters) or ``"block"`` (one per transformer block; other parameters by
-            module), as strings (any case), :class:`BucketingStrategy` or Thunder's
-            ``FSDPBucketingStrategy``. Buckets live in persistent flat buffers whose views are the
-            parameters.
+            owning parameters), ``"block"`` (one per transformer block; other parameters by
+            module) or ``"auto"`` (contiguous buckets sized by the cost model for this world size
+            and network: large enough that latency is a small share of their time, within
+            ``bucket_cap_mb``, the prefetch limit and the memory slack), as strings (any case),
+            :class:`BucketingStrategy` or Thunder's ``FSDPBucketingStrategy`` (which has no
+            auto). Buckets live in persistent flat buffers whose views are the parameters;
+            ``BucketingTransform.of(model).summaries["plan"]`` says which were formed and why.
         process_group: the group to shard over; default a copy of the default group.
         broadcast_from: rank whose parameters are broadcast to all before sharding.
         config: scheduler options (:class:`OverlapConfig`).
         move_state_dict_to_cpu: as in Thunder, for ``original_state_dict``.
         bucket_cap_mb: largest unsharded bucket in MiB (a larger parameter gets a bucket of its
-            own); None for no cap. Needs layer or block bucketing.
+            own); None for no cap. Needs layer, block or auto bucketing.
+        block_types: the module classes (or class names, such as litgpt's ``"Block"`` or
+            transformers' ``"LlamaDecoderLayer"``) whose outermost instances are the blocks that
+            size prefetching and form block buckets; None: the children of the model's largest
+            ``nn.ModuleList``/``nn.Sequential``. A type that matches no module is an error.
         jit_options: passed to ``thunder.jit`` when ``model`` is a plain module.
 
     Returns:
@@ -106,7 +126,10 @@ def fsdp(
         broadcast_from=broadcast_from,
         config=config,
         move_state_dict_to_cpu=move_state_dict_to_cpu,
+        block_types=block_types,
     )
+    # Checked here, before tracing: a type that matches no module names the classes there are.
+    find_blocks(model._model if isinstance(model, ThunderModule) else model, options.block_types)
     transforms = fsdp_transforms(options)
 
     if isinstance(model, ThunderModule):

@@ -96,6 +96,13 @@ class OverlapConfig:
     # never coalesce: they are baselines of Thunder's own launches.
     coalesce: bool = True
 
+    # --- bucketing_strategy="auto" ---------------------------------------------------------
+    # A bucket is large enough once one launch's latency is at most this share of its
+    # all-gather's time (latency + transfer): at 10% it moves within 10% of the bandwidth bound,
+    # and growing it further buys little while it holds more memory in flight and coarsens the
+    # unit of overlap. Smaller shares give larger buckets (up to the caps).
+    auto_bucket_latency_share: float = 0.1
+
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"OverlapConfig.policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
@@ -111,6 +118,13 @@ class OverlapConfig:
         _check_number("prefetch_time_margin", self.prefetch_time_margin, (int, float))
         _check_number("memory_slack_bytes", self.memory_slack_bytes, int, allow_zero=True, optional=False)
         _check_number("memory_slack_ratio", self.memory_slack_ratio, (int, float), allow_zero=True, optional=False)
+        if isinstance(self.auto_bucket_latency_share, bool) or not isinstance(self.auto_bucket_latency_share, (int, float)):
+            raise TypeError(f"OverlapConfig.auto_bucket_latency_share must be a number, got {self.auto_bucket_latency_share!r}")
+        if not 0 < self.auto_bucket_latency_share < 1:
+            raise ValueError(
+                f"OverlapConfig.auto_bucket_latency_share must be between 0 and 1 (a share of a bucket's time), "
+                f"got {self.auto_bucket_latency_share!r}"
+            )
         if not isinstance(self.check_ranks_agree, bool):
             raise TypeError(f"OverlapConfig.check_ranks_agree must be a bool, got {self.check_ranks_agree!r}")
         if not isinstance(self.coalesce, bool):

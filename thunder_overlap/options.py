@@ -16,6 +16,7 @@ given ``flag=``, a command-line flag (``--sharding must be zero2 or zero3 (got '
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from enum import Enum
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from thunder.distributed import FSDPBucketingStrategy, FSDPType, copy_default_process_group
 
+from thunder_overlap.analysis.blocks import BlockTypes, parse_block_types
 from thunder_overlap.config import OverlapConfig
 
 __all__ = [
@@ -71,6 +73,9 @@ class BucketingStrategy(_Choice):
     NONE = "none"
     LAYER = "layer"
     BLOCK = "block"
+    # Sized by the cost model: contiguous buckets that saturate bandwidth within the caps
+    # (see thunder_overlap.bucketing.auto_plan). Thunder has no such strategy.
+    AUTO = "auto"
 
     @property
     def has_buckets(self) -> bool:
@@ -79,6 +84,8 @@ class BucketingStrategy(_Choice):
     @property
     def thunder_type(self) -> FSDPBucketingStrategy:
         """Thunder's enum, for ``thunder.distributed`` APIs."""
+        if self.name not in FSDPBucketingStrategy.__members__:
+            raise ValueError(f"Thunder's FSDP has no {self.value!r} bucketing; accepted there: none, layer, block")
         return FSDPBucketingStrategy[self.name]
 
 
@@ -100,7 +107,7 @@ def _parse_choice(choice: type[_ChoiceT], thunder_enum: type[Enum], value: objec
         return choice(value.lower())
     if flag is not None:
         raise ValueError(f"{flag} must be {_spoken(choice.names(), quote=False)} (got {value!r})")
-    members = "/".join(member.name for member in choice)
+    members = "/".join(member.name for member in choice if member.name in thunder_enum.__members__)
     raise ValueError(
         f"{argument} must be {_spoken(choice.names(), quote=True)} "
         f"(or {thunder_enum.__name__}.{members}), got {value!r}"
@@ -124,11 +131,13 @@ def _parse_bucket_cap_mb(value: float | None, bucketing: BucketingStrategy) -> i
     """The cap in bytes (None: no cap); refuses a cap that would have no buckets to apply to."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"bucket_cap_mb must be a positive number of megabytes or None, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"bucket_cap_mb must be a positive finite number of MiB, or None for no cap, got {value!r}")
+    if int(value * 2**20) < 1:
+        raise ValueError(f"bucket_cap_mb={value!r} is less than one byte; a cap is in MiB (e.g. 25 for 25 MiB)")
     if not bucketing.has_buckets:
         raise ValueError(
-            f"bucket_cap_mb={value!r} needs bucketing_strategy 'layer' or 'block'; with 'none' there are no buckets to cap"
+            f"bucket_cap_mb={value!r} needs bucketing_strategy 'layer', 'block' or 'auto'; with 'none' there are no buckets to cap"
         )
     return int(value * 2**20)
 
@@ -198,12 +207,14 @@ class FSDPOptions:
     process_group: dist.ProcessGroup
     sharding: ShardingStrategy
     bucketing: BucketingStrategy
-    # Largest unsharded bucket in bytes; None for no cap (layer/block bucketing only).
+    # Largest unsharded bucket in bytes; None for no cap (layer/block/auto bucketing only).
     bucket_cap_bytes: int | None
     # Rank whose parameters are broadcast before sharding; None for no broadcast.
     broadcast_from: int | None
     config: OverlapConfig
     move_state_dict_to_cpu: bool
+    # Module classes (or class names) that form blocks; None: detect them (analysis.blocks).
+    block_types: BlockTypes | None = None
 
     def __post_init__(self) -> None:
         # Raw user input goes through resolve(); this only catches a hand-built instance.
@@ -225,6 +236,7 @@ class FSDPOptions:
         broadcast_from: int | None = None,
         config: OverlapConfig | None = None,
         move_state_dict_to_cpu: bool = False,
+        block_types: object = None,
     ) -> FSDPOptions:
         """Checks user input and fills in defaults (see :func:`thunder_overlap.fsdp` for each option).
 
@@ -237,6 +249,7 @@ class FSDPOptions:
         sharding = parse_sharding_strategy(sharding_strategy)
         bucketing = parse_bucketing_strategy(bucketing_strategy)
         bucket_cap_bytes = _parse_bucket_cap_mb(bucket_cap_mb, bucketing)
+        parsed_block_types = parse_block_types(block_types)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "thunder_overlap.fsdp needs an initialised process group: call "
@@ -261,6 +274,7 @@ class FSDPOptions:
             broadcast_from=broadcast_from,
             config=config if config is not None else OverlapConfig(),
             move_state_dict_to_cpu=move_state_dict_to_cpu,
+            block_types=parsed_block_types,
         )
 
 

@@ -1,16 +1,83 @@
-"""Transformer blocks of a model: the unit of prefetching and of block bucketing."""
+"""Transformer blocks of a model: the unit of prefetching and of block and auto bucketing.
+
+Users may name the module classes that form blocks (``block_types=``, as FSDP2 users choose what
+to ``fully_shard``): every outermost module of those classes is a block. Otherwise the blocks are
+the children of the ``nn.ModuleList`` / ``nn.Sequential`` holding the most parameters, which
+finds a GPT's ``transformer.h`` or a Llama's ``layers`` but takes a top-level
+``nn.Sequential(embedding, body, head)`` for three "blocks"; when such a detected block holds more
+than a quarter of the model and its siblings are of other classes, a warning names ``block_types=``.
+"""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterable
+
 import torch.nn as nn
 
-__all__ = ["find_blocks", "unsharded_bytes", "largest_block_bytes"]
+__all__ = ["BlockTypes", "find_blocks", "largest_block_bytes", "parse_block_types", "unsharded_bytes"]
+
+# Module classes (matched with isinstance) or class names (a class's __name__ or its
+# "module.QualName"), as parsed by parse_block_types.
+BlockTypes = tuple["type[nn.Module] | str", ...]
+
+# A detected block holding more than this share of the model's parameter bytes is suspect: the
+# container found is probably the model's top level (embedding, body, head), not its layers.
+# Prefetching sizes itself in blocks, so such a "block" makes the prefetch window the whole model.
+LARGE_BLOCK_SHARE = 0.25
 
 
-def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The repeated blocks of ``module``: the children of its ``nn.ModuleList`` or
-    ``nn.Sequential`` holding the most parameters (a GPT's ``transformer.h``, a Llama's
-    ``layers``). Empty when the model has no such container."""
+def parse_block_types(value: object) -> BlockTypes | None:
+    """``block_types`` as given by a user: None, one ``nn.Module`` subclass or class name, or an
+    iterable of them; returns a tuple, or None for automatic detection."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, (str, type)) else value
+    if not isinstance(items, Iterable):
+        raise TypeError(f"block_types must be a module class, a class name, or a list of them, got {value!r}")
+    parsed = tuple(items)
+    if not parsed:
+        raise ValueError("block_types=() names no module class; pass None for automatic block detection")
+    for item in parsed:
+        if isinstance(item, type) and issubclass(item, nn.Module):
+            continue
+        if isinstance(item, str) and item.strip():
+            continue
+        raise TypeError(
+            f"block_types entries must be torch.nn.Module subclasses or class names (such as 'Block' or "
+            f"'LlamaDecoderLayer'), got {item!r}"
+        )
+    return parsed
+
+
+def _class_name(module: nn.Module) -> str:
+    return type(module).__name__
+
+
+def _matches(module: nn.Module, block_type: type[nn.Module] | str) -> bool:
+    if isinstance(block_type, type):
+        return isinstance(module, block_type)
+    cls = type(module)
+    return block_type in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
+
+
+def _named_blocks(module: nn.Module, block_types: BlockTypes) -> list[tuple[str, nn.Module]]:
+    """Outermost modules of ``block_types``; raises if one of the types matches nothing."""
+    modules = list(module.named_modules())
+    for block_type in block_types:
+        if not any(_matches(sub, block_type) for _, sub in modules):
+            shown = block_type.__name__ if isinstance(block_type, type) else repr(block_type)
+            found = sorted({_class_name(sub) for _, sub in modules})
+            raise ValueError(f"block_types: {shown} matches no module of {_class_name(module)}; its module classes are {found}")
+    blocks: list[tuple[str, nn.Module]] = []
+    for name, sub in modules:
+        inside_a_block = any(name.startswith(f"{b}.") or not b for b, _ in blocks)
+        if not inside_a_block and any(_matches(sub, t) for t in block_types):
+            blocks.append((name, sub))
+    return blocks
+
+
+def _detected_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     best: tuple[int, str, nn.Module] | None = None
     for name, sub in module.named_modules():
         if not isinstance(sub, (nn.ModuleList, nn.Sequential)) or len(sub) < 2:
@@ -21,7 +88,40 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     if best is None:
         return []
     _, prefix, container = best
-    return [(f"{prefix}.{child_name}" if prefix else child_name, child) for child_name, child in container.named_children()]
+    blocks = [(f"{prefix}.{child_name}" if prefix else child_name, child) for child_name, child in container.named_children()]
+    _warn_if_suspect(module, prefix, blocks)
+    return blocks
+
+
+def _warn_if_suspect(module: nn.Module, prefix: str, blocks: list[tuple[str, nn.Module]]) -> None:
+    """Warns when the largest detected block is a large share of the model and its siblings are
+    unlike it. A ModuleList of a few identical layers (a 2-layer model) is a sound detection."""
+    total = unsharded_bytes(module)
+    if not blocks or total == 0:
+        return
+    name, largest = max(blocks, key=lambda b: unsharded_bytes(b[1]))
+    share = unsharded_bytes(largest) / total
+    classes = {_class_name(b) for _, b in blocks}
+    if share > LARGE_BLOCK_SHARE and len(classes) > 1:
+        container = prefix or f"the top-level {_class_name(module)}"
+        warnings.warn(
+            f"thunder_overlap: the blocks found are the children of {container} ({', '.join(sorted(classes))}), and "
+            f"{name!r} ({_class_name(largest)}) holds {share:.0%} of the model's parameters: prefetching (sized in "
+            "blocks) and block/auto bucketing would treat it as one unit. Pass block_types= naming your transformer "
+            "block class (such as litgpt's 'Block' or transformers' 'LlamaDecoderLayer').",
+            stacklevel=3,
+        )
+
+
+def find_blocks(module: nn.Module, block_types: BlockTypes | None = None) -> list[tuple[str, nn.Module]]:
+    """The blocks of ``module`` as (qualified name, module), in registration order.
+
+    With ``block_types`` (see :func:`parse_block_types`): every outermost module of those types;
+    a type that matches no module is an error. Without: the children of the ``nn.ModuleList`` or
+    ``nn.Sequential`` holding the most parameters (empty when there is none)."""
+    if block_types is not None:
+        return _named_blocks(module, block_types)
+    return _detected_blocks(module)
 
 
 def unsharded_bytes(module: nn.Module) -> int:
@@ -29,6 +129,6 @@ def unsharded_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def largest_block_bytes(module: nn.Module) -> int | None:
-    blocks = find_blocks(module)
+def largest_block_bytes(module: nn.Module, block_types: BlockTypes | None = None) -> int | None:
+    blocks = find_blocks(module, block_types)
     return max((unsharded_bytes(b) for _, b in blocks), default=None)

@@ -13,6 +13,11 @@ network's algorithm: ``n - 1`` for a ring, ``ceil(log2 n)`` for a tree (NCCL's P
 size of the collective's process group, read from the trace. Every launch pays the latency: a
 collective of the trace is one launch, and a coalesced launch of several tensors is one collective
 of the trace (see ``classify``), so collectives issued back to back never share it.
+
+Local copies: a bucketed collective's start and wait copy the bucket in local memory (lay-out,
+pre-average, copy-out); :meth:`CostModel.local_copy_ms` costs the bytes that
+:mod:`~thunder_overlap.analysis.local_copies` counts at memory bandwidth, and the simulator runs
+them on the compute stream at the launch and at the wait.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 
 from thunder_overlap.analysis.classify import AnnotatedTrace, Collective, CollectiveKind
+from thunder_overlap.analysis.local_copies import LOCAL_COPY_BYTES, local_copy_bytes
 
 __all__ = [
     "DEVICE_PROFILES",
@@ -373,7 +379,19 @@ class CostModel:
             measured = self.calibration.lookup(bsym)
             if measured is not None:
                 return measured
+        if bsym.sym.name in LOCAL_COPY_BYTES:  # a bucket operator that only copies (no_sync)
+            return self.local_copy_ms(bsym)
         return self.roofline_ms(bsym)
+
+    def local_copy_ms(self, bsym: BoundSymbol) -> float:
+        """Time of the local copies a bucketed collective's start or wait makes, on the compute
+        stream: their bytes (read + written) at the device's memory bandwidth x efficiency."""
+        return self.copy_ms(local_copy_bytes(bsym))
+
+    def copy_ms(self, moved_bytes: int) -> float:
+        """A memory-bound copy that reads and writes ``moved_bytes`` in all."""
+        d = self.device
+        return moved_bytes / (d.memory_bandwidth * d.bandwidth_efficiency) * 1e3
 
     def roofline_ms(self, bsym: BoundSymbol) -> float:
         d = self.device

@@ -6,7 +6,9 @@ starts when it is issued (the compute stream reaches it) and its stream is free,
 the compute stream until the collective is done. What the compute stream spends blocked at a wait
 is that collective's *exposed* time. Every collective of the trace is one launch and pays its
 latency, however close to another it is issued: back-to-back NCCL launches serialise on the
-communicator's stream. Only a coalesced launch (one node for several tensors) shares one. With
+communicator's stream. Only a coalesced launch (one node for several tensors) shares one. A
+bucketed collective's local copies (:meth:`CostModel.local_copy_ms`) run on the compute stream:
+the lay-out before its launch, the copy-out after its wait. With
 ``CostModel.overlap_compute_slowdown`` > 0, compute runs that much slower while any collective
 is in flight. Whether a collective is *hidden* is decided by
 :class:`thunder_overlap.analysis.overlap.Coverage` from this simulation (see there).
@@ -36,7 +38,8 @@ _KIND_LABELS = {
 
 @dataclass(frozen=True)
 class OpTiming:
-    """One node on the compute stream (a collective's issue and a wait take no compute time)."""
+    """One node on the compute stream: an issue or a wait takes only its local copies' time
+    (and a wait its stall)."""
 
     node: int
     name: str
@@ -196,9 +199,20 @@ def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel)
     computing = _ComputeIntervals()
     slowdown = cost_model.overlap_compute_slowdown
     busy: list[tuple[float, float]] = []  # every collective's (start, end), in start order
+
+    def run_compute(duration: float) -> float:
+        """Runs ``duration`` of work on the compute stream from ``now``; returns when it ends."""
+        nonlocal compute_total
+        end = _slowed_end(now, duration, busy, slowdown) if slowdown else now + duration
+        computing.add(now, end)
+        compute_total += duration
+        return end
+
     for index in order:
         node = nodes[index]
         if node.kind is NodeKind.COLLECTIVE:
+            issued_from = now
+            now = run_compute(cost_model.local_copy_ms(node.bsym))  # the launch waits for its input's lay-out
             coll = annotated.collectives[node.collective]
             stream = streams.setdefault(coll.group_key, len(streams))
             if stream == len(stream_free):
@@ -211,20 +225,19 @@ def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel)
             issued[node.collective] = (stream, now, start, start + duration)
             if slowdown:
                 busy.insert(bisect.bisect(busy, (start, start + duration)), (start, start + duration))
-            ops.append(OpTiming(index, node.name, now, now))
+            ops.append(OpTiming(index, node.name, issued_from, now))
         elif node.kind is NodeKind.WAIT:
+            reached = now
             end = issued[node.collective][3]
             exposed = max(0.0, end - now)
             waited[node.collective] = (now, exposed)
-            ops.append(OpTiming(index, node.name, now, now + exposed))
             now += exposed
+            now = run_compute(cost_model.local_copy_ms(node.bsym))  # the copy-out reads the result
+            ops.append(OpTiming(index, node.name, reached, now))
         else:
-            duration = cost_model.compute_ms(node.bsym)
-            end = _slowed_end(now, duration, busy, slowdown) if slowdown else now + duration
-            ops.append(OpTiming(index, node.name, now, end))
-            computing.add(now, end)
-            now = end
-            compute_total += duration
+            start = now
+            now = run_compute(cost_model.compute_ms(node.bsym))
+            ops.append(OpTiming(index, node.name, start, now))
 
     step = max([now, *stream_free])
     timings = []

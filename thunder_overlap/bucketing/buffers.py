@@ -208,6 +208,17 @@ class BucketBuffers:
         torch._chunk_cat(grads, dim=0, num_chunks=self.world_size, out=laid_out.view(self.world_size, self.plan.shard_numel))
         return laid_out
 
+    def _is_laid_out(self, grads: list[torch.Tensor]) -> bool:
+        """True for a bucket's one gradient that needs no padding, with nothing summed under no_sync."""
+        return (
+            len(grads) == 1
+            and len(self.plan.slots) == 1
+            and self.unsynced_grads is None
+            and grads[0].is_contiguous()
+            and grads[0].numel() == self.world_size * self.plan.shard_numel
+            and grads[0].dtype == self.flat_shard.dtype
+        )
+
     def start_reduce_scatter(self, grads: list[torch.Tensor], divisor: float | None) -> PendingCollective:
         pending = self.prepare_reduce_scatter(grads, divisor)
         pending.work = self.launch_reduce_scatter(pending, async_op=True)
@@ -215,13 +226,21 @@ class BucketBuffers:
 
     def prepare_reduce_scatter(self, grads: list[torch.Tensor], divisor: float | None) -> PendingCollective:
         """Everything before the launch: lays the gradients out (adding those summed under
-        no_sync), pre-averages in place and takes a free gradient shard to reduce into."""
-        reduce_input = self._lay_out(grads)
-        if self.unsynced_grads is not None:
-            reduce_input.add_(self.unsynced_grads)
-            self.unsynced_grads = None
-        if divisor is not None:
-            reduce_input.div_(divisor)
+        no_sync), pre-averages and takes a free gradient shard to reduce into."""
+        if self._is_laid_out(grads):
+            # One unpadded gradient already is the rank-major input: pre-average it out of place
+            # in one pass (or send it as it is) instead of a _chunk_cat and an in-place divide.
+            reduce_input = grads[0].view(-1)
+            if divisor is not None:
+                averaged = self.pool.acquire(reduce_input.numel(), reduce_input.dtype, reduce_input.device)
+                reduce_input = torch.div(reduce_input, divisor, out=averaged)
+        else:
+            reduce_input = self._lay_out(grads)
+            if self.unsynced_grads is not None:
+                reduce_input.add_(self.unsynced_grads)
+                self.unsynced_grads = None
+            if divisor is not None:
+                reduce_input.div_(divisor)
         return PendingCollective(None, self._free_grad_shard(), source=reduce_input)
 
     def launch_reduce_scatter(self, pending: PendingCollective, *, async_op: bool) -> dist.Work | None:

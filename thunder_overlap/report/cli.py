@@ -2,8 +2,9 @@
 
 The model is built on the meta device and traced (never run) in one process that pretends to be
 rank 0 of ``--world-size`` ranks through PyTorch's ``fake`` process group, so a 1024-rank
-Llama-2-7B report needs neither GPUs nor memory for the weights. Thunder's tracing dominates the
-run time (about 5 s per transformer layer here); a heartbeat shows it is still going.
+Llama-2-7B report needs neither GPUs nor memory for the weights. The same model is traced twice:
+with thunder_overlap's FSDP and with Thunder's own (the baseline). Thunder's tracing dominates the
+run time (about 5 s per transformer layer and FSDP here); a heartbeat shows it is still going.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     from thunder_overlap.config import OverlapConfig
     from thunder_overlap.report.policies import compare_policies
     from thunder_overlap.report.report import report
+    from thunder_overlap.report.thunder_baseline import thunder_fsdp_baseline
 
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -142,12 +144,20 @@ def main(argv: list[str] | None = None) -> int:
             idx_shape=(args.batch_size, seq_len),
             config=OverlapConfig(cost_model=cost_model),
         )
-    traced = time.perf_counter()
-    _progress(f"traced in {traced - start:.1f} s; simulating with {args.device_profile} / {args.network}")
-    result = report(jm, cost_model=cost_model)
-    _progress(f"analysed in {time.perf_counter() - traced:.2f} s")
+        traced = time.perf_counter()
+        _progress(f"traced in {traced - start:.1f} s; tracing the same model with Thunder's own FSDP, the baseline")
+        thunder_fsdp = thunder_fsdp_baseline(jm)
+    baseline_traced = time.perf_counter()
+    _progress(f"traced in {baseline_traced - traced:.1f} s; simulating with {args.device_profile} / {args.network}")
+    result = report(jm, cost_model=cost_model, thunder_fsdp=thunder_fsdp)
+    _progress(f"analysed in {time.perf_counter() - baseline_traced:.2f} s")
 
     print(result)
+    if args.bucketing is BucketingStrategy.AUTO:
+        from thunder_overlap.transforms import BucketingTransform
+
+        # Which buckets the cost model chose for this world size and network, and why.
+        print(BucketingTransform.of(jm).summaries["plan"])
     if args.steps:
         print(result["forward"].step_table(max_rows=args.steps))
     out = Path(args.out)
@@ -156,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     result.to_chrome_trace(out / "report.trace.json")
     written = ["report.json", "report.trace.json"]
     if args.compare_policies:
-        comparison = compare_policies(jm, cost_model=cost_model, config=OverlapConfig(cost_model=cost_model))
+        config = OverlapConfig(cost_model=cost_model)
+        comparison = compare_policies(jm, cost_model=cost_model, config=config, thunder_fsdp=thunder_fsdp)
         print(comparison)
         comparison.to_json(out / "policies.json")
         written.append("policies.json")

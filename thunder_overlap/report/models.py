@@ -2,7 +2,8 @@
 
 Shared by the ``report`` command line and the benchmarks: the built-in models (no extra
 dependency), any litgpt config by name, and :func:`trace_model`, which traces a meta model with
-thunder_overlap's FSDP over a fake process group of any size.
+thunder_overlap's FSDP over a fake process group of any size (Thunder's own FSDP of the same
+model: :func:`~thunder_overlap.report.thunder_baseline.thunder_fsdp_baseline` of the result).
 """
 
 from __future__ import annotations
@@ -48,8 +49,21 @@ def _llama_2_7b(n_layer: int | None) -> ModelRecipe:
     return ModelRecipe(lambda: Llama(config), config.block_size, config.vocab_size, config.n_layer)
 
 
+def _llama_2_70b(n_layer: int | None) -> ModelRecipe:
+    from thunder_overlap.tools.tiny_models import Llama, LlamaConfig
+
+    # Llama-2-70B: 8192 wide, 64 query heads sharing 8 key/value heads, 80 layers.
+    config = LlamaConfig(n_embd=8192, n_head=64, n_query_groups=8, n_layer=80, intermediate_size=28672)
+    config = replace(config, n_layer=n_layer or config.n_layer)
+    return ModelRecipe(lambda: Llama(config), config.block_size, config.vocab_size, config.n_layer)
+
+
 # name -> recipe for a number of layers (None: the config's own).
-BUILTIN_MODELS: dict[str, Callable[[int | None], ModelRecipe]] = {"tiny-gpt": _tiny_gpt, "llama-2-7b": _llama_2_7b}
+BUILTIN_MODELS: dict[str, Callable[[int | None], ModelRecipe]] = {
+    "tiny-gpt": _tiny_gpt,
+    "llama-2-7b": _llama_2_7b,
+    "llama-2-70b": _llama_2_70b,
+}
 
 
 def litgpt_recipe(name: str, *, n_layer: int | None = None, block_size: int | None = None, builtins=BUILTIN_MODELS) -> ModelRecipe:
@@ -79,25 +93,12 @@ def trace_model(model: nn.Module, *, world_size: int, sharding: str, bucketing: 
     and ``config`` (an OverlapConfig; give it the report's cost model, as the meta device has no
     profile of its own); returns the jitted module, whose last traces the report reads."""
     import thunder
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import thunder_overlap
+    from thunder_overlap.report.thunder_baseline import fake_process_group
 
-    if dist.is_initialized():
-        raise RuntimeError("report traces on its own fake process group; call it where no process group is initialised")
-    # Thunder's SDPA executor asks CUDA whether flash/memory-efficient attention fits the inputs,
-    # which fails on meta tensors (and on machines without a driver); the math path needs nothing.
-    sdpa_flags = torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()
-    torch.backends.cuda.enable_flash_sdp(False)
-    torch.backends.cuda.enable_mem_efficient_sdp(False)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
+    with fake_process_group(world_size):
         jm = thunder_overlap.fsdp(model, device="meta", sharding_strategy=sharding, bucketing_strategy=bucketing, config=config)
         idx = torch.zeros(idx_shape, dtype=torch.long, device="meta")
         thunder.compile_data(jm).get_computation_and_inputs(idx)
         return jm
-    finally:
-        dist.destroy_process_group()
-        torch.backends.cuda.enable_flash_sdp(sdpa_flags[0])
-        torch.backends.cuda.enable_mem_efficient_sdp(sdpa_flags[1])

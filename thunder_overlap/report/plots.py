@@ -16,10 +16,10 @@ _US_PER_MS = 1000.0
 
 def _order_reports(report):
     """(order name, [(pass name, OrderReport, time offset ms)]) with the backward after the forward."""
-    for attr in ("baseline", "overlap"):
+    for position in range(len(report.passes[0].orders)):
         offset, items = 0.0, []
         for p in report.passes:
-            r = getattr(p, attr)
+            r = p.orders[position]
             items.append((p.name, r, offset))
             offset += r.predicted_ms
         yield items[0][1].order, items
@@ -84,16 +84,15 @@ def write_png(report, path: Path) -> None:
     fig, axes = plt.subplots(len(orders) + 1, 1, figsize=(12, 2.2 * len(orders) + 3), sharex=True)
     for ax, (order, items) in zip(axes, orders, strict=False):  # the last axis holds memory
         for _pass_name, r, offset in items:
-            compute = [
-                (offset + op.start_ms, op.end_ms - op.start_ms)
-                for op in r.simulation.ops
-                if op.end_ms > op.start_ms and r.annotated.nodes[op.node].kind is not NodeKind.WAIT
-            ]
-            stalls = [
-                (offset + op.start_ms, op.end_ms - op.start_ms)
-                for op in r.simulation.ops
-                if op.end_ms > op.start_ms and r.annotated.nodes[op.node].kind is NodeKind.WAIT
-            ]
+            compute, stalls = [], []
+            for op in r.simulation.ops:
+                node = r.annotated.nodes[op.node]
+                # A wait stalls first, then runs its bucket's copy-out (if any) as compute.
+                stalled = r.simulation.collectives[node.collective].exposed_ms if node.kind is NodeKind.WAIT else 0.0
+                if stalled > 0:
+                    stalls.append((offset + op.start_ms, stalled))
+                if op.end_ms > op.start_ms + stalled:
+                    compute.append((offset + op.start_ms + stalled, op.end_ms - op.start_ms - stalled))
             ax.broken_barh(compute, (2, 0.8), color="tab:blue")
             ax.broken_barh(stalls, (2, 0.8), color="tab:red")
             comm = [(offset + c.start_ms, c.duration_ms) for c in r.simulation.collectives]

@@ -3,9 +3,10 @@
 The traces Thunder produced before thunder_overlap's scheduling pass (see
 :func:`~thunder_overlap.report.report.unscheduled_trace`) are scheduled again by each policy of
 :data:`~thunder_overlap.config.SCHEDULING_POLICIES` with the same cost model the report
-simulates with, then simulated and memory-estimated like the report's own orders. The
-``just_in_time`` row is the memory budget's baseline; ``greedy`` shows what unbounded overlap
-costs in memory.
+simulates with, then simulated and memory-estimated like the report's own orders. The first row
+of each pass is Thunder's own FSDP (the report's baseline, ``thunder 0.2.6``), which every policy
+is compared with; ``stock`` is thunder_overlap's traces unscheduled. The ``just_in_time`` row is
+the memory budget's baseline; ``greedy`` shows what unbounded overlap costs in memory.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from thunder_overlap.analysis.blocks import largest_block_bytes
 from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.analysis.memory_estimate import MemoryEstimate
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.report.report import LEGEND, OrderReport, analyze_trace, speed_change, unscheduled_trace
+from thunder_overlap.report.report import BASELINE, LEGEND, OrderReport, analyze_trace, speed_change, unscheduled_trace
+from thunder_overlap.report.thunder_baseline import ThunderFSDPTraces, thunder_fsdp_baseline
 from thunder_overlap.scheduling.dispatch import schedule_trace
 from thunder_overlap.scheduling.summary import ScheduleSummary
 
@@ -35,10 +37,10 @@ vs JIT: predicted peak memory over the just-in-time order's in the same pass, mi
 
 @dataclass(frozen=True)
 class PolicyResult:
-    policy: str
+    policy: str  # a scheduling policy, or BASELINE for Thunder's own FSDP
     pass_name: str  # "forward" or "backward"
     report: OrderReport
-    summary: ScheduleSummary | None  # None for "stock", which schedules nothing
+    summary: ScheduleSummary | None  # None where nothing was scheduled (Thunder's own FSDP, stock)
 
     @property
     def bound_gap(self) -> float:
@@ -69,20 +71,21 @@ class PolicyComparison:
 
     def __str__(self) -> str:
         head = (
-            f"{'pass':<9} {'policy':<13} {'hidden/hideable':>15} {'exposed ms':>10} {'predicted ms':>12} "
+            f"{'pass':<9} {'policy':<14} {'hidden/hideable':>15} {'exposed ms':>10} {'predicted ms':>12} "
             f"{'max(C,M) ms':>11} {'gap':>6} {'peak MiB':>9} {'vs JIT':>7}"
         )
         lines = [f"world size {self.world_size}, device {self.device}, network {self.network}", head, "-" * len(head)]
         for r in self.results:
             o = r.report
             lines.append(
-                f"{r.pass_name:<9} {r.policy:<13} {f'{o.hidden}/{o.hideable}':>15} {o.exposed_ms:>10.3f} {o.predicted_ms:>12.3f} "
+                f"{r.pass_name:<9} {r.policy:<14} {f'{o.hidden}/{o.hideable}':>15} {o.exposed_ms:>10.3f} {o.predicted_ms:>12.3f} "
                 f"{o.bound_ms:>11.3f} {r.bound_gap:>6.1%} {o.peak_bytes / _MIB:>9.1f} {self.peak_over_just_in_time(r):>+7.1%}"
             )
         policies = list(dict.fromkeys(r.policy for r in self.results))
         lines.append("predicted step (forward + backward): " + ", ".join(f"{p} {self.step_ms(p):.3f} ms" for p in policies))
-        if "stock" in policies:
-            lines += [f"  {p} against stock: {speed_change(self.step_ms('stock'), self.step_ms(p))}" for p in policies if p != "stock"]
+        if BASELINE in policies:
+            base = self.step_ms(BASELINE)
+            lines += [f"  {p} against {BASELINE}: {speed_change(base, self.step_ms(p))}" for p in policies if p != BASELINE]
         return "\n".join([*lines, "", POLICY_LEGEND, LEGEND])
 
     def to_json(self, path: str | Path | None = None) -> dict:
@@ -108,11 +111,14 @@ def compare_policies(
     cost_model: CostModel,
     config: OverlapConfig | None = None,
     policies: tuple[str, ...] = COMPARED_POLICIES,
+    thunder_fsdp: ThunderFSDPTraces | None = None,
 ) -> PolicyComparison:
-    """Schedules ``jm``'s last forward and backward traces with each policy and reports them.
+    """Schedules ``jm``'s last forward and backward traces with each policy and reports them
+    beside Thunder's own FSDP.
 
     ``config`` supplies the limits (its ``policy`` is replaced by each compared one); the
-    prefetch byte limits are sized from ``jm``'s largest block as in training.
+    prefetch byte limits are sized from ``jm``'s largest block as in training. ``thunder_fsdp``
+    as in :func:`~thunder_overlap.report.report.report` (default: traced here).
     """
     config = config if config is not None else OverlapConfig()
     if "just_in_time" not in policies:
@@ -122,8 +128,15 @@ def compare_policies(
         raise ValueError("the module has not been run or traced yet: call it once (or trace it) before compare_policies()")
     block_bytes = largest_block_bytes(jm._model)
     passes = [("forward", unscheduled_trace(forward))] + ([("backward", unscheduled_trace(backward))] if backward else [])
+    thunder_fsdp = thunder_fsdp if thunder_fsdp is not None else thunder_fsdp_baseline(jm)
     results = []
     forward_memory: dict[str, MemoryEstimate] = {}
+    baseline_passes = [("forward", thunder_fsdp.forward)] + ([("backward", thunder_fsdp.backward)] if backward else [])
+    for pass_name, trace in baseline_passes:
+        report = analyze_trace(trace, cost_model, order=BASELINE, after=forward_memory.get(BASELINE))
+        if pass_name == "forward":
+            forward_memory[BASELINE] = report.memory
+        results.append(PolicyResult(BASELINE, pass_name, report, None))
     for policy in policies:
         for pass_name, trace in passes:
             policy_config = replace(config, policy=policy)
@@ -132,6 +145,7 @@ def compare_policies(
             if pass_name == "forward":
                 forward_memory[policy] = report.memory
             results.append(PolicyResult(policy, pass_name, report, scheduled.summary))
-    results.sort(key=lambda r: (r.pass_name != "forward", policies.index(r.policy)))
+    rows = (BASELINE, *policies)
+    results.sort(key=lambda r: (r.pass_name != "forward", rows.index(r.policy)))
     world_size = next((c.process_group.size() for r in results for c in r.report.annotated.collectives if c.process_group is not None), 1)
     return PolicyComparison(tuple(results), cost_model.device.name, cost_model.network.name, world_size)

@@ -1,14 +1,17 @@
 """The measuring stick: predicted step time, overlap and memory of a model's FSDP traces.
 
-``thunder_overlap.report(jm)`` reads the last forward and backward execution traces of a jitted
-module twice: as they run (thunder_overlap's schedule) and in Thunder's own order (the baseline),
-then simulates both with a :class:`CostModel` and estimates their memory.
+``thunder_overlap.report(jm)`` simulates three pairs of forward and backward execution traces
+with one :class:`CostModel` and estimates their memory:
 
-The baseline is the trace as it was just before thunder_overlap's scheduling pass, taken from
-the trace history Thunder keeps (``thunder.last_traces``): the newest trace whose provenance is
-not one of thunder_overlap's ``... schedule`` passes. It is exactly what the ``stock`` policy runs:
-Thunder's order, with thunder_overlap's ZeRO3 rewrite when the module is ZeRO3. Re-deriving it
-from the final trace instead would need to undo the scheduler, which keeps no inverse.
+- ``thunder 0.2.6`` (the baseline): what Thunder's own ``thunder.distributed.fsdp`` produces for
+  the same model, world size and sharding type (:mod:`~thunder_overlap.report.thunder_baseline`):
+  one collective per parameter, and for ZeRO3 no re-gather in backward, as Thunder runs it;
+- ``unscheduled``: thunder_overlap's traces just before its scheduling pass (ZeRO3 re-gathers,
+  buckets), in Thunder's order, taken from the trace history Thunder keeps
+  (``thunder.last_traces``): the newest trace whose provenance is not one of thunder_overlap's
+  ``... schedule`` passes. It is what the ``stock`` policy runs. Re-deriving it from the final
+  trace would need to undo the scheduler, which keeps no inverse;
+- ``thunder_overlap``: the traces as they run.
 """
 
 from __future__ import annotations
@@ -24,16 +27,39 @@ from thunder_overlap.analysis.classify import AnnotatedTrace, NodeKind, classify
 from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.analysis.memory_estimate import MemoryEstimate, estimate_memory
 from thunder_overlap.analysis.simulator import Simulation, simulate
+from thunder_overlap.report.thunder_baseline import THUNDER_LABEL, ThunderFSDPTraces, thunder_fsdp_baseline
 
-__all__ = ["LEGEND", "OrderReport", "PassReport", "Report", "analyze_trace", "report", "report_traces", "speed_change", "unscheduled_trace"]
+__all__ = [
+    "BASELINE",
+    "LEGEND",
+    "ORDERS",
+    "OVERLAP",
+    "UNSCHEDULED",
+    "OrderReport",
+    "PassReport",
+    "PassTraces",
+    "Report",
+    "analyze_trace",
+    "report",
+    "report_traces",
+    "speed_change",
+    "unscheduled_trace",
+]
 
-BASELINE = "thunder"
+# The three orders of a report, by the labels its rows carry.
+BASELINE = THUNDER_LABEL
+UNSCHEDULED = "unscheduled"
 OVERLAP = "thunder_overlap"
+ORDERS = (BASELINE, UNSCHEDULED, OVERLAP)
 _MIB = 2**20
 _SCHEDULE_PROVENANCE = ("thunder_overlap:", "schedule")
 _SHORT_KINDS = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}
 
-LEGEND = """\
+LEGEND = f"""\
+{BASELINE}: the traces Thunder's own FSDP produces for this model: one collective per parameter
+  (its bucketing does nothing), and ZeRO3 run as ZeRO2 (no re-gather in backward).
+{UNSCHEDULED}: thunder_overlap's traces before its scheduling pass (ZeRO3 re-gathers, buckets), in
+  Thunder's order.
 hideable: collectives that some compute op neither feeds nor depends on: the most any order can hide.
 hidden: collectives whose whole run the compute stream spends computing, not waiting: the compute
   between issue and wait covers their estimated time (thunder_overlap.analysis.overlap).
@@ -42,7 +68,9 @@ predicted ms: the pass simulated on one compute stream and one communication str
 bound ms: max(compute, busiest communication stream): no order of these ops can be faster.
 A collective's duration is its latency (latency x (ranks - 1) on a ring, x log2(ranks) on a tree)
   plus bytes / bandwidth. Each launch pays the latency; a coalesced launch of several tensors is one
-  launch, so orders that coalesce differently differ in communication and bound ms."""
+  launch, so orders that coalesce differently differ in communication and bound ms.
+A bucketed collective's local copies (lay-out and pre-average before its launch, copy-out after
+  its wait) run on the compute stream at memory bandwidth."""
 
 
 def speed_change(before_ms: float, after_ms: float) -> str:
@@ -99,14 +127,38 @@ class OrderReport:
 
 
 @dataclass(frozen=True)
+class PassTraces:
+    """One pass's execution traces in the report's three orders."""
+
+    baseline: TraceCtx  # Thunder's own FSDP
+    unscheduled: TraceCtx  # thunder_overlap's, before scheduling
+    overlap: TraceCtx  # thunder_overlap's, as it runs
+
+    def by_order(self) -> dict[str, TraceCtx]:
+        return dict(zip(ORDERS, (self.baseline, self.unscheduled, self.overlap), strict=True))
+
+
+@dataclass(frozen=True)
 class PassReport:
     name: str  # "forward" or "backward"
-    baseline: OrderReport
+    baseline: OrderReport  # Thunder's own FSDP
+    unscheduled: OrderReport
     overlap: OrderReport
+
+    @property
+    def orders(self) -> tuple[OrderReport, ...]:
+        return self.baseline, self.unscheduled, self.overlap
+
+    def order(self, label: str) -> OrderReport:
+        """The row of ``label`` (one of :data:`ORDERS`)."""
+        for r in self.orders:
+            if r.order == label:
+                return r
+        raise KeyError(f"no order {label!r}; a report has {list(ORDERS)}")
 
     def step_table(self, order: str = OVERLAP, max_rows: int | None = None) -> str:
         """A pipeline-schedule view: one row per op with the collectives in flight and memory."""
-        chosen = self.overlap if order == OVERLAP else self.baseline
+        chosen = self.order(order)
         sim, nodes = chosen.simulation, chosen.annotated.nodes
         memory = chosen.memory_after_node()
         rows = [f"{'step':>5} {'t ms':>9}  {'compute op':<28} {'comm in flight':<30} {'live MiB':>9}"]
@@ -131,7 +183,7 @@ class PassReport:
 
 @dataclass(frozen=True)
 class Report:
-    """Forward and backward, baseline against thunder_overlap. ``str()`` is a table."""
+    """Forward and backward in Thunder's FSDP, unscheduled and thunder_overlap. ``str()`` is a table."""
 
     passes: tuple[PassReport, ...]
     device: str
@@ -147,7 +199,7 @@ class Report:
         raise KeyError(f"no pass {name!r}; this report has {[p.name for p in self.passes]}")
 
     def step_ms(self, order: str) -> float:
-        return sum((p.overlap if order == OVERLAP else p.baseline).predicted_ms for p in self.passes)
+        return sum(p.order(order).predicted_ms for p in self.passes)
 
     def __str__(self) -> str:
         head = (
@@ -157,7 +209,7 @@ class Report:
         why = f" ({self.profile_reason})" if self.profile_reason else ""
         lines = [f"world size {self.world_size}, device {self.device}, network {self.network}{why}", head, "-" * len(head)]
         for p in self.passes:
-            for r in (p.baseline, p.overlap):
+            for r in p.orders:
                 lines.append(
                     f"{p.name:<9} {r.order:<16} {r.collectives:>6} {r.hideable:>8} {r.hidden:>6} {r.exposed_ms:>10.3f} "
                     f"{r.predicted_ms:>12.3f} {r.bound_ms:>9.3f} {r.peak_bytes / _MIB:>10.1f}"
@@ -165,10 +217,12 @@ class Report:
         for p in self.passes:
             lines.append(
                 f"{p.name}: {OVERLAP} hides {p.overlap.hidden} of {p.overlap.hideable} potentially hideable collectives "
-                f"({BASELINE}: {p.baseline.hidden} of {p.baseline.hideable})"
+                f"({BASELINE}: {p.baseline.hidden} of {p.baseline.hideable}, "
+                f"{UNSCHEDULED}: {p.unscheduled.hidden} of {p.unscheduled.hideable})"
             )
-        base, ours = self.step_ms(BASELINE), self.step_ms(OVERLAP)
-        lines.append(f"predicted step (forward + backward): {BASELINE} {base:.3f} ms, {OVERLAP} {ours:.3f} ms: {speed_change(base, ours)}")
+        steps = ", ".join(f"{order} {self.step_ms(order):.3f} ms" for order in ORDERS)
+        verdict = speed_change(self.step_ms(BASELINE), self.step_ms(OVERLAP))
+        lines.append(f"predicted step (forward + backward): {steps}: {OVERLAP} against {BASELINE}: {verdict}")
         return "\n".join([*lines, "", LEGEND])
 
     def to_json(self, path: str | Path | None = None) -> dict:
@@ -178,7 +232,7 @@ class Report:
             "network": self.network,
             "world_size": self.world_size,
             "profile_reason": self.profile_reason,
-            "step_ms": {BASELINE: self.step_ms(BASELINE), OVERLAP: self.step_ms(OVERLAP)},
+            "step_ms": {order: self.step_ms(order) for order in ORDERS},
             "passes": {
                 p.name: {
                     r.order: {
@@ -195,7 +249,7 @@ class Report:
                             for c in r.simulation.collectives
                         ],
                     }
-                    for r in (p.baseline, p.overlap)
+                    for r in p.orders
                 }
                 for p in self.passes
             },
@@ -212,7 +266,7 @@ class Report:
         write_chrome_trace(self, Path(path))
 
     def to_png(self, path: str | Path) -> None:
-        """Timeline and memory curve of both orders, forward then backward (needs matplotlib)."""
+        """Timeline and memory curve of each order, forward then backward (needs matplotlib)."""
         from thunder_overlap.report.plots import write_png
 
         write_png(self, Path(path))
@@ -252,18 +306,15 @@ def unscheduled_trace(history: list[TraceCtx]) -> TraceCtx:
     raise ValueError("every trace in the history comes from thunder_overlap's scheduler; no baseline to compare with")
 
 
-def report_traces(
-    forward: tuple[TraceCtx, TraceCtx], backward: tuple[TraceCtx, TraceCtx] | None, cost_model: CostModel, profile_reason: str = ""
-) -> Report:
-    """A report from (baseline, scheduled) pairs of forward and backward execution traces."""
+def report_traces(forward: PassTraces, backward: PassTraces | None, cost_model: CostModel, profile_reason: str = "") -> Report:
+    """A report from the forward and backward execution traces in the three orders."""
     passes = []
     forward_memory: dict[str, MemoryEstimate] = {}
-    for name, pair in (("forward", forward), ("backward", backward)):
-        if pair is None:
+    for name, traces in (("forward", forward), ("backward", backward)):
+        if traces is None:
             continue
-        baseline_trace, overlap_trace = pair
         reports = []
-        for order, trace in ((BASELINE, baseline_trace), (OVERLAP, overlap_trace)):
+        for order, trace in traces.by_order().items():
             r = analyze_trace(trace, cost_model, order=order, after=forward_memory.get(order))
             if name == "forward":
                 forward_memory[order] = r.memory
@@ -279,6 +330,7 @@ def report(
     cost_model: CostModel | None = None,
     device_profile: str | None = None,
     network: str | None = None,
+    thunder_fsdp: ThunderFSDPTraces | None = None,
 ) -> Report:
     """Report for the last forward and backward traces of ``jm`` (run or traced once first).
 
@@ -290,6 +342,9 @@ def report(
         network: a name from ``cost_model.NETWORK_PROFILES`` or ``custom:<latency_us>:<GB/s>``;
             default: from the backend and size of the process group of ``jm``'s collectives
             (gloo: gloo-loopback; otherwise NVLink within a node, InfiniBand across nodes).
+        thunder_fsdp: Thunder's own FSDP traces of the same model (the baseline); default:
+            :func:`~thunder_overlap.report.thunder_baseline.thunder_fsdp_baseline` (which traces
+            them, seconds per transformer layer).
     """
     forward = thunder.last_traces(jm)
     if not forward:
@@ -302,9 +357,14 @@ def report(
         finals = [classify_trace(forward[-1])] + ([classify_trace(backward[-1])] if backward else [])
         choice = choose_profile(jm, finals, device_profile=device_profile, network=network)
         cost_model, reason = choice.cost_model(), choice.reason
+    if thunder_fsdp is None:
+        thunder_fsdp = thunder_fsdp_baseline(jm)
+    if (thunder_fsdp.backward is None) != (not backward):
+        raise ValueError("Thunder's FSDP traces and the module's must both have a backward, or neither")
     return report_traces(
-        (unscheduled_trace(forward), forward[-1]),
-        (unscheduled_trace(backward), backward[-1]) if backward else None,
+        PassTraces(thunder_fsdp.forward, unscheduled_trace(forward), forward[-1]),
+        PassTraces(thunder_fsdp.backward, unscheduled_trace(backward), backward[-1]) if backward else None,
         cost_model,
         reason,
     )
+

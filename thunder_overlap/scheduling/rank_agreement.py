@@ -18,6 +18,9 @@ Ranks agree on the coalesced launches (:mod:`~thunder_overlap.scheduling.launche
 exchange: which collectives go out together is part of what must pair up. A retrace reproduces
 the agreed launches.
 
+The same exchange carries each rank's bucket plan digest: ranks that formed other buckets (another
+``bucket_cap_mb`` on one rank, say) raise on every rank, naming the ranks, before any collective.
+
 Collectives are identified across traces by :class:`CollectiveKey`: kind, dtype, the shape of
 what they move (parameter shapes, never activation shapes) and how many equal ones precede them
 in Thunder's own order, which follows the parameters.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -88,8 +92,10 @@ class IssueOrderAgreement:
     and estimates.
     """
 
-    def __init__(self, *, exchange: bool = True) -> None:
+    def __init__(self, *, exchange: bool = True, plan_digest: Callable[[], str | None] | None = None) -> None:
         self.exchange = exchange
+        # This rank's bucket plan digest (None without buckets), read at the exchange.
+        self.plan_digest = plan_digest if plan_digest is not None else (lambda: None)
         # (pass name, sorted keys) -> the keys in the agreed issue order.
         self._agreed: dict[tuple[str, tuple[CollectiveKey, ...]], list[CollectiveKey]] = {}
         # (pass name, sorted keys) -> the agreed coalesced launches, each a list of keys in issue order.
@@ -135,7 +141,7 @@ class IssueOrderAgreement:
         my_launches = [[keys[c] for c in launch] for launch in launches]
         agreed, agreed_launches = mine, my_launches
         if self.exchange and _exchange_is_possible(group):
-            agreed, agreed_launches = self._exchange(mine, my_launches, group)
+            agreed, agreed_launches = self._exchange(mine, my_launches, group, self.plan_digest())
         self._agreed[self._entry(pass_name, keys)] = agreed
         self._launches[self._entry(pass_name, keys)] = agreed_launches
         self.adopted[pass_name] = agreed != mine
@@ -145,11 +151,12 @@ class IssueOrderAgreement:
 
     @staticmethod
     def _exchange(
-        mine: list[CollectiveKey], my_launches: list[list[CollectiveKey]], group: dist.ProcessGroup
+        mine: list[CollectiveKey], my_launches: list[list[CollectiveKey]], group: dist.ProcessGroup, plan_digest: str | None
     ) -> tuple[list[CollectiveKey], list[list[CollectiveKey]]]:
         gathered: list[tuple | None] = [None] * group.size()
-        dist.all_gather_object(gathered, (mine, my_launches), group=group)
-        orders = [order for order, _ in gathered]
+        dist.all_gather_object(gathered, (plan_digest, mine, my_launches), group=group)
+        _check_same_bucket_plan([digest for digest, _, _ in gathered])
+        orders = [order for _, order, _ in gathered]
         reference = orders[0]
         differing = [rank for rank, order in enumerate(orders) if sorted(order, key=str) != sorted(reference, key=str)]
         if differing:
@@ -160,4 +167,16 @@ class IssueOrderAgreement:
                 f"which would hang at the first differing one: {_first_difference(orders[first], reference, first)}. "
                 "Give every rank the same model, sharding and bucketing."
             )
-        return reference, gathered[0][1]
+        return reference, gathered[0][2]
+
+
+def _check_same_bucket_plan(digests: list[str | None]) -> None:
+    """Raises (on every rank: each sees every digest) when ranks planned other buckets than rank 0."""
+    differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+    if differing:
+        shown = ", ".join(f"rank {rank}: {digests[rank]}" for rank in [0, *differing])
+        raise RuntimeError(
+            f"thunder_overlap: ranks {differing} of the process group planned other buckets than rank 0 (plan digests {shown}), "
+            "so their collectives would not pair up. Give every rank the same model, bucketing_strategy, bucket_cap_mb, "
+            "block_types and OverlapConfig; BucketingTransform.of(model).summaries['plan'] lists each rank's buckets."
+        )

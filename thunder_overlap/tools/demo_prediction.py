@@ -2,14 +2,12 @@
 
 Each prediction traces the model on the meta device in a process that pretends to be rank 0 of
 ``world_size`` ranks (PyTorch's fake process group) and simulates the traces with the cost model,
-as ``python -m thunder_overlap report`` does. Three orders come out of two traces:
+as ``python -m thunder_overlap report`` does, in the report's three orders:
 
-- Thunder's FSDP: the per-parameter trace (``bucketing="none"``) in Thunder's order;
-- buckets alone: the trace with the demo's buckets, still in Thunder's order;
-- thunder_overlap: that trace as thunder_overlap schedules it.
-
-All three carry thunder_overlap's ZeRO3 re-gathers (Thunder 0.2.6 runs ZeRO3 as ZeRO2), so the
-columns differ only by the buckets and by the schedule.
+- thunder 0.2.6: the traces Thunder's own FSDP produces for the model (one collective per
+  parameter; ZeRO3 run as ZeRO2, so no re-gather in backward);
+- unscheduled: thunder_overlap's traces (the demo's buckets, ZeRO3 re-gathers) in Thunder's order;
+- thunder_overlap: those traces as thunder_overlap schedules them.
 """
 
 from __future__ import annotations
@@ -51,15 +49,15 @@ class PredictedStep:
     dtype: str
     batch: int
     seq_len: int
-    thunder_ms: float  # per-parameter collectives in Thunder's order
-    buckets_only_ms: float  # the demo's buckets in Thunder's order
-    overlap_ms: float  # the demo's buckets as thunder_overlap schedules them
+    thunder_ms: float  # Thunder's own FSDP
+    unscheduled_ms: float  # thunder_overlap's traces (buckets, ZeRO3 re-gathers) in Thunder's order
+    overlap_ms: float  # the same traces as thunder_overlap schedules them
     # Estimated peak live bytes of a step (forward, then backward on what the forward kept).
     thunder_peak_bytes: int
     overlap_peak_bytes: int
 
 
-def _traced_report(setup: PredictionSetup, bucketing: str, cost_model):
+def _traced_report(setup: PredictionSetup, cost_model):
     import torch
 
     from thunder_overlap.config import OverlapConfig
@@ -73,21 +71,20 @@ def _traced_report(setup: PredictionSetup, bucketing: str, cost_model):
         model,
         world_size=setup.world_size,
         sharding=setup.sharding,
-        bucketing=bucketing,
+        bucketing=setup.bucketing,
         idx_shape=(PREDICTED_BATCH, setup.model.block_size),
         config=OverlapConfig(cost_model=cost_model),
     )
-    return report(jm, cost_model=cost_model)
+    return report(jm, cost_model=cost_model)  # traces Thunder's own FSDP of the same model
 
 
 def predict_step(setup: PredictionSetup) -> PredictedStep:
     """Traces and simulates; call where no process group is initialised (a fresh process)."""
     from thunder_overlap.analysis.cost_model import CostModel
-    from thunder_overlap.report.report import BASELINE, OVERLAP
+    from thunder_overlap.report.report import BASELINE, OVERLAP, UNSCHEDULED
 
     cost_model = CostModel.named(DEVICE_PROFILE, setup.network)
-    ours = _traced_report(setup, setup.bucketing, cost_model)
-    theirs = ours if setup.bucketing == "none" else _traced_report(setup, "none", cost_model)
+    result = _traced_report(setup, cost_model)
     return PredictedStep(
         world_size=setup.world_size,
         network=setup.network,
@@ -95,9 +92,9 @@ def predict_step(setup: PredictionSetup) -> PredictedStep:
         dtype=DTYPE,
         batch=PREDICTED_BATCH,
         seq_len=setup.model.block_size,
-        thunder_ms=theirs.step_ms(BASELINE),
-        buckets_only_ms=ours.step_ms(BASELINE),
-        overlap_ms=ours.step_ms(OVERLAP),
-        thunder_peak_bytes=max(p.baseline.peak_bytes for p in theirs.passes),
-        overlap_peak_bytes=max(p.overlap.peak_bytes for p in ours.passes),
+        thunder_ms=result.step_ms(BASELINE),
+        unscheduled_ms=result.step_ms(UNSCHEDULED),
+        overlap_ms=result.step_ms(OVERLAP),
+        thunder_peak_bytes=max(p.baseline.peak_bytes for p in result.passes),
+        overlap_peak_bytes=max(p.overlap.peak_bytes for p in result.passes),
     )

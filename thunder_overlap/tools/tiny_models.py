@@ -94,6 +94,8 @@ class LlamaConfig:
     vocab_size: int = 32000
     n_embd: int = 4096
     n_head: int = 32
+    # Key/value heads (grouped-query attention, as Llama-2-70B's 8); None: one per query head.
+    n_query_groups: int | None = None
     n_layer: int = 32
     intermediate_size: int = 11008
     block_size: int = 4096
@@ -126,8 +128,10 @@ class LlamaBlock(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
+        self.n_query_groups = config.n_query_groups or config.n_head
+        self.kv_width = self.n_query_groups * (config.n_embd // config.n_head)
         self.norm_1 = RMSNorm(config.n_embd, config.norm_eps)
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
+        self.qkv = nn.Linear(config.n_embd, config.n_embd + 2 * self.kv_width, bias=False)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.norm_2 = RMSNorm(config.n_embd, config.norm_eps)
         self.fc_1 = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
@@ -136,8 +140,13 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
-        q, k, v = self.qkv(self.norm_1(x)).split(width, dim=2)
-        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        head_size = width // self.n_head
+        q, k, v = self.qkv(self.norm_1(x)).split((width, self.kv_width, self.kv_width), dim=2)
+        q = q.view(batch, seq, self.n_head, head_size).transpose(1, 2)
+        k, v = (t.view(batch, seq, self.n_query_groups, head_size).transpose(1, 2) for t in (k, v))
+        if self.n_query_groups != self.n_head:
+            repeats = self.n_head // self.n_query_groups
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         y = F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(batch, seq, width))
         h = self.norm_2(x)

@@ -12,6 +12,10 @@ Thunder's FSDP gathers and reduce-scatters every parameter on its own. This tran
   A backward compiled under no_sync gets one ``bucket_accumulate_grads`` per bucket instead,
   which sums the gradients locally; the bucket's next reduce-scatter sends the sum.
 
+Which parameters share a bucket is planned in ``transform_module``: by layer, by block, or
+(``"auto"``) sized by the cost model (:mod:`~thunder_overlap.bucketing.auto_plan`);
+``summaries["plan"]`` says which buckets were formed and why.
+
 A bucket's gather starts where its first parameter's did and its reduce-scatter where the last
 gradient's did; :class:`OverlapScheduleTransform`, which runs next, moves them from there.
 Collectives this transform cannot bucket (a parameter it does not know, a gradient that is not
@@ -34,9 +38,19 @@ from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 from thunder.distributed import get_skip_data_parallel_grad_sync
 
+from thunder_overlap.analysis.blocks import BlockTypes, find_blocks
 from thunder_overlap.analysis.classify import parameter_names_of_inputs
+from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap.bucketing.auto_plan import AutoBucketCaps, plan_auto_buckets
 from thunder_overlap.bucketing.buffers import BucketBuffers, BufferPool, register_bucket
-from thunder_overlap.bucketing.plan import BucketPlan, bucket_owner, plan_buckets
+from thunder_overlap.bucketing.plan import (
+    BucketPlan,
+    BucketPlanSummary,
+    bucket_owner,
+    plan_buckets_with_ends,
+    summarize_plans,
+    unsharded_bytes_of,
+)
 from thunder_overlap.bucketing.trace_rewrite import (
     BucketIndex,
     BucketingSummary,
@@ -44,6 +58,7 @@ from thunder_overlap.bucketing.trace_rewrite import (
     forward_input_names,
     rewrite_bucket_collectives,
 )
+from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import BucketingStrategy, parse_bucketing_strategy
 from thunder_overlap.transforms.executor import (
     bucket_accumulate_grads,
@@ -70,23 +85,40 @@ class BucketingTransform(Transform):
     """Lays buckets out in persistent flat buffers and bucket-wise collectives in the traces.
 
     Args:
-        strategy: :attr:`BucketingStrategy.LAYER` or ``BLOCK`` (or their names; see
-            :func:`~thunder_overlap.bucketing.plan.bucket_owner`).
+        strategy: :attr:`BucketingStrategy.LAYER`, ``BLOCK`` or ``AUTO`` (or their names; see
+            :func:`~thunder_overlap.bucketing.plan.bucket_owner` and
+            :mod:`~thunder_overlap.bucketing.auto_plan`).
         process_group: the FSDP process group.
         cap_bytes: largest unsharded bucket size; None for no cap.
+        config: the scheduler's options: its cost model (default: the shards' device's, over
+            :func:`~thunder_overlap.analysis.cost_model.default_network`), prefetch limit, memory
+            slack and ``auto_bucket_latency_share`` size ``"auto"`` buckets.
+        block_types: the module classes that form blocks (None: detected).
+
+    After ``transform_module``, ``summaries["plan"]`` is the :class:`BucketPlanSummary`; after
+    each compile, ``summaries["forward"]``, ``["backward"]`` (or ``["backward (no_sync)"]``) are
+    the :class:`BucketingSummary` of that trace's rewrite.
     """
 
     def __init__(
-        self, strategy: BucketingStrategy | str, process_group: dist.ProcessGroup, cap_bytes: int | None = None
+        self,
+        strategy: BucketingStrategy | str,
+        process_group: dist.ProcessGroup,
+        cap_bytes: int | None = None,
+        *,
+        config: OverlapConfig | None = None,
+        block_types: BlockTypes | None = None,
     ) -> None:
         self.strategy = parse_bucketing_strategy(strategy)
         if not self.strategy.has_buckets:
-            raise ValueError(f"BucketingTransform needs strategy 'layer' or 'block', got {strategy!r}")
+            raise ValueError(f"BucketingTransform needs strategy 'layer', 'block' or 'auto', got {strategy!r}")
         self.process_group = process_group
         self.cap_bytes = cap_bytes
+        self.config = config if config is not None else OverlapConfig()
+        self.block_types = block_types
         self.buckets: dict[int, BucketBuffers] = {}
         self.pool = BufferPool()
-        self.summaries: dict[str, BucketingSummary] = {}
+        self.summaries: dict[str, BucketingSummary | BucketPlanSummary] = {}
         # parameter name (every alias of a tied parameter) -> (bucket id, slot)
         self._slots: dict[str, tuple[int, int]] = {}
         # computation-trace input name -> parameter name, from every prologue seen
@@ -117,11 +149,23 @@ class BucketingTransform(Transform):
 
     # --- module -----------------------------------------------------------------------------
 
+    @property
+    def plan_summary(self) -> BucketPlanSummary | None:
+        """Which buckets were formed and why; None before ``transform_module``."""
+        summary = self.summaries.get("plan")
+        return summary if isinstance(summary, BucketPlanSummary) else None
+
+    def plan_digest(self) -> str | None:
+        """The plan's hash, which ranks compare before their first collective."""
+        summary = self.plan_summary
+        return summary.digest if summary is not None else None
+
     def transform_module(self, model) -> None:
-        owners = bucket_owner(model._model, self.strategy)
+        owners = bucket_owner(model._model, self.strategy, self.block_types)
         shared = model._get_shared_names()
         shards = list(model.named_parameters())
-        plans = plan_buckets(shards, owners, world_size=self.process_group.size(), cap_bytes=self.cap_bytes)
+        plans = self._plan(model, shards, owners)
+        logger.info("%s", self.summaries["plan"])
         current = dict(shards)
         for plan in plans:
             first = current[plan.slots[0].name]
@@ -137,6 +181,50 @@ class BucketingTransform(Transform):
                 for alias in shared[slot.name]:
                     model._overrides_parameters[alias] = parameter
                     self._slots[alias] = (bucket_id, index)
+
+    def _plan(self, model, shards: list[tuple[str, torch.Tensor]], owners: dict[str, str]) -> list[BucketPlan]:
+        world_size = self.process_group.size()
+        # The same cost model the scheduler uses by default; only its network is read, so ranks
+        # with other measured compute timings still plan alike.
+        device = shards[0][1].device if shards else torch.device("cpu")
+        cost_model = self.config.cost_model if self.config.cost_model is not None else CostModel.for_device(device, world_size)
+        if self.strategy is BucketingStrategy.AUTO:
+            caps = self._auto_caps(model, shards, owners)
+            plans, summary = plan_auto_buckets(
+                shards,
+                owners,
+                world_size=world_size,
+                cost_model=cost_model,
+                latency_share=self.config.auto_bucket_latency_share,
+                caps=caps,
+            )
+            self.summaries["plan"] = summary
+            return plans
+        planned = plan_buckets_with_ends(shards, owners, world_size=world_size, cap_bytes=self.cap_bytes)
+        cap = (self.cap_bytes, "bucket_cap_mb") if self.cap_bytes is not None else (None, None)
+        self.summaries["plan"] = summarize_plans(
+            planned, owners, strategy=self.strategy, world_size=world_size, cost_model=cost_model, cap=cap
+        )
+        return [plan for plan, _ in planned]
+
+    def _auto_caps(self, model, shards: list[tuple[str, torch.Tensor]], owners: dict[str, str]) -> AutoBucketCaps:
+        # The schedule's limits, resolved as OverlapScheduleTransform resolves them, with the
+        # largest block measured as gathered (padding included), which is what its collectives
+        # move: otherwise padding alone would keep two blocks out of a two-block limit.
+        blocks = {name for name, _ in find_blocks(model._model, self.block_types)}
+        gathered: dict[str, int] = {}
+        for name, shard in shards:
+            if owners[name] in blocks:
+                gathered[owners[name]] = gathered.get(owners[name], 0) + unsharded_bytes_of(shard, self.process_group.size())
+        limits = self.config.limits(max(gathered.values(), default=None))
+        # Only the budget's fixed slack: its ratio part follows the activations' shapes, which
+        # ranks need not share, and the plan must be the same on every rank.
+        slack = limits.memory_budget.slack_bytes if limits.memory_budget is not None else None
+        return AutoBucketCaps(
+            bucket_cap_bytes=self.cap_bytes,
+            prefetch_bytes=limits.max_allgather_bytes,
+            memory_slack_bytes=slack or None,
+        )
 
     # --- traces -----------------------------------------------------------------------------
 

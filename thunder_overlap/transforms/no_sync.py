@@ -23,7 +23,7 @@ class RefuseNoSyncTransform(Transform):
         if get_skip_data_parallel_grad_sync():
             raise NotImplementedError(
                 "thunder_overlap: no_sync / thunder.distributed.skip_data_parallel_grad_sync() needs "
-                "bucketing_strategy='layer' or 'block' (got 'none'): the unsynchronised gradients are summed in the "
+                "bucketing_strategy='layer', 'block' or 'auto' (got 'none'): the unsynchronised gradients are summed in the "
                 "bucket buffers, and Thunder's FSDP alone drops them (every .grad stays None). Use buckets, or "
                 "accumulate by calling backward() on each micro-batch outside no_sync (each backward "
                 "reduce-scatters and .grad accumulates the shards)."

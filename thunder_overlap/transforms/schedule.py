@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 from thunder.core.devices import to_torch_device
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 
-from thunder_overlap.analysis.blocks import largest_block_bytes
+from thunder_overlap.analysis.blocks import BlockTypes, largest_block_bytes
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace, find_swallowed_collectives
 from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.config import OverlapConfig
@@ -27,22 +28,34 @@ class OverlapScheduleTransform(Transform):
     Compute keeps its order; all-gathers move up to prefetch within the configured limits,
     reduce-scatters move up to right after their gradient, waits move down to their first use.
     What the scheduler decided for the last forward and backward is kept in :attr:`summaries`.
+
+    ``block_types`` names the module classes that form blocks (None: detected), which size the
+    default prefetch limits; ``plan_digest`` returns the bucket plan's hash (None without
+    buckets), which ranks compare when they agree on the issue order.
     """
 
-    def __init__(self, config: OverlapConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: OverlapConfig | None = None,
+        *,
+        block_types: BlockTypes | None = None,
+        plan_digest: Callable[[], str | None] | None = None,
+    ) -> None:
         self.config = config if config is not None else OverlapConfig()
+        self.block_types = block_types
         # Sizes the default prefetch limits; None until transform_module sees the model.
         self.largest_block_bytes: int | None = None
         self.summaries: dict[str, ScheduleSummary] = {}
-        self.agreement = IssueOrderAgreement(exchange=self.config.check_ranks_agree)
+        self.agreement = IssueOrderAgreement(exchange=self.config.check_ranks_agree, plan_digest=plan_digest)
 
     def transform_module(self, model) -> None:
         # The original module still has the unsharded shapes (on meta once FSDP released it).
-        self.largest_block_bytes = largest_block_bytes(model._model)
+        self.largest_block_bytes = largest_block_bytes(model._model, self.block_types)
         if self.largest_block_bytes is None and self.config.policy in ("memory_aware", "heuristic"):
             warnings.warn(
                 f"thunder_overlap: {type(model._model).__name__} has no nn.ModuleList/nn.Sequential of blocks to "
-                f"size prefetching by; limiting all-gathers in flight to {self.config.fallback_in_flight_allgathers} "
+                f"size prefetching by (name them with block_types=); limiting all-gathers in flight to "
+                f"{self.config.fallback_in_flight_allgathers} "
                 "and leaving reduce-scatter bytes unbounded unless OverlapConfig sets limits",
                 stacklevel=2,
             )

@@ -1,0 +1,110 @@
+"""Bytes the bucketed collectives copy in local memory, on the compute stream.
+
+A bucketed collective does more than launch: its start may lay the bucket's tensors out for the
+launch and its wait may lay the result out for its readers (:mod:`thunder_overlap.bucketing.buffers`).
+Those copies run on the compute stream, before the launch and after the wait, at memory
+bandwidth; :meth:`CostModel.local_copy_ms` turns the bytes counted here into time and the
+simulator runs it at the operator's node.
+
+:data:`LOCAL_COPY_BYTES` maps an operator's name to a function of its bound symbol that returns
+the bytes it reads plus the bytes it writes, computed from the symbol's proxies. An operator that
+is not in the table copies nothing (Thunder's per-parameter collectives send and receive the
+tensors the trace names). Adding an operator, a coalesced one included, is one entry here: reuse
+the helpers below or write a function of the same shape.
+
+What each bucket operator copies (``U`` is the bucket's unsharded bytes, ``G`` its gradients'):
+
+- ``bucket_all_gather``: nothing; the flat shard it sends is the parameters' storage.
+- ``bucket_all_gather_wait``: ``2 U``, the ``split_with_sizes_copy`` from the rank-major gather
+  output to the parameter-major layout; nothing when the bucket holds one tensor (views suffice).
+- ``bucket_reduce_scatter``: ``G + U`` for the ``_chunk_cat`` that lays the gradients out (and
+  pads them), plus ``2 U`` for the in-place pre-average when it divides; a bucket of one
+  gradient that needs no padding skips the lay-out: ``G + U`` for an out-of-place pre-average,
+  nothing without one. Gradients summed under
+  no_sync add ``2 U`` once, on the step after; not counted.
+- ``bucket_reduce_scatter_wait``: nothing; the reduce-scatter wrote the gradient shard in place.
+- ``bucket_accumulate_grads`` (no_sync): the ``_chunk_cat`` (``G + U``) and the sum into the kept
+  gradients (``3 U``), with ``U`` taken as ``G``: this operator has no process group to pad by.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch.distributed as dist
+from thunder.core.proxies import FutureTensorProxy, TensorProxy
+from thunder.core.symbol import BoundSymbol
+
+__all__ = ["LOCAL_COPY_BYTES", "LocalCopyBytes", "local_copy_bytes"]
+
+# Bytes read plus bytes written by one operator's local copies, from its bound symbol.
+LocalCopyBytes = Callable[[BoundSymbol], int]
+
+
+def _bytes(t: TensorProxy) -> int:
+    return math.prod(int(s) for s in t.shape) * t.dtype.bytes
+
+
+def _futures(values) -> list[FutureTensorProxy]:
+    return [v for v in values if isinstance(v, FutureTensorProxy)]
+
+
+def _tensors(values) -> list[TensorProxy]:
+    return [v for v in values if isinstance(v, TensorProxy) and not isinstance(v, FutureTensorProxy)]
+
+
+def no_copy(bsym: BoundSymbol) -> int:
+    return 0
+
+
+def all_gather_copy_out(bsym: BoundSymbol) -> int:
+    """Reads and writes each gathered bucket once, unless its one output is the whole of it."""
+    (gathered,) = _futures(bsym.flat_args)
+    outputs = _tensors(bsym.flat_outs)
+    if len(outputs) == 1 and _bytes(outputs[0]) == _bytes(gathered):
+        return 0
+    return 2 * _bytes(gathered)
+
+
+def _laid_out_bytes(bsym: BoundSymbol, gradient_bytes: int) -> int:
+    """The reduce-scatter input: the shard the future holds on every rank (padding included)."""
+    groups = [a for a in bsym.args if isinstance(a, dist.ProcessGroup)]
+    futures = _futures(bsym.flat_outs)
+    if len(groups) != 1 or len(futures) != 1:
+        return gradient_bytes
+    return groups[0].size() * _bytes(futures[0])
+
+
+def reduce_scatter_copy_in(bsym: BoundSymbol) -> int:
+    """``_chunk_cat`` of the gradients into the laid-out input, and the pre-average in place."""
+    grads = _tensors(bsym.flat_args)
+    gradients = sum(_bytes(t) for t in grads)
+    laid_out = _laid_out_bytes(bsym, gradients)
+    divides = bsym.args[-1] is not None
+    if len(grads) == 1 and laid_out == gradients:
+        # One unpadded gradient is sent as it is, or pre-averaged out of place in one pass.
+        return gradients + laid_out if divides else 0
+    return gradients + laid_out + (2 * laid_out if divides else 0)
+
+
+def accumulate_copy(bsym: BoundSymbol) -> int:
+    """``_chunk_cat`` of the gradients, then ``sum += laid_out`` (two reads, one write)."""
+    gradients = sum(_bytes(t) for t in _tensors(bsym.flat_args))
+    laid_out = gradients
+    return gradients + laid_out + 3 * laid_out
+
+
+LOCAL_COPY_BYTES: dict[str, LocalCopyBytes] = {
+    "bucket_all_gather": no_copy,
+    "bucket_all_gather_wait": all_gather_copy_out,
+    "bucket_reduce_scatter": reduce_scatter_copy_in,
+    "bucket_reduce_scatter_wait": no_copy,
+    "bucket_accumulate_grads": accumulate_copy,
+}
+
+
+def local_copy_bytes(bsym: BoundSymbol) -> int:
+    """Bytes ``bsym`` copies in local memory (0 for an operator not in :data:`LOCAL_COPY_BYTES`)."""
+    count = LOCAL_COPY_BYTES.get(bsym.sym.name)
+    return 0 if count is None else count(bsym)
