@@ -70,6 +70,19 @@ def test_every_rank_issues_the_same_collectives_in_the_same_order(runs, sharding
     assert all(r.collectives == ranks[0].collectives for r in ranks)
 
 
+@pytest.mark.parametrize("sharding", STRATEGIES)
+def test_parameters_issued_together_go_out_as_one_coalesced_launch(runs, sharding):
+    # The forward issues the first parameters' all-gathers back to back; over gloo on a CPU
+    # latency dominates such small collectives, so the cost model coalesces them. The numerics
+    # tests above ran with these launches.
+    _, ranks, _, _ = runs[sharding]
+    names = [c.split("(")[0] for c in ranks[0].collectives]
+    launches = ranks[0].forward_stats.coalesced_launches + ranks[0].backward_stats.coalesced_launches
+    assert ranks[0].forward_stats.coalesced_launches >= 1
+    assert names.count("coalesced_all_gather") >= 1
+    assert names.count("coalesced_wait") == launches
+
+
 def test_zero3_saves_only_sharded_parameters_for_backward(runs):
     zero2 = runs["zero2"][1][0]
     zero3 = runs["zero3"][1][0]

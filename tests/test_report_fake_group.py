@@ -15,6 +15,7 @@ import thunder_overlap
 from thunder_overlap.__main__ import main as package_main
 from thunder_overlap.analysis.classify import NodeKind
 from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap.config import OverlapConfig
 from thunder_overlap.report import device_choice
 from thunder_overlap.report.cli import DEFAULT_OUT, main
 from thunder_overlap.report.models import trace_model
@@ -137,7 +138,10 @@ MODEL = TinyGPTConfig(n_layer=2, n_embd=32)
 def jitted():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     torch.manual_seed(0)
-    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3")
+    # Separate launches: these tests judge overlap, and at 8 ranks over loopback gloo latency
+    # dominates this tiny model, so the default would coalesce most all-gathers into an exposed
+    # launch (faster by the cost model, less overlapped; see test_coalescing_trades_overlap_for_latency).
+    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3", config=OverlapConfig(coalesce=False))
     jm(torch.randint(0, MODEL.vocab_size, (2, 16))).sum().backward()
     dist.destroy_process_group()  # report() reads the traces only; the CLI tests need no group alive
     yield jm
@@ -147,6 +151,24 @@ def jitted():
 def thunder_fsdp(jitted) -> ThunderFSDPTraces:
     """Thunder's own FSDP traces of the same model, traced once for the tests that pass them."""
     return thunder_fsdp_baseline(jitted)
+
+
+def test_coalescing_trades_overlap_for_latency(jitted, thunder_fsdp):
+    from thunder_overlap.report.policies import compare_policies
+
+    cost_model = CostModel.named("cpu", "gloo-loopback")
+    separate = compare_policies(
+        jitted, cost_model=cost_model, config=OverlapConfig(coalesce=False), policies=("greedy",), thunder_fsdp=thunder_fsdp
+    )
+    coalesced = compare_policies(jitted, cost_model=cost_model, policies=("greedy",), thunder_fsdp=thunder_fsdp)
+    for pass_name in ("forward", "backward"):
+        one_by_one, together = separate.result("greedy", pass_name), coalesced.result("greedy", pass_name)
+        assert one_by_one.summary.coalesced_launches == 0
+        assert together.report.collectives == one_by_one.report.collectives
+        assert together.report.predicted_ms <= one_by_one.report.predicted_ms + 1e-9
+    forward = coalesced.result("greedy", "forward")
+    assert forward.summary.coalesced_launches >= 1
+    assert forward.report.communication_ms < separate.result("greedy", "forward").report.communication_ms
 
 
 def test_report_compares_thunder_fsdp_with_thunder_overlap(jitted):
@@ -251,8 +273,9 @@ def test_policy_comparison_puts_every_policy_side_by_side(jitted, thunder_fsdp):
     from thunder_overlap.report.policies import COMPARED_POLICIES, POLICY_LEGEND, compare_policies
 
     cost_model = CostModel.named("h100", "custom:5:1")
-    # A budget with no slack at all: memory_aware may not exceed the just-in-time peak.
-    tight = OverlapConfig(memory_slack_bytes=0, memory_slack_ratio=0.0)
+    # A budget with no slack at all: memory_aware may not exceed the just-in-time peak. Separate
+    # launches, as this compares overlap (coalescing: test_coalescing_trades_overlap_for_latency).
+    tight = OverlapConfig(memory_slack_bytes=0, memory_slack_ratio=0.0, coalesce=False)
     comparison = compare_policies(jitted, cost_model=cost_model, config=tight, thunder_fsdp=thunder_fsdp)
     for pass_name in ("forward", "backward"):
         rows = {p: comparison.result(p, pass_name) for p in COMPARED_POLICIES}

@@ -66,7 +66,8 @@ def _shard_name(parameter_name: str) -> str:
 
 
 def _gathered(annotated: AnnotatedTrace) -> list[str]:
-    return [annotated.nodes[c.start].inputs[0] for c in annotated.collectives if c.kind is CollectiveKind.ALL_GATHER]
+    """The shards all-gathered, one per member of each (possibly coalesced) all-gather launch."""
+    return [name for c in annotated.collectives if c.kind is CollectiveKind.ALL_GATHER for name in annotated.nodes[c.start].inputs]
 
 
 def _reduce_scatters(annotated: AnnotatedTrace) -> list[Collective]:
@@ -91,7 +92,7 @@ def _assert_moves_each_parameter_once(forward, backward, sharding: str, *, exact
     forward_annotated, backward_annotated = classify_trace(forward), classify_trace(backward)
     assert sorted(_gathered(forward_annotated)) == expected_forward
     assert not _reduce_scatters(forward_annotated)
-    assert len(_reduce_scatters(backward_annotated)) == trainable
+    assert sum(c.members for c in _reduce_scatters(backward_annotated)) == trainable
     backward_gathers = _gathered(backward_annotated)
     assert len(set(backward_gathers)) == len(backward_gathers), "a parameter is re-gathered twice"
     if sharding == "zero2":

@@ -88,6 +88,13 @@ class OverlapConfig:
     # retrace. False skips the exchange: each rank keeps its own first order, safe only when every
     # rank's first step has the same shapes and estimates. Skipped on the fake group and one rank.
     check_ranks_agree: bool = True
+    # Collectives of one kind, process group and dtype that the schedule issues back to back go
+    # out as one coalesced launch (one latency instead of one each) where the cost model says it
+    # does not make the rank wait longer: waiting for the whole launch at its first member's wait
+    # stalls compute no longer than the members' separate launches did (scheduling/launches.py).
+    # Ranks agree on the launches with the issue order. The "stock" and "just_in_time" policies
+    # never coalesce: they are baselines of Thunder's own launches.
+    coalesce: bool = True
 
     # --- bucketing_strategy="auto" ---------------------------------------------------------
     # A bucket is large enough once one launch's latency is at most this share of its
@@ -120,8 +127,15 @@ class OverlapConfig:
             )
         if not isinstance(self.check_ranks_agree, bool):
             raise TypeError(f"OverlapConfig.check_ranks_agree must be a bool, got {self.check_ranks_agree!r}")
+        if not isinstance(self.coalesce, bool):
+            raise TypeError(f"OverlapConfig.coalesce must be a bool, got {self.coalesce!r}")
         if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
             raise TypeError(f"OverlapConfig.cost_model must be a thunder_overlap.CostModel or None, got {self.cost_model!r}")
+
+    @property
+    def coalesces(self) -> bool:
+        """Whether schedules under this configuration may coalesce launches."""
+        return self.coalesce and self.policy not in ("stock", "just_in_time")
 
     def limits(self, largest_block_bytes: int | None) -> ScheduleLimits:
         """Resolves the limits the policy applies, given the model's largest block size (None

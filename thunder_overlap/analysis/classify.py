@@ -27,6 +27,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
 __all__ = [
+    "COALESCED_PREFIX",
     "AnnotatedTrace",
     "Collective",
     "CollectiveKind",
@@ -59,6 +60,9 @@ _HEADER_IDS = {prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.UNPACK_SEQUENCE}
 _DROPPED_NAMES = {"python_del", "clear_mutable_collection"}
 _EXPENSIVE_TAGS = {prims.OpTags.MATMUL_OP, prims.OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD, prims.OpTags.DONT_RECOMPUTE_IN_BACKWARD}
 _COMMENT_IDS = {prims.PrimIDs.COMMENT}
+# Names of the operators of coalesced launches (transforms/executor.py): the issue operators take
+# (group, one entry per member, inputs...), and one ``coalesced_wait`` completes them all.
+COALESCED_PREFIX = "coalesced_"
 
 
 @dataclass
@@ -91,6 +95,9 @@ class Collective:
     prologue: list[int] = field(default_factory=list)
     # Element type of what it moves (a thunder dtype; None when unknown).
     dtype: object = None
+    # Collectives launched together in it: more than one for a coalesced launch, which pays
+    # the network's latency once for all of them.
+    members: int = 1
 
     @property
     def group_key(self) -> int:
@@ -162,6 +169,10 @@ def _collective_kind(bsym: BoundSymbol) -> CollectiveKind:
     if "reduce_scatter" in name:
         return CollectiveKind.REDUCE_SCATTER
     return CollectiveKind.OTHER
+
+
+def _launch_members(bsym: BoundSymbol) -> int:
+    return len(bsym.args[1]) if bsym.sym.name.startswith(COALESCED_PREFIX) else 1
 
 
 def _process_group(bsym: BoundSymbol) -> dist.ProcessGroup | None:
@@ -258,6 +269,7 @@ def _link_collectives(nodes, producer, consumers) -> list[Collective]:
                 process_group=_process_group(bsym),
                 unsharded_bytes=sum(_tensor_bytes(t) for t in moved),
                 dtype=moved[0].dtype,
+                members=_launch_members(bsym),
             )
         )
     return collectives

@@ -36,7 +36,7 @@ from thunder.core import dtypes
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 
-from thunder_overlap.analysis.classify import Collective, CollectiveKind
+from thunder_overlap.analysis.classify import AnnotatedTrace, Collective, CollectiveKind
 from thunder_overlap.analysis.local_copies import LOCAL_COPY_BYTES, local_copy_bytes
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "DeviceProfile",
     "LATENCY_ALGORITHMS",
     "NetworkProfile",
+    "default_cost_model",
     "default_network",
     "device_profile",
     "network_profile",
@@ -428,3 +429,14 @@ def _group_size(collective: Collective) -> int:
     if group is None:
         raise ValueError("the collective has no process group in the trace; pass world_size= to collective_ms")
     return group.size()
+
+
+def default_cost_model(annotated: AnnotatedTrace) -> CostModel:
+    """The device profile of the trace's collectives (``CostModel.for_device``: a CPU trace gets
+    ``cpu`` over ``gloo-loopback``) at the size of their process group."""
+    for coll in annotated.collectives:
+        tensors = [a for a in annotated.nodes[coll.start].bsym.flat_args if isinstance(a, TensorProxy)]
+        if tensors:
+            world_size = coll.process_group.size() if coll.process_group is not None else 1
+            return CostModel.for_device(tensors[0].device.device_str(), world_size)
+    return CostModel.named("cpu", "gloo-loopback")  # no tensor collective: nothing is judged with it

@@ -27,6 +27,8 @@ from thunder.core.proxies import CollectionProxy, FutureTensorProxy, Proxy, Tens
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 
+from thunder_overlap.analysis.classify import COALESCED_PREFIX
+
 __all__ = ["CUDA_ALLOCATION_GRANULARITY", "HandedOver", "MemoryEstimate", "estimate_memory"]
 
 # The CUDA caching allocator rounds every block up to a multiple of 512 bytes (kMinBlockSize in
@@ -190,6 +192,18 @@ class _Books:
         self.allocated += nbytes
         return len(self.nbytes) - 1
 
+    def carve(self, storage: int, proxy: TensorProxy) -> int:
+        """A storage for ``proxy`` made of bytes that ``storage`` held: a coalesced launch's
+        future stands for every member's output, and each output is freed on its own. Nothing
+        is allocated or freed."""
+        own = math.prod(int(s) for s in proxy.shape) * proxy.dtype.bytes
+        nbytes = min(self.nbytes[storage], -(-own // self.granularity) * self.granularity)
+        self.nbytes[storage] -= nbytes
+        self.nbytes.append(nbytes)
+        self.refs.append(0)
+        self.persistent.append(self.persistent[storage])
+        return len(self.nbytes) - 1
+
     def bind(self, name: str, storage: int, strides: tuple[int, ...] | None) -> None:
         self.storage_of[name] = storage
         self.strides[name] = strides
@@ -223,6 +237,10 @@ class _Books:
                 self.decref(member)
             else:
                 self.drop_collection_ref(member)
+
+
+# The wait of a coalesced launch (scheduling/launches.py): each output is its member's own tensor.
+COALESCED_WAIT = COALESCED_PREFIX + "wait"
 
 
 def _op_name(bsym: BoundSymbol) -> str:
@@ -321,6 +339,11 @@ def _run_op(bsym: BoundSymbol, books: _Books) -> None:
     first = args[0] if args else None
     is_collective = any(isinstance(o, FutureTensorProxy) for o in bsym.flat_proxy_outs)
     is_wait = not is_collective and len(args) == 1 and isinstance(first, FutureTensorProxy)
+    if is_wait and name == COALESCED_WAIT:
+        launch = books.storage_of[first.name]
+        for out in bsym.flat_proxy_outs:
+            books.bind(out.name, books.carve(launch, out), _contiguous_strides(tuple(int(s) for s in out.shape)))
+        return
     for position, out in enumerate(bsym.flat_proxy_outs):
         if not isinstance(out, (TensorProxy, FutureTensorProxy)) or out.name in books.storage_of:
             continue  # not a tensor, or an op that returns its (same-named) input

@@ -87,7 +87,8 @@ class BufferPool:
 class PendingCollective:
     """What a bucketed collective's start returns and its wait consumes."""
 
-    work: dist.Work
+    # None between prepare and launch, and for members of a coalesced launch (its manager waits).
+    work: dist.Work | None
     result: torch.Tensor
     # A view of the collective's input while it runs, so that its pool buffer stays busy.
     source: torch.Tensor | None = None
@@ -144,20 +145,32 @@ class BucketBuffers:
     # --- all-gather -------------------------------------------------------------------------
 
     def start_all_gather(self, shards: list[torch.Tensor], slots: tuple[int, ...]) -> PendingCollective:
+        pending = self.prepare_all_gather(shards, slots)
+        pending.work = self.launch_all_gather(pending, async_op=True)
+        return pending
+
+    def prepare_all_gather(self, shards: list[torch.Tensor], slots: tuple[int, ...]) -> PendingCollective:
+        """Everything before the launch: checks the shards and takes an output buffer (no work yet)."""
         self._check_is_flat_shard(shards, slots)
         out = self.pool.acquire(self.world_size * self.plan.shard_numel, self.flat_shard.dtype, self.flat_shard.device)
-        work = dist.all_gather_into_tensor(out, self.flat_shard, group=self.process_group, async_op=True)
-        return PendingCollective(work, out)
+        return PendingCollective(None, out)
+
+    def launch_all_gather(self, pending: PendingCollective, *, async_op: bool) -> dist.Work | None:
+        """Issues the prepared all-gather; inside a ``_coalescing_manager`` it only joins that launch."""
+        return dist.all_gather_into_tensor(pending.result, self.flat_shard, group=self.process_group, async_op=async_op)
 
     def finish_all_gather(self, pending: PendingCollective, slots: tuple[int, ...]) -> list[torch.Tensor]:
-        """Waits, then lays the gathered ranks out parameter by parameter with one copy.
+        """Waits, then lays the gathered ranks out parameter by parameter (:meth:`copy_out`)."""
+        pending.work.wait()
+        return self.copy_out(pending.result, slots)
+
+    def copy_out(self, gathered: torch.Tensor, slots: tuple[int, ...]) -> list[torch.Tensor]:
+        """The unsharded parameters of ``slots`` from a finished gather, with one copy.
 
         The gather output is rank-major (every rank's whole flat shard in turn); an unsharded
         parameter needs its rows from every rank next to each other. With one slot, or one
         rank, the two layouts coincide and views suffice.
         """
-        pending.work.wait()
-        gathered = pending.result
         world, plan = self.world_size, self.plan
         unsharded = gathered
         if len(plan.slots) > 1 and world > 1:
@@ -207,8 +220,13 @@ class BucketBuffers:
         )
 
     def start_reduce_scatter(self, grads: list[torch.Tensor], divisor: float | None) -> PendingCollective:
-        """Lays the gradients out (adding those summed under no_sync), pre-averages in place and
-        reduce-scatters into a free gradient shard."""
+        pending = self.prepare_reduce_scatter(grads, divisor)
+        pending.work = self.launch_reduce_scatter(pending, async_op=True)
+        return pending
+
+    def prepare_reduce_scatter(self, grads: list[torch.Tensor], divisor: float | None) -> PendingCollective:
+        """Everything before the launch: lays the gradients out (adding those summed under
+        no_sync), pre-averages and takes a free gradient shard to reduce into."""
         if self._is_laid_out(grads):
             # One unpadded gradient already is the rank-major input: pre-average it out of place
             # in one pass (or send it as it is) instead of a _chunk_cat and an in-place divide.
@@ -223,12 +241,18 @@ class BucketBuffers:
                 self.unsynced_grads = None
             if divisor is not None:
                 reduce_input.div_(divisor)
-        grad_shard = self._free_grad_shard()
-        work = dist.reduce_scatter_tensor(grad_shard, reduce_input, group=self.process_group, async_op=True)
-        return PendingCollective(work, grad_shard, source=reduce_input)
+        return PendingCollective(None, self._free_grad_shard(), source=reduce_input)
+
+    def launch_reduce_scatter(self, pending: PendingCollective, *, async_op: bool) -> dist.Work | None:
+        """Issues the prepared reduce-scatter; inside a ``_coalescing_manager`` it only joins that launch."""
+        return dist.reduce_scatter_tensor(pending.result, pending.source, group=self.process_group, async_op=async_op)
 
     def finish_reduce_scatter(self, pending: PendingCollective, slots: tuple[int, ...]) -> list[torch.Tensor]:
         pending.work.wait()
+        return self.reduced_views(pending, slots)
+
+    def reduced_views(self, pending: PendingCollective, slots: tuple[int, ...]) -> list[torch.Tensor]:
+        """The gradient shards of ``slots`` from a finished reduce-scatter (views, no copy)."""
         return self._slot_views(pending.result, slots)
 
     def _slot_views(self, flat: torch.Tensor, slots: tuple[int, ...]) -> list[torch.Tensor]:

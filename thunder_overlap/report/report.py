@@ -277,11 +277,13 @@ def analyze_trace(trace: TraceCtx, cost_model: CostModel, *, order: str, after: 
     annotated = classify_trace(trace)
     simulation = simulate(annotated, list(range(len(annotated.nodes))), cost_model)
     memory = estimate_memory(trace, after=after)
+    # Collectives, not launches: each member of a coalesced launch counts, as hidden as its launch.
+    members = [(c.members, t) for c, t in zip(annotated.collectives, simulation.collectives, strict=True)]
     return OrderReport(
         order=order,
-        collectives=len(annotated.collectives),
-        hideable=simulation.hideable,
-        hidden=simulation.hidden,
+        collectives=sum(m for m, _ in members),
+        hideable=sum(m for m, t in members if t.potentially_hideable),
+        hidden=sum(m for m, t in members if t.potentially_hideable and t.hidden),
         exposed_ms=simulation.exposed_ms,
         predicted_ms=simulation.step_ms,
         bound_ms=simulation.bound_ms,

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
-from thunder_overlap.analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace, is_expensive
-from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap.analysis.classify import CollectiveKind, NodeKind, classify_trace, is_expensive
+from thunder_overlap.analysis.cost_model import CostModel, default_cost_model
 from thunder_overlap.analysis.simulator import simulate
 
 __all__ = ["ScheduleStats", "default_cost_model", "schedule_picture", "schedule_stats"]
@@ -61,6 +60,8 @@ class ScheduleStats:
     max_allgathers_in_flight: int
     # Largest sum of reduce-scatter input bytes issued but not yet waited on.
     peak_reduce_scatter_bytes_in_flight: int
+    # Launches that carry several of the collectives counted above (scheduling/launches.py).
+    coalesced_launches: int = 0
 
     @property
     def allgather_overlap_fraction(self) -> float:
@@ -69,17 +70,6 @@ class ScheduleStats:
     @property
     def reduce_scatter_overlap_fraction(self) -> float:
         return self.reduce_scatters_overlapped / self.reduce_scatters if self.reduce_scatters else 1.0
-
-
-def default_cost_model(annotated: AnnotatedTrace) -> CostModel:
-    """The device profile of the trace's collectives (``CostModel.for_device``: a CPU trace gets
-    ``cpu`` over ``gloo-loopback``) at the size of their process group."""
-    for coll in annotated.collectives:
-        tensors = [a for a in annotated.nodes[coll.start].bsym.flat_args if isinstance(a, TensorProxy)]
-        if tensors:
-            world_size = coll.process_group.size() if coll.process_group is not None else 1
-            return CostModel.for_device(tensors[0].device.device_str(), world_size)
-    return CostModel.named("cpu", "gloo-loopback")  # no tensor collective: nothing is judged with it
 
 
 def schedule_stats(trace: TraceCtx, cost_model: CostModel | None = None) -> ScheduleStats:
@@ -94,8 +84,9 @@ def schedule_stats(trace: TraceCtx, cost_model: CostModel | None = None) -> Sche
     counts = {CollectiveKind.ALL_GATHER: [0, 0], CollectiveKind.REDUCE_SCATTER: [0, 0]}
     for coll, timing in zip(annotated.collectives, simulation.collectives, strict=True):
         if coll.kind in counts:
-            counts[coll.kind][0] += 1
-            counts[coll.kind][1] += timing.hidden
+            # Collectives, not launches: a coalesced launch counts each of its members.
+            counts[coll.kind][0] += coll.members
+            counts[coll.kind][1] += coll.members * timing.hidden
 
     in_flight: dict[int, int] = {}
     peaks = {CollectiveKind.ALL_GATHER: 0, CollectiveKind.REDUCE_SCATTER: 0}
@@ -114,7 +105,7 @@ def schedule_stats(trace: TraceCtx, cost_model: CostModel | None = None) -> Sche
             live = [c for c in in_flight if annotated.collectives[c].kind is kind]
             peaks[kind] = max(peaks[kind], sum(in_flight[c] for c in live))
             if kind is CollectiveKind.ALL_GATHER:
-                max_allgathers = max(max_allgathers, len(live))
+                max_allgathers = max(max_allgathers, sum(annotated.collectives[c].members for c in live))
     return ScheduleStats(
         allgathers=counts[CollectiveKind.ALL_GATHER][0],
         allgathers_overlapped=counts[CollectiveKind.ALL_GATHER][1],
@@ -123,4 +114,5 @@ def schedule_stats(trace: TraceCtx, cost_model: CostModel | None = None) -> Sche
         peak_allgather_bytes_in_flight=peaks[CollectiveKind.ALL_GATHER],
         max_allgathers_in_flight=max_allgathers,
         peak_reduce_scatter_bytes_in_flight=peaks[CollectiveKind.REDUCE_SCATTER],
+        coalesced_launches=sum(c.members > 1 for c in annotated.collectives),
     )

@@ -14,6 +14,10 @@ shapes, and a rank retraces alone when its batch changes shape. So the order is 
    which collective comes before which may not. No rank communicates to do so, so a rank that
    retraces alone cannot pair a check with its peers' collectives.
 
+Ranks agree on the coalesced launches (:mod:`~thunder_overlap.scheduling.launches`) in the same
+exchange: which collectives go out together is part of what must pair up. A retrace reproduces
+the agreed launches.
+
 The same exchange carries each rank's bucket plan digest: ranks that formed other buckets (another
 ``bucket_cap_mb`` on one rank, say) raise on every rank, naming the ranks, before any collective.
 
@@ -94,6 +98,8 @@ class IssueOrderAgreement:
         self.plan_digest = plan_digest if plan_digest is not None else (lambda: None)
         # (pass name, sorted keys) -> the keys in the agreed issue order.
         self._agreed: dict[tuple[str, tuple[CollectiveKey, ...]], list[CollectiveKey]] = {}
+        # (pass name, sorted keys) -> the agreed coalesced launches, each a list of keys in issue order.
+        self._launches: dict[tuple[str, tuple[CollectiveKey, ...]], list[list[CollectiveKey]]] = {}
         # Pass name -> whether this rank gave up its own first order for the first rank's.
         self.adopted: dict[str, bool] = {}
 
@@ -110,26 +116,47 @@ class IssueOrderAgreement:
         index_of = {key: i for i, key in enumerate(keys)}
         return [index_of[key] for key in agreed]
 
-    def agree(self, pass_name: str, keys: list[CollectiveKey], issue_order: list[int], group: dist.ProcessGroup | None) -> list[int]:
-        """Agrees on this pass's issue order at its first compile, where every rank is present;
-        returns the agreed order as indices into ``keys`` (this rank's own when it is the first
-        rank's, or when there is nobody to agree with)."""
+    def agreed_launches(self, pass_name: str, keys: list[CollectiveKey]) -> list[list[int]] | None:
+        """The coalesced launches agreed for this pass (each a list of indices into ``keys``, in
+        issue order), or None when this pass has not compiled before."""
+        agreed = self._launches.get(self._entry(pass_name, keys))
+        if agreed is None:
+            return None
+        index_of = {key: i for i, key in enumerate(keys)}
+        return [[index_of[key] for key in launch] for launch in agreed]
+
+    def agree(
+        self,
+        pass_name: str,
+        keys: list[CollectiveKey],
+        issue_order: list[int],
+        group: dist.ProcessGroup | None,
+        launches: list[list[int]] = (),
+    ) -> list[int]:
+        """Agrees on this pass's issue order and coalesced ``launches`` at its first compile, where
+        every rank is present; returns the agreed order as indices into ``keys`` (this rank's own
+        when it is the first rank's, or when there is nobody to agree with). The agreed launches
+        are :meth:`agreed_launches`."""
         mine = [keys[c] for c in issue_order]
-        agreed = mine
+        my_launches = [[keys[c] for c in launch] for launch in launches]
+        agreed, agreed_launches = mine, my_launches
         if self.exchange and _exchange_is_possible(group):
-            agreed = self._exchange(mine, group, self.plan_digest())
+            agreed, agreed_launches = self._exchange(mine, my_launches, group, self.plan_digest())
         self._agreed[self._entry(pass_name, keys)] = agreed
+        self._launches[self._entry(pass_name, keys)] = agreed_launches
         self.adopted[pass_name] = agreed != mine
         logger.debug("%s: %d collectives, issue order %s", pass_name, len(agreed), "adopted from rank 0" if agreed != mine else "own")
         index_of = {key: i for i, key in enumerate(keys)}
         return [index_of[key] for key in agreed]
 
     @staticmethod
-    def _exchange(mine: list[CollectiveKey], group: dist.ProcessGroup, plan_digest: str | None) -> list[CollectiveKey]:
-        gathered: list[tuple[str | None, list[CollectiveKey]] | None] = [None] * group.size()
-        dist.all_gather_object(gathered, (plan_digest, mine), group=group)
-        _check_same_bucket_plan([digest for digest, _ in gathered])
-        orders = [order for _, order in gathered]
+    def _exchange(
+        mine: list[CollectiveKey], my_launches: list[list[CollectiveKey]], group: dist.ProcessGroup, plan_digest: str | None
+    ) -> tuple[list[CollectiveKey], list[list[CollectiveKey]]]:
+        gathered: list[tuple | None] = [None] * group.size()
+        dist.all_gather_object(gathered, (plan_digest, mine, my_launches), group=group)
+        _check_same_bucket_plan([digest for digest, _, _ in gathered])
+        orders = [order for _, order, _ in gathered]
         reference = orders[0]
         differing = [rank for rank, order in enumerate(orders) if sorted(order, key=str) != sorted(reference, key=str)]
         if differing:
@@ -140,7 +167,7 @@ class IssueOrderAgreement:
                 f"which would hang at the first differing one: {_first_difference(orders[first], reference, first)}. "
                 "Give every rank the same model, sharding and bucketing."
             )
-        return reference
+        return reference, gathered[0][2]
 
 
 def _check_same_bucket_plan(digests: list[str | None]) -> None:

@@ -35,6 +35,9 @@ class ScheduleSummary:
     peak_bytes: int | None = None
     attempts: int = 0
     fell_back_to_just_in_time: bool = False
+    # Coalesced launches in the final trace and the collectives they carry (scheduling/launches.py).
+    coalesced_launches: int = 0
+    coalesced_collectives: int = 0
     held: HeldBack = field(default_factory=HeldBack)
 
     @property
@@ -57,6 +60,8 @@ class ScheduleSummary:
                 f"; peak {self.peak_bytes} B of budget {self.budget_bytes} B (just-in-time {self.baseline_peak_bytes} B)"
                 f" after {self.attempts} attempt(s)"
             )
+        if self.coalesced_launches:
+            line += f"; {self.coalesced_collectives} collectives coalesced into {self.coalesced_launches} launches"
         if self.fell_back_to_just_in_time:
             line += "; fell back to the just-in-time order"
         return line

@@ -8,6 +8,9 @@ only their names change.
 
 The bucketed collectives that :class:`~thunder_overlap.transforms.BucketingTransform` puts in
 the traces are operators of this executor too; they run on :mod:`thunder_overlap.bucketing.buffers`.
+So are the coalesced launches that :mod:`thunder_overlap.scheduling.launches` makes of several
+collectives (:mod:`thunder_overlap.transforms.coalesced`): each issue operator takes the process
+group, then a tuple with one entry per member (what ``classify`` counts), then the inputs.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from thunder.distributed import prims as dist_prims
 from thunder.executors import torchex
 from thunder.extend import Executor, FusionExecutor, OperatorExecutor, register_executor
 
+from thunder_overlap.analysis.classify import COALESCED_PREFIX
 from thunder_overlap.bucketing import buffers as bucket_buffers
+from thunder_overlap.transforms import coalesced
 
 __all__ = [
     "overlap_executor",
@@ -27,6 +32,11 @@ __all__ = [
     "bucket_reduce_scatter",
     "bucket_reduce_scatter_wait",
     "bucket_accumulate_grads",
+    "coalesced_all_gather",
+    "coalesced_reduce_scatter",
+    "coalesced_bucket_all_gather",
+    "coalesced_bucket_reduce_scatter",
+    "coalesced_wait",
 ]
 
 overlap_executor = OperatorExecutor("thunder_overlap")
@@ -86,6 +96,51 @@ bucket_reduce_scatter_wait = overlap_executor.register_operator(
 bucket_accumulate_grads = overlap_executor.register_operator(
     "bucket_accumulate_grads", meta=_bucket_accumulate_grads_meta, fn=bucket_buffers.accumulate_bucket_grads
 )
+
+
+
+def _numel(t: TensorProxy) -> int:
+    numel = 1
+    for s in t.shape:
+        numel *= int(s)
+    return numel
+
+
+# A coalesced launch's future stands for every member's output, back to back: its numel is
+# theirs summed, which is what the cost model and the memory estimator read.
+def _coalesced_all_gather_meta(group, dims: tuple, shards: list[TensorProxy]) -> FutureTensorProxy:
+    return FutureTensorProxy(shape=(sum(_numel(s) for s in shards) * group.size(),), like=shards[0])
+
+
+def _coalesced_reduce_scatter_meta(group, dims: tuple, tensors: list[TensorProxy], op) -> FutureTensorProxy:
+    return FutureTensorProxy(shape=(sum(_numel(t) for t in tensors) // group.size(),), like=tensors[0])
+
+
+def _coalesced_bucket_all_gather_meta(group, members: tuple, shards: list[list[TensorProxy]]) -> FutureTensorProxy:
+    buckets = [bucket_buffers.lookup_bucket(bucket_id) for bucket_id, _, _ in members]
+    return FutureTensorProxy(shape=(sum(b.world_size * b.plan.shard_numel for b in buckets),), like=shards[0][0])
+
+
+def _coalesced_bucket_reduce_scatter_meta(group, members: tuple, grads: list[list[TensorProxy]]) -> FutureTensorProxy:
+    buckets = [bucket_buffers.lookup_bucket(bucket_id) for bucket_id, _, _ in members]
+    return FutureTensorProxy(shape=(sum(b.plan.shard_numel for b in buckets),), like=grads[0][0])
+
+
+def _coalesced_wait_meta(pending: FutureTensorProxy, shapes: tuple[tuple[int, ...], ...]) -> list[TensorProxy]:
+    return [TensorProxy(like=pending, shape=shape) for shape in shapes]
+
+
+def _coalesced_op(kind: str, meta, fn):
+    return overlap_executor.register_operator(f"{COALESCED_PREFIX}{kind}", meta=meta, fn=fn)
+
+
+coalesced_all_gather = _coalesced_op("all_gather", _coalesced_all_gather_meta, coalesced.all_gather)
+coalesced_reduce_scatter = _coalesced_op("reduce_scatter", _coalesced_reduce_scatter_meta, coalesced.reduce_scatter)
+coalesced_bucket_all_gather = _coalesced_op("bucket_all_gather", _coalesced_bucket_all_gather_meta, coalesced.bucket_all_gather)
+coalesced_bucket_reduce_scatter = _coalesced_op(
+    "bucket_reduce_scatter", _coalesced_bucket_reduce_scatter_meta, coalesced.bucket_reduce_scatter
+)
+coalesced_wait = _coalesced_op("wait", _coalesced_wait_meta, coalesced.wait)
 
 
 def _can_swallow_collectives(executor: Executor) -> bool:

@@ -82,24 +82,29 @@ class OverlapScheduleTransform(Transform):
         pass_name = "backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"
         keys = collective_keys(annotated)
         agreed = self.agreement.agreed_order(pass_name, keys)
-        scheduled = self._schedule(annotated, agreed)
+        agreed_launches = self.agreement.agreed_launches(pass_name, keys)
+        scheduled = self._schedule(annotated, agreed, agreed_launches)
         if agreed is None:
-            # This pass compiles for the first time, on every rank at once: agree on its order.
+            # This pass compiles for the first time, on every rank at once: agree on its order
+            # and on which collectives launch together.
             own = issue_order_of(annotated, scheduled.order)
-            agreed = self.agreement.agree(pass_name, keys, own, _process_group(annotated))
-            if agreed != own:
-                scheduled = self._schedule(annotated, agreed)
+            own_launches = [list(launch.members) for launch in scheduled.launches]
+            agreed = self.agreement.agree(pass_name, keys, own, _process_group(annotated), own_launches)
+            agreed_launches = self.agreement.agreed_launches(pass_name, keys)
+            if agreed != own or agreed_launches != own_launches:
+                scheduled = self._schedule(annotated, agreed, agreed_launches)
         if scheduled.summary is not None:
             self.summaries[pass_name] = scheduled.summary
         return scheduled.trace
 
-    def _schedule(self, annotated: AnnotatedTrace, issue_order: list[int] | None) -> ScheduledTrace:
+    def _schedule(self, annotated: AnnotatedTrace, issue_order: list[int] | None, launches: list[list[int]] | None) -> ScheduledTrace:
         return schedule_trace(
             annotated,
             self.config,
             largest_block_bytes=self.largest_block_bytes,
             cost_model=self._cost_model,
             issue_order=None if issue_order is None else IssueOrder.of_sequence(annotated, issue_order),
+            launches=launches,
         )
 
     def _cost_model(self, annotated: AnnotatedTrace) -> CostModel:
