@@ -216,3 +216,24 @@ def test_bucket_copies_cost_their_bytes_at_memory_bandwidth(fake_group_4):
     # Per-parameter collectives and compute ops copy nothing of the kind.
     assert CostModel(DEVICE, NETWORK).local_copy_ms(_bsym(ltorch.add, (4, 4), (4, 4))) == 0.0
     assert set(LOCAL_COPY_BYTES) >= {"bucket_all_gather", "bucket_all_gather_wait", "bucket_reduce_scatter"}
+
+
+def test_a_coalesced_bucket_reduce_scatter_costs_each_members_lay_out():
+    from types import SimpleNamespace
+
+    from thunder.core import dtypes
+
+    from thunder_overlap.analysis.local_copies import local_copy_bytes
+
+    def grad(*shape):
+        return SimpleNamespace(shape=shape, dtype=dtypes.float32)
+
+    # Two buckets: one of two gradients, pre-averaged (lay-out G + G, divide 2G); one of a single
+    # gradient, not averaged (sent as it is: nothing copied).
+    members = ((0, 2.0, (0, 1)), (1, None, (0,)))
+    grads = [[grad(4, 8), grad(4)], [grad(16, 8)]]
+    bsym = SimpleNamespace(sym=SimpleNamespace(name="coalesced_bucket_reduce_scatter"), args=(None, members, grads))
+    two_grads_bytes = (32 + 4) * 4
+    assert local_copy_bytes(bsym) == 4 * two_grads_bytes
+    averaged = SimpleNamespace(sym=bsym.sym, args=(None, ((1, 2.0, (0,)),), [[grad(16, 8)]]))
+    assert local_copy_bytes(averaged) == 2 * 128 * 4  # one out-of-place pre-average

@@ -23,6 +23,9 @@ What each bucket operator copies (``U`` is the bucket's unsharded bytes, ``G`` i
   nothing without one. Gradients summed under
   no_sync add ``2 U`` once, on the step after; not counted.
 - ``bucket_reduce_scatter_wait``: nothing; the reduce-scatter wrote the gradient shard in place.
+- ``coalesced_bucket_reduce_scatter``: each member bucket's lay-out and pre-average, as alone.
+  The copy-out of a coalesced bucket all-gather's members, run by ``coalesced_wait``, is not
+  counted yet: the wait does not name its members' buckets.
 - ``bucket_accumulate_grads`` (no_sync): the ``_chunk_cat`` (``G + U``) and the sum into the kept
   gradients (``3 U``), with ``U`` taken as ``G``: this operator has no process group to pad by.
 """
@@ -95,12 +98,28 @@ def accumulate_copy(bsym: BoundSymbol) -> int:
     return gradients + laid_out + 3 * laid_out
 
 
+def coalesced_reduce_scatter_copy_in(bsym: BoundSymbol) -> int:
+    """Each bucket of a coalesced launch lays out and pre-averages as when launched alone
+    (padding not counted: the operator names buckets, not their padded sizes)."""
+    _, members, grads = bsym.args[:3]
+    total = 0
+    for (_, divisor, _), member_grads in zip(members, grads, strict=True):
+        gradients = sum(_bytes(t) for t in member_grads)
+        if len(member_grads) == 1:
+            total += 2 * gradients if divisor is not None else 0
+        else:
+            total += 2 * gradients + (2 * gradients if divisor is not None else 0)
+    return total
+
+
 LOCAL_COPY_BYTES: dict[str, LocalCopyBytes] = {
     "bucket_all_gather": no_copy,
     "bucket_all_gather_wait": all_gather_copy_out,
     "bucket_reduce_scatter": reduce_scatter_copy_in,
     "bucket_reduce_scatter_wait": no_copy,
     "bucket_accumulate_grads": accumulate_copy,
+    "coalesced_bucket_all_gather": no_copy,
+    "coalesced_bucket_reduce_scatter": coalesced_reduce_scatter_copy_in,
 }
 
 
