@@ -19,8 +19,8 @@ What each bucket operator copies (``U`` is the bucket's unsharded bytes, ``G`` i
   output to the parameter-major layout; nothing when the bucket holds one tensor (views suffice).
 - ``bucket_reduce_scatter``: ``G + U`` for the ``_chunk_cat`` that lays the gradients out (and
   pads them), plus ``2 U`` for the in-place pre-average when it divides; a bucket of one
-  gradient that needs no padding skips the lay-out: ``G + U`` for an out-of-place pre-average,
-  nothing without one. Gradients summed under
+  gradient that needs no padding skips the lay-out: ``2 G`` for its pre-average in place, nothing
+  without one. Gradients summed under
   no_sync add ``2 U`` once, on the step after; not counted.
 - ``bucket_reduce_scatter_wait``: nothing; the reduce-scatter wrote the gradient shard in place.
 - ``coalesced_bucket_reduce_scatter``: each member bucket's lay-out and pre-average, as alone.
@@ -86,8 +86,8 @@ def reduce_scatter_copy_in(bsym: BoundSymbol) -> int:
     laid_out = _laid_out_bytes(bsym, gradients)
     divides = bsym.args[-1] is not None
     if len(grads) == 1 and laid_out == gradients:
-        # One unpadded gradient is sent as it is, or pre-averaged out of place in one pass.
-        return gradients + laid_out if divides else 0
+        # One unpadded gradient is sent as it is, pre-averaged in place when it divides.
+        return 2 * gradients if divides else 0
     return gradients + laid_out + (2 * laid_out if divides else 0)
 
 

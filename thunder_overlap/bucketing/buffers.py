@@ -228,12 +228,12 @@ class BucketBuffers:
         """Everything before the launch: lays the gradients out (adding those summed under
         no_sync), pre-averages and takes a free gradient shard to reduce into."""
         if self._is_laid_out(grads):
-            # One unpadded gradient already is the rank-major input: pre-average it out of place
-            # in one pass (or send it as it is) instead of a _chunk_cat and an in-place divide.
+            # One unpadded gradient already is the rank-major input: send it as it is, pre-averaged
+            # in place (it is the backward's own intermediate, read by nothing else), instead of a
+            # _chunk_cat into a pool buffer and a divide there.
             reduce_input = grads[0].view(-1)
             if divisor is not None:
-                averaged = self.pool.acquire(reduce_input.numel(), reduce_input.dtype, reduce_input.device)
-                reduce_input = torch.div(reduce_input, divisor, out=averaged)
+                reduce_input.div_(divisor)
         else:
             reduce_input = self._lay_out(grads)
             if self.unsynced_grads is not None:
