@@ -139,7 +139,11 @@ def _one_rank_moves_other_collectives(rank: int, world_size: int) -> str | None:
     torch.manual_seed(0)
     # Rank 1's MLP is wider: its all-gathers move other shapes from the first block on.
     config = replace(MODEL, n_embd=32 + 16 * rank)
-    jm = thunder_overlap.fsdp(TinyGPT(config), sharding_strategy="zero3")
+    return _first_step_error(thunder_overlap.fsdp(TinyGPT(config), sharding_strategy="zero3"))
+
+
+def _first_step_error(jm) -> str | None:
+    """The RuntimeError a first forward raises on this rank, or None."""
     try:
         jm(torch.randint(0, MODEL.vocab_size, (1, 8)))
     except RuntimeError as e:
@@ -183,12 +187,7 @@ def _one_rank_caps_its_buckets_differently(rank: int, world_size: int) -> str | 
     torch.manual_seed(0)
     # Rank 1 alone caps its buckets: its plan (and its collectives) differ from rank 0's.
     cap = None if rank == 0 else 0.05
-    jm = thunder_overlap.fsdp(TinyGPT(MODEL), sharding_strategy="zero3", bucketing_strategy="auto", bucket_cap_mb=cap)
-    try:
-        jm(torch.randint(0, MODEL.vocab_size, (1, 8)))
-    except RuntimeError as e:
-        return str(e)
-    return None
+    return _first_step_error(thunder_overlap.fsdp(TinyGPT(MODEL), sharding_strategy="zero3", bucketing_strategy="auto", bucket_cap_mb=cap))
 
 
 def test_ranks_with_different_bucket_plans_raise_on_every_rank():
