@@ -98,6 +98,21 @@ def test_the_memory_budget_and_bucket_cap_cap_buckets():
     assert BucketEnd.CAP in {b.ended for b in by_user.buckets}
 
 
+def test_a_cap_below_a_block_splits_each_block_into_buckets_of_its_own():
+    model = TinyGPT(MODEL)
+    block = largest_block_bytes(model)
+    # 0.6 blocks: filling each bucket to the cap would carry a block's tail into the next block's
+    # head (Llama-2-70B at 1024 ranks, capped by the memory slack, did).
+    cap = int(0.6 * block)
+    _, summary = _plan(LATENCY_DOMINATED, AutoBucketCaps(bucket_cap_bytes=cap, prefetch_bytes=4 * block))
+    split = [b for b in summary.buckets if any(o.startswith("blocks.") for o in b.owners)]
+    assert all(b.unsharded_bytes <= cap for b in summary.buckets)
+    assert _blocks_per_bucket(summary).count(2) == 0, [b.owners for b in split]
+    # Every block is in at least two pieces.
+    pieces = [o for b in split for o in b.owners if o.startswith("blocks.")]
+    assert all(pieces.count(f"blocks.{i}") >= 2 for i in range(MODEL.n_layer))
+
+
 def test_small_parameters_merge_with_their_neighbours():
     model = TinyGPT(MODEL)
     block = largest_block_bytes(model)

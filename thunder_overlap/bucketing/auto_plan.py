@@ -14,10 +14,11 @@ contiguous buckets:
   few saturating pieces (where the rest of the block saturates too, so that no bucket holds the
   tail of one block with the head of the next);
 - no bucket exceeds the cap: the smallest of ``bucket_cap_mb``, the scheduler's all-gather byte
-  limit (a bucket larger than what may be in flight cannot be prefetched beside another) and the
+  limit counted in blocks (a bucket larger than what may be in flight cannot be prefetched at
+  all; the scheduler then counts that limit in buckets, so that two may be in flight) and the
   memory budget's fixed slack (prefetching a bucket holds it beside the one in use, beyond the
-  just-in-time peak); only the cap splits a block, and a block that fits under the cap alone is
-  not split across buckets to fill one;
+  just-in-time peak); only the cap splits a block, into pieces in buckets of their own, and a
+  block that fits under the cap alone is not split across buckets to fill one;
 - small parameters (norms, biases, embeddings) merge with their neighbours, and a small remainder
   at the end merges into the bucket before it;
 - merging costs copies: a bucket of several tensors is copied out of the gathered buffer and its
@@ -155,18 +156,23 @@ def _copy_break_even_bytes(cost_model: CostModel, world_size: int) -> float:
 
 def _pack(stream: list[_Parameter], target: int, cap: int | None, copy_break_even: float) -> list[tuple[list[_Parameter], BucketEnd]]:
     """Greedy contiguous packing of one dtype's parameters (see the module's docstring)."""
-    # Bytes from each parameter to the end of its owner's run: what the rest of its block weighs.
+    # Bytes from each parameter to the end of its owner's run (what the rest of its block weighs),
+    # and the whole run's bytes.
     rest_of_owner = [0] * len(stream)
     for i in reversed(range(len(stream))):
         same_owner_next = i + 1 < len(stream) and stream[i + 1].owner == stream[i].owner
         rest_of_owner[i] = stream[i].unsharded_bytes + (rest_of_owner[i + 1] if same_owner_next else 0)
+    owner_bytes = list(rest_of_owner)
+    for i in range(1, len(stream)):
+        if stream[i].owner == stream[i - 1].owner:
+            owner_bytes[i] = owner_bytes[i - 1]
 
     buckets: list[tuple[list[_Parameter], BucketEnd]] = []
     current: list[_Parameter] = []
     size = 0
     for i, parameter in enumerate(stream):
         if current:
-            ended = _end_before(stream[i - 1], parameter, size, rest_of_owner[i], target, cap)
+            ended = _end_before(stream[i - 1], parameter, size, rest_of_owner[i], owner_bytes[i - 1], owner_bytes[i], target, cap)
             # One tensor needs no copy-out; a second makes the whole bucket copy.
             copied_by_merge = parameter.unsharded_bytes + (size if len(current) == 1 else 0)
             if ended is None and copied_by_merge > copy_break_even:
@@ -188,13 +194,28 @@ def _pack(stream: list[_Parameter], target: int, cap: int | None, copy_break_eve
     return buckets
 
 
-def _end_before(previous: _Parameter, parameter: _Parameter, size: int, rest: int, target: int, cap: int | None) -> BucketEnd | None:
-    """Whether the bucket of ``size`` bytes ends before ``parameter``, and why."""
+def _end_before(
+    previous: _Parameter,
+    parameter: _Parameter,
+    size: int,
+    rest: int,
+    previous_owner_bytes: int,
+    owner_bytes: int,
+    target: int,
+    cap: int | None,
+) -> BucketEnd | None:
+    """Whether the bucket of ``size`` bytes ends before ``parameter``, and why. ``rest``: the
+    bytes from ``parameter`` to the end of its owner; ``*_owner_bytes``: each owner's total."""
     new_owner = parameter.owner != previous.owner
-    if cap is not None and size + parameter.unsharded_bytes > cap:
-        return BucketEnd.CAP
-    if cap is not None and new_owner and size + rest > cap and rest <= cap:
-        return BucketEnd.BLOCK_BOUNDARY
+    if cap is not None:
+        if new_owner and (owner_bytes > cap or previous_owner_bytes > cap):
+            # A block larger than the cap is split into pieces of its own, never shared with
+            # its neighbours: no bucket holds the tail of one block with the head of the next.
+            return BucketEnd.BLOCK_BOUNDARY
+        if size + parameter.unsharded_bytes > cap:
+            return BucketEnd.CAP
+        if new_owner and size + rest > cap:
+            return BucketEnd.BLOCK_BOUNDARY
     # Inside a block, cut only where the rest of the block saturates on its own: a bucket then
     # never holds the tail of one block with the head of the next.
     if size >= target and (new_owner or rest >= target):
