@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import thunder_overlap
-from thunder_overlap import BucketingTransform, CostModel, OverlapConfig
+from thunder_overlap import BucketingTransform, CostModel, OverlapConfig, OverlapScheduleTransform
 from thunder_overlap.analysis.blocks import find_blocks, largest_block_bytes, parse_block_types, unsharded_bytes
 from thunder_overlap.bucketing.auto_plan import AutoBucketCaps, plan_auto_buckets, saturating_bytes
 from thunder_overlap.bucketing.plan import BucketEnd, bucket_owner
@@ -152,6 +152,13 @@ def test_fsdp_auto_summarises_its_plan(fake_group_8):
     assert summary.cap_source == "prefetch limit" and max(_blocks_per_bucket(summary)) == 2
     assert [p.label for p in BucketingTransform.of(jm).plans] == [b.label for b in summary.buckets]
     assert "latency" in str(summary) and "prefetch limit" in str(summary)
+    # The scheduler then counts its in-flight limits in these buckets, not in blocks: a bucket
+    # of two blocks can arrive while the one before it is still in flight.
+    schedule = OverlapScheduleTransform.of(jm)
+    largest_bucket = max(b.unsharded_bytes for b in summary.buckets)
+    assert schedule.prefetch_unit_bytes == largest_bucket > schedule.largest_block_bytes
+    limits = config.limits(schedule.prefetch_unit_bytes)
+    assert limits.max_allgather_bytes >= 2 * largest_bucket and limits.max_reduce_scatter_bytes >= 2 * largest_bucket
     # bucket_cap_mb is a cap under auto too.
     capped = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", bucketing_strategy="auto", bucket_cap_mb=0.1, config=config)
     capped_summary = BucketingTransform.of(capped).summaries["plan"]

@@ -47,7 +47,7 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
     ]
     if options.sharding is ShardingStrategy.ZERO3:
         transforms.append(Zero3Transform())
-    plan_digest = None
+    plan_digest = largest_bucket_bytes = None
     if options.bucketing.has_buckets:
         # After ZeRO3, so that its backward re-gathers are bucketed too; after materialisation,
         # which may replace the parameters the buckets hold.
@@ -59,11 +59,15 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
             block_types=options.block_types,
         )
         transforms.append(bucketing)
-        plan_digest = bucketing.plan_digest
+        plan_digest, largest_bucket_bytes = bucketing.plan_digest, bucketing.largest_bucket_bytes
     else:
         transforms.append(RefuseNoSyncTransform())
     # The ranks' first exchange compares their bucket plans too.
-    transforms.append(OverlapScheduleTransform(options.config, block_types=options.block_types, plan_digest=plan_digest))
+    transforms.append(
+        OverlapScheduleTransform(
+            options.config, block_types=options.block_types, plan_digest=plan_digest, largest_bucket_bytes=largest_bucket_bytes
+        )
+    )
     return transforms
 
 

@@ -45,7 +45,8 @@ class OverlapConfig:
     The all-gather limits bound what is *in flight*: issued but not yet used. A limit of
     ``None`` means no limit of that kind. With every all-gather limit ``None`` the byte limit is
     derived from the model as ``prefetch_blocks`` times the unsharded bytes of its largest
-    transformer block (see :func:`thunder_overlap.blocks.find_blocks`).
+    transformer block (see :func:`thunder_overlap.blocks.find_blocks`), or of its largest bucket
+    where that is larger.
     """
 
     # Scheduling policy, one of SCHEDULING_POLICIES.
@@ -54,10 +55,13 @@ class OverlapConfig:
     max_in_flight_allgathers: int | None = None
     # Most all-gather output bytes in flight at once.
     max_in_flight_allgather_bytes: int | None = None
-    # Default byte limit in units of the largest block: 2 keeps the next two blocks' parameters
-    # arriving while the current one computes (FSDP2 keeps about one, Thunder <= 0.2.3 kept 3 ops).
+    # Default byte limit in units of the largest block (or of the largest bucket, where auto
+    # buckets hold several blocks): 2 keeps the next two units arriving while the current one
+    # computes (FSDP2 keeps about one block, Thunder <= 0.2.3 kept 3 ops). Two, not one, so that
+    # a launch is queued while the one before it still moves: backends that run collectives
+    # concurrently (gloo's worker threads) then hide one's latency behind the other's transfer.
     prefetch_blocks: float = 2.0
-    # Most reduce-scatter input bytes in flight; None: prefetch_blocks x the largest block.
+    # Most reduce-scatter input bytes in flight; None: prefetch_blocks x the largest block (or bucket).
     # Waiting on a reduce-scatter frees its unsharded gradient, so this bounds gradient memory.
     max_in_flight_reduce_scatter_bytes: int | None = None
     # All-gathers in flight when no limit is set and the model has no repeated blocks to size

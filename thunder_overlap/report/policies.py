@@ -25,6 +25,7 @@ from thunder_overlap.report.report import BASELINE, LEGEND, OrderReport, analyze
 from thunder_overlap.report.thunder_baseline import ThunderFSDPTraces, thunder_fsdp_baseline
 from thunder_overlap.scheduling.dispatch import schedule_trace
 from thunder_overlap.scheduling.summary import ScheduleSummary
+from thunder_overlap.transforms.schedule import OverlapScheduleTransform
 
 __all__ = ["COMPARED_POLICIES", "PolicyComparison", "PolicyResult", "compare_policies"]
 
@@ -126,7 +127,9 @@ def compare_policies(
     forward, backward = thunder.last_traces(jm), thunder.last_backward_traces(jm)
     if not forward:
         raise ValueError("the module has not been run or traced yet: call it once (or trace it) before compare_policies()")
-    block_bytes = largest_block_bytes(jm._model)
+    # The limits' unit as training resolves it (the largest block, or bucket where larger).
+    schedule = OverlapScheduleTransform.of(jm)
+    block_bytes = schedule.prefetch_unit_bytes if schedule is not None else largest_block_bytes(jm._model)
     passes = [("forward", unscheduled_trace(forward))] + ([("backward", unscheduled_trace(backward))] if backward else [])
     thunder_fsdp = thunder_fsdp if thunder_fsdp is not None else thunder_fsdp_baseline(jm)
     results = []
@@ -140,7 +143,9 @@ def compare_policies(
     for policy in policies:
         for pass_name, trace in passes:
             policy_config = replace(config, policy=policy)
-            scheduled = schedule_trace(trace, policy_config, largest_block_bytes=block_bytes, cost_model=cost_model)
+            scheduled = schedule_trace(
+                trace, policy_config, largest_block_bytes=block_bytes, cost_model=cost_model, memory_after=forward_memory.get(policy)
+            )
             report = analyze_trace(scheduled.trace, cost_model, order=policy, after=forward_memory.get(policy))
             if pass_name == "forward":
                 forward_memory[policy] = report.memory

@@ -12,7 +12,7 @@ from thunder.core.trace import TraceCtx, TraceTag
 
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace
 from thunder_overlap.analysis.cost_model import CostModel, default_cost_model
-from thunder_overlap.analysis.memory_estimate import estimate_memory
+from thunder_overlap.analysis.memory_estimate import MemoryEstimate, estimate_memory
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.scheduling.issue_order import IssueOrder
 from thunder_overlap.scheduling.launches import LaunchGroup, apply_launches, candidate_runs, plan_launches
@@ -38,6 +38,9 @@ class ScheduledTrace:
     summary: ScheduleSummary | None  # None where nothing was scheduled: the stock policy, or no collectives
     # Collectives of ``order`` that ``trace`` launches together (coalesced).
     launches: tuple[LaunchGroup, ...] = ()
+    # ``trace``'s memory estimate where the memory budget was checked (else None): a backward's
+    # schedule counts its inputs with its forward's (``memory_after``).
+    memory: MemoryEstimate | None = None
 
 
 def schedule_trace(
@@ -48,12 +51,16 @@ def schedule_trace(
     cost_model: CostModelSource = None,
     issue_order: IssueOrder | None = None,
     launches: list[list[int]] | None = None,
+    memory_after: MemoryEstimate | None = None,
 ) -> ScheduledTrace:
     """Schedules ``trace`` by ``config.policy``; limits are resolved from ``largest_block_bytes``
     (None when the model has no repeated blocks). With ``issue_order``, every process group issues
     its collectives in that order (the stock policy must already do so, or ValueError). With
     ``launches`` (collective indices, each list in issue order) exactly those are coalesced, as
-    agreed between ranks; otherwise, where ``config.coalesces``, the cost model decides."""
+    agreed between ranks; otherwise, where ``config.coalesces``, the cost model decides.
+    ``memory_after``: the memory estimate of the trace that produced this one's inputs (for a
+    backward, its forward's :attr:`ScheduledTrace.memory`), so that the budget counts persistent
+    and shared inputs as the report does."""
     annotated = trace if isinstance(trace, AnnotatedTrace) else classify_trace(trace)
     if not annotated.collectives:
         return ScheduledTrace(annotated.trace, annotated, stock_order(annotated), None)
@@ -67,7 +74,9 @@ def schedule_trace(
     estimates = _CostModelOnDemand(annotated, cost_model)
     # Prefetching stretches by time only with a given cost model; coalescing falls back to the default.
     stretches = limits.prefetch_time_margin is not None and cost_model is not None
-    scheduler = OverlapScheduler(annotated, limits, estimates.get() if stretches else None, issue_order=issue_order)
+    scheduler = OverlapScheduler(
+        annotated, limits, estimates.get() if stretches else None, issue_order=issue_order, memory_after=memory_after
+    )
     order = scheduler.schedule()
     if launches is not None:
         planned = [LaunchGroup(tuple(members)) for members in launches]
@@ -75,7 +84,7 @@ def schedule_trace(
         planned = plan_launches(annotated, order, estimates.get())
     else:
         planned = []
-    scheduled = None
+    scheduled, memory = None, None
     if planned:
         scheduled = apply_launches(annotated, order, planned, provenance=provenance)
         summary = scheduler.summary
@@ -83,19 +92,24 @@ def schedule_trace(
             # A launch waits for all its members at the first one's wait, so later members'
             # outputs live longer: the budget is checked again. Launches agreed between ranks
             # are kept whatever this rank predicts (all ranks must launch the same).
-            peak = estimate_memory(scheduled).peak_bytes
+            coalesced_memory = estimate_memory(scheduled, after=memory_after)
+            peak = coalesced_memory.peak_bytes
             if peak > summary.budget_bytes and launches is None:
                 logger.debug("coalesced launches would reach %d B, over the budget of %d B: not coalescing", peak, summary.budget_bytes)
                 scheduled, planned = None, []
             else:
-                summary.peak_bytes = peak
+                summary.peak_bytes, memory = peak, coalesced_memory
         summary.coalesced_launches = len(planned)
         summary.coalesced_collectives = sum(len(g.members) for g in planned)
-    if scheduled is None:
-        scheduled = scheduler.checked_trace or apply_order(annotated, order, provenance=provenance)
+    if scheduled is None and scheduler.checked_trace is not None:
+        scheduled, memory = scheduler.checked_trace, scheduler.checked_memory
+    elif scheduled is None:
+        scheduled = apply_order(annotated, order, provenance=provenance)
+        if limits.memory_budget is not None:  # fell back to the just-in-time order
+            memory = estimate_memory(scheduled, after=memory_after)
     pass_name = "backward" if TraceTag.BACKWARD in annotated.trace.tags else "forward"
     logger.info("%s %s schedule of %d collectives: %s", pass_name, config.policy, len(annotated.collectives), scheduler.summary.describe())
-    return ScheduledTrace(scheduled, annotated, order, scheduler.summary, tuple(planned))
+    return ScheduledTrace(scheduled, annotated, order, scheduler.summary, tuple(planned), memory)
 
 
 class _CostModelOnDemand:

@@ -35,7 +35,7 @@ from thunder.core.trace import TraceCtx
 
 from thunder_overlap.analysis.classify import AnnotatedTrace, NodeKind
 from thunder_overlap.analysis.cost_model import CostModel
-from thunder_overlap.analysis.memory_estimate import estimate_memory
+from thunder_overlap.analysis.memory_estimate import MemoryEstimate, estimate_memory
 from thunder_overlap.config import JUST_IN_TIME_LIMITS, ScheduleLimits
 from thunder_overlap.scheduling.issue_order import IssueOrder
 from thunder_overlap.scheduling.limits import MemoryBudget, PrefetchDistance
@@ -77,6 +77,7 @@ class OverlapScheduler:
         cost_model: CostModel | None = None,
         *,
         issue_order: IssueOrder | None = None,
+        memory_after: MemoryEstimate | None = None,
     ) -> None:
         if issue_order is not None:
             issue_order.check(annotated)
@@ -84,11 +85,16 @@ class OverlapScheduler:
         self.limits = limits
         self.cost_model = cost_model
         self.issue_order = issue_order
+        # The estimate of the trace that produced this one's inputs (a backward's forward): which
+        # inputs are persistent and which share storage, as the report counts them.
+        self.memory_after = memory_after
         self.nodes = annotated.nodes
         self.anchors = [n.index for n in self.nodes if n.kind is NodeKind.COMPUTE]
         self.summary = ScheduleSummary()
-        # The execution trace of the returned order when the budget check built it already.
+        # The execution trace of the returned order and its memory estimate, when the budget
+        # check built them already.
         self.checked_trace: TraceCtx | None = None
+        self.checked_memory: MemoryEstimate | None = None
 
     def find_first_uses(self) -> list[int]:
         """For each collective, the position in ``self.anchors`` of the first compute op that
@@ -120,7 +126,7 @@ class OverlapScheduler:
         """The just-in-time order's live bytes per compute segment, and its peak."""
         order = just_in_time_order(self.annotated, self.issue_order)
         trace = apply_order(self.annotated, order, provenance="thunder_overlap: just-in-time baseline")
-        estimate = estimate_memory(trace)
+        estimate = estimate_memory(trace, after=self.memory_after)
         return baseline_profile(self.annotated, trace, estimate), estimate.peak_bytes
 
     def schedule(self) -> list[int]:
@@ -151,10 +157,11 @@ class OverlapScheduler:
             self.summary.attempts = attempt
             order = walk(MemoryBudget(MemoryProfile(baseline, budget - held_back)))
             trace = apply_order(self.annotated, order, provenance="thunder_overlap: memory_aware schedule")
-            peak = estimate_memory(trace).peak_bytes
+            memory = estimate_memory(trace, after=self.memory_after)
+            peak = memory.peak_bytes
             if peak <= budget:
                 self.summary.peak_bytes = peak
-                self.checked_trace = trace
+                self.checked_trace, self.checked_memory = trace, memory
                 return order
             logger.debug("attempt %d: predicted peak %d B over the budget of %d B; holding back the overshoot", attempt, peak, budget)
             held_back += peak - budget

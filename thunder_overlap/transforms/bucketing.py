@@ -160,6 +160,11 @@ class BucketingTransform(Transform):
         summary = self.plan_summary
         return summary.digest if summary is not None else None
 
+    def largest_bucket_bytes(self) -> int | None:
+        """The largest bucket's gathered (unsharded, padded) bytes; None before planning."""
+        summary = self.plan_summary
+        return max((b.unsharded_bytes for b in summary.buckets), default=None) if summary is not None else None
+
     def transform_module(self, model) -> None:
         owners = bucket_owner(model._model, self.strategy, self.block_types)
         shared = model._get_shared_names()

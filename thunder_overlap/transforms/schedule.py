@@ -13,6 +13,7 @@ from thunder.core.transform_common import Transform
 from thunder_overlap.analysis.blocks import BlockTypes, largest_block_bytes
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace, find_swallowed_collectives
 from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap.analysis.memory_estimate import MemoryEstimate
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.scheduling.dispatch import ScheduledTrace, schedule_trace
 from thunder_overlap.scheduling.issue_order import IssueOrder, issue_order_of
@@ -31,7 +32,8 @@ class OverlapScheduleTransform(Transform):
 
     ``block_types`` names the module classes that form blocks (None: detected), which size the
     default prefetch limits; ``plan_digest`` returns the bucket plan's hash (None without
-    buckets), which ranks compare when they agree on the issue order.
+    buckets), which ranks compare when they agree on the issue order; ``largest_bucket_bytes``
+    returns the largest bucket's bytes, the unit of prefetching where buckets outgrow blocks.
     """
 
     def __init__(
@@ -40,13 +42,18 @@ class OverlapScheduleTransform(Transform):
         *,
         block_types: BlockTypes | None = None,
         plan_digest: Callable[[], str | None] | None = None,
+        largest_bucket_bytes: Callable[[], int | None] | None = None,
     ) -> None:
         self.config = config if config is not None else OverlapConfig()
         self.block_types = block_types
         # Sizes the default prefetch limits; None until transform_module sees the model.
         self.largest_block_bytes: int | None = None
+        self._largest_bucket_bytes = largest_bucket_bytes
         self.summaries: dict[str, ScheduleSummary] = {}
         self.agreement = IssueOrderAgreement(exchange=self.config.check_ranks_agree, plan_digest=plan_digest)
+        # The last forward's memory estimate: Thunder compiles a backward right after its
+        # forward, whose outputs are the backward's inputs (persistent shards, shared storages).
+        self._forward_memory: MemoryEstimate | None = None
 
     def transform_module(self, model) -> None:
         # The original module still has the unsharded shapes (on meta once FSDP released it).
@@ -59,6 +66,16 @@ class OverlapScheduleTransform(Transform):
                 "and leaving reduce-scatter bytes unbounded unless OverlapConfig sets limits",
                 stacklevel=2,
             )
+
+    @property
+    def prefetch_unit_bytes(self) -> int | None:
+        """What the default in-flight limits count in (``OverlapConfig.prefetch_blocks`` of
+        them): the largest block, or the largest bucket where buckets hold several blocks
+        (``auto``), so that one bucket can arrive while the one before it is still in flight."""
+        bucket = self._largest_bucket_bytes() if self._largest_bucket_bytes is not None else None
+        if bucket is None or self.largest_block_bytes is None:
+            return self.largest_block_bytes
+        return max(self.largest_block_bytes, bucket)
 
     @staticmethod
     def of(module) -> OverlapScheduleTransform | None:
@@ -77,9 +94,11 @@ class OverlapScheduleTransform(Transform):
                 "(such as 'torchcompile'); nvFuser and the torch executor keep collectives top-level."
             )
         annotated = classify_trace(computation_trace)
-        if not annotated.collectives:
-            return computation_trace
         pass_name = "backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"
+        if not annotated.collectives:
+            if pass_name == "forward":
+                self._forward_memory = None
+            return computation_trace
         keys = collective_keys(annotated)
         agreed = self.agreement.agreed_order(pass_name, keys)
         agreed_launches = self.agreement.agreed_launches(pass_name, keys)
@@ -95,16 +114,20 @@ class OverlapScheduleTransform(Transform):
                 scheduled = self._schedule(annotated, agreed, agreed_launches)
         if scheduled.summary is not None:
             self.summaries[pass_name] = scheduled.summary
+        if pass_name == "forward":
+            self._forward_memory = scheduled.memory
         return scheduled.trace
 
     def _schedule(self, annotated: AnnotatedTrace, issue_order: list[int] | None, launches: list[list[int]] | None) -> ScheduledTrace:
+        is_backward = TraceTag.BACKWARD in annotated.trace.tags
         return schedule_trace(
             annotated,
             self.config,
-            largest_block_bytes=self.largest_block_bytes,
+            largest_block_bytes=self.prefetch_unit_bytes,
             cost_model=self._cost_model,
             issue_order=None if issue_order is None else IssueOrder.of_sequence(annotated, issue_order),
             launches=launches,
+            memory_after=self._forward_memory if is_backward else None,
         )
 
     def _cost_model(self, annotated: AnnotatedTrace) -> CostModel:
