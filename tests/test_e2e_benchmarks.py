@@ -62,13 +62,26 @@ def test_benchmark_writes_sane_json(tmp_path, impl):
 
 
 def test_bad_options_name_the_value_and_the_accepted_ones():
-    with pytest.raises(ValueError, match=r"--impl='deepspeed'.*thunder_overlap, thunder, fsdp2"):
+    with pytest.raises(ValueError, match=r"--impl='deepspeed'.*thunder_overlap, thunder_overlap_uncoalesced, thunder, fsdp2"):
         BenchmarkConfig(impl="deepspeed")
+    with pytest.raises(ValueError, match=r"unknown network 'slow'.*custom:<latency_us>"):
+        BenchmarkConfig(network="slow")
     with pytest.raises(ValueError, match=r"--warmup_iters=5 must be in \[0, --max_iters=5\)"):
         BenchmarkConfig(max_iters=5, warmup_iters=5)
     with pytest.raises(SystemExit):
         parse_args(["--shard_mode", "zero1"])
     assert parse_args(["--impl", "fsdp2", "--n_layers", "3"]) == BenchmarkConfig(impl="fsdp2", n_layers=3)
+
+
+def test_benchmark_schedules_thunder_overlap_for_the_named_link():
+    import torch
+
+    from fsdp_bench.impls import overlap_config
+
+    config = overlap_config(BenchmarkConfig(network="custom:1000:0.05"), torch.device("cpu"), coalesce=False)
+    assert (config.cost_model.network.latency_s, config.cost_model.network.bus_bandwidth) == (1e-3, 0.05e9)
+    assert config.cost_model.device.name == "cpu" and not config.coalesce
+    assert overlap_config(BenchmarkConfig(), torch.device("cpu")).cost_model is None
 
 
 def _run(times_ms: list[float], optimizer_ms: list[float] = (), peak: int = 1) -> dict:
@@ -126,8 +139,8 @@ def test_calibrated_simulator_places_schedules_between_the_bounds():
     # (it re-gathers nothing in backward), and overlaps next to nothing: near its serial bound.
     block_size = build_model("tiny-gpt", None, None)[1].block_size
     shape = ("tiny-gpt", 0, block_size, 2, 2, "zero3")
-    link = fit_link({"none": (comm_ms, _annotated("thunder_overlap", "none", *shape))}).network()
-    thunder_comm_ms = _communication_ms(_annotated("thunder", "none", *shape), link)
+    link = fit_link({"none": (comm_ms, _annotated("thunder_overlap", "none", None, *shape))}).network()
+    thunder_comm_ms = _communication_ms(_annotated("thunder", "none", None, *shape), link)
     assert thunder_comm_ms < comm_ms
     assert 0.9 * (compute_ms + thunder_comm_ms) <= stock <= compute_ms + thunder_comm_ms + 1e-6
     # thunder_overlap's schedule closes most of the gap to max(C, M), and cannot beat it.
@@ -141,7 +154,7 @@ def test_link_fit_recovers_latency_and_bandwidth_from_two_bucketings():
     from fsdp_bench.prediction import _annotated, _communication_ms, fit_link
 
     shape = ("tiny-gpt", 2, 32, 2, 2, "zero3")
-    traces = {b: _annotated("thunder_overlap", b, *shape) for b in ("none", "block")}
+    traces = {b: _annotated("thunder_overlap", b, None, *shape) for b in ("none", "block")}
     link = NetworkProfile("truth", 2e-3, 5e7)
     measured = {b: _communication_ms(t, link) for b, t in traces.items()}
     # Same bytes, far fewer collectives: only a latency term can tell the two runs apart.

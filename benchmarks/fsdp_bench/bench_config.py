@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
+from thunder_overlap.analysis.cost_model import network_profile
 from thunder_overlap.options import BucketingStrategy, ShardingStrategy
 
 __all__ = [
@@ -21,9 +22,10 @@ __all__ = [
     "parse_args",
 ]
 
-# What is being compared: thunder_overlap, Thunder's own FSDP, PyTorch FSDP2 (eager, and with each
-# block torch.compile'd).
-TRAINING_IMPLS = ("thunder_overlap", "thunder", "fsdp2", "fsdp2_compile")
+# What is being compared: thunder_overlap, the same with every collective launched on its own
+# (OverlapConfig(coalesce=False): what coalescing saves), Thunder's own FSDP, PyTorch FSDP2 (eager,
+# and with each block torch.compile'd).
+TRAINING_IMPLS = ("thunder_overlap", "thunder_overlap_uncoalesced", "thunder", "fsdp2", "fsdp2_compile")
 # Calibration runs of the slow-link testbed: the same per-rank compute with no communication,
 # thunder_overlap's collectives with no compute, and both at once with no dependencies between
 # them (see fsdp_bench.impls).
@@ -61,6 +63,11 @@ class BenchmarkConfig:
     shard_mode: str = _option("zero2", "ZeRO stage of the parameters")
     bucketing_mode: str = _option("none", "how parameters are grouped per collective")
     device: str = _option("auto", "auto: CUDA (NCCL) when a GPU is visible, else CPU (gloo)")
+    network: str | None = _option(
+        None,
+        "the link thunder_overlap schedules for and sizes auto buckets to: a profile name or "
+        "custom:<latency_us>:<GB/s>[:ring|tree]; default: its own choice for the device",
+    )
     # Thunder's defaults: 45 iterations, the first 25 untimed (jit compilation, allocator warm-up).
     max_iters: int = _option(45, "iterations in all")
     warmup_iters: int = _option(25, "leading iterations that are not timed")
@@ -76,6 +83,8 @@ class BenchmarkConfig:
         _check_choice("shard_mode", self.shard_mode, SHARD_MODES)
         _check_choice("bucketing_mode", self.bucketing_mode, BUCKETING_MODES)
         _check_choice("device", self.device, DEVICES)
+        if self.network is not None:
+            network_profile(self.network)  # raises naming the accepted profiles
         _check_positive("n_layers", self.n_layers, optional=True)
         _check_positive("block_size", self.block_size, optional=True)
         _check_positive("micro_batch_size", self.micro_batch_size)

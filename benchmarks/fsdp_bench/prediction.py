@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from thunder_overlap import CostModel
+from thunder_overlap import CostModel, OverlapConfig
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace
-from thunder_overlap.analysis.cost_model import NetworkProfile, device_profile
+from thunder_overlap.analysis.cost_model import NetworkProfile, device_profile, network_profile
 from thunder_overlap.analysis.simulator import simulate
 from thunder_overlap.options import parse_sharding_strategy
 from thunder_overlap.report.models import trace_model
@@ -69,6 +69,8 @@ class TestbedSetting:
     # The implementation's result JSON (one round), with its traces' schedule figures.
     result_json: str
     bucketing: str = "none"
+    # The network thunder_overlap was told it runs on (None: its default for the CPU).
+    network: str | None = None
     # M of every communication-only run, by bucketing strategy ("none" is thunder_overlap's
     # per-parameter collectives): with two or more the simulator fits a per-collective latency.
     comm_ms_by_bucketing: dict[str, float] = field(default_factory=dict)
@@ -106,16 +108,26 @@ def _thunder_traces(model, world_size: int, shard_mode: str, idx_shape: tuple[in
 
 @functools.cache
 def _annotated(
-    impl: str, bucketing: str, model_name: str, n_layers: int, block_size: int, micro_batch_size: int, world_size: int, shard_mode: str
+    impl: str,
+    bucketing: str,
+    network: str | None,
+    model_name: str,
+    n_layers: int,
+    block_size: int,
+    micro_batch_size: int,
+    world_size: int,
+    shard_mode: str,
 ) -> tuple[AnnotatedTrace, ...]:
-    """Forward and backward of one implementation, traced on meta (cached: the fit and every
-    prediction of one testbed run share them)."""
+    """Forward and backward of one implementation, traced on meta with the options it ran with
+    (cached: the fit and every prediction of one testbed run share them)."""
     model, _ = build_model(model_name, n_layers or None, block_size or None)
     idx_shape = (micro_batch_size, block_size)
     if impl == "thunder":
         jm = _thunder_traces(model, world_size, shard_mode, idx_shape)
     else:
-        jm = trace_model(model, world_size=world_size, sharding=shard_mode, bucketing=bucketing, idx_shape=idx_shape)
+        cost_model = CostModel(device_profile("cpu"), network_profile(network or "gloo-loopback"))
+        config = OverlapConfig(cost_model=cost_model, coalesce=impl != "thunder_overlap_uncoalesced")
+        jm = trace_model(model, world_size=world_size, sharding=shard_mode, bucketing=bucketing, idx_shape=idx_shape, config=config)
     return tuple(classify_trace(t) for t in (thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]))
 
 
@@ -169,15 +181,15 @@ def fit_overlap_slowdown(compute_ms: float, comm_ms: float, concurrent_ms: float
 def predict_testbed_step_ms(setting: TestbedSetting) -> float | None:
     """Predicted forward+backward step of ``setting.impl``; None for implementations whose
     schedule is not a Thunder trace (FSDP2)."""
-    if setting.impl not in ("thunder_overlap", "thunder"):
+    if setting.impl not in ("thunder_overlap", "thunder_overlap_uncoalesced", "thunder"):
         return None
     _, spec = build_model(setting.model_name, setting.n_layers or None, setting.block_size or None)
     block_size = setting.block_size or spec.block_size
     shape = (setting.model_name, setting.n_layers, block_size, setting.micro_batch_size, setting.world_size, setting.shard_mode)
-    annotated = _annotated(setting.impl, setting.bucketing, *shape)
+    annotated = _annotated(setting.impl, setting.bucketing, setting.network, *shape)
 
     comm_ms = dict(setting.comm_ms_by_bucketing) or {setting.bucketing: setting.comm_ms}
-    link = fit_link({b: (ms, _annotated("thunder_overlap", b, *shape)) for b, ms in comm_ms.items()})
+    link = fit_link({b: (ms, _annotated("thunder_overlap", b, setting.network, *shape)) for b, ms in comm_ms.items()})
 
     reference = CostModel(device_profile("cpu"), _NO_LATENCY)
     compute_scale = setting.compute_ms / sum(simulate(a, list(range(len(a.nodes))), reference).compute_ms for a in annotated)
