@@ -139,6 +139,12 @@ class HandedOver:
     strides: tuple[int, ...] | None
 
 
+def _received_as(previous: HandedOver, proxy: TensorProxy) -> bool:
+    """Whether ``proxy`` can be the tensor the previous trace handed over under its name: as many
+    dimensions as it had (bytes may differ: an expanded view is larger than its storage)."""
+    return previous.strides is None or len(previous.strides) == len(proxy.shape)
+
+
 @dataclass
 class MemoryEstimate:
     """Predicted live bytes around each bound symbol of ``trace`` (indices into
@@ -275,8 +281,12 @@ def estimate_memory(
 
     def new_input(proxy: TensorProxy) -> None:
         strides = _contiguous_strides(tuple(int(s) for s in proxy.shape))
-        if after is not None and proxy.name in after.final_storages:
-            previous = after.final_storages[proxy.name]
+        previous = after.final_storages.get(proxy.name) if after is not None else None
+        if previous is not None and not _received_as(previous, proxy):
+            # Names are matched, not identities: a backward can reuse a name the forward gave
+            # another tensor (seen with a parameter left out of its bucket). Count it as its own.
+            previous = None
+        if previous is not None:
             if previous.storage not in handed_over:
                 handed_over[previous.storage] = books.new_storage(proxy, previous.persistent, previous.nbytes)
             storage, strides = handed_over[previous.storage], previous.strides
