@@ -122,7 +122,7 @@ class TestbedConfig:
             "warmup_iters": self.warmup_iters,
             "json_path": json_path,
             # Runs that trace thunder_overlap (the calibration replays included) schedule for the link.
-            "network": None if impl in ("thunder", "fsdp2", "fsdp2_compile", "compute_only") else self.network,
+            "network": self.network if impl.startswith("thunder_overlap") or impl in ("comm_only", "compute_with_comm") else None,
         }
         return [item for key, value in args.items() if value is not None for item in (f"--{key}", str(value))]
 

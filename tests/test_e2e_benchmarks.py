@@ -82,6 +82,14 @@ def test_benchmark_schedules_thunder_overlap_for_the_named_link():
     assert (config.cost_model.network.latency_s, config.cost_model.network.bus_bandwidth) == (1e-3, 0.05e9)
     assert config.cost_model.device.name == "cpu" and not config.coalesce
     assert overlap_config(BenchmarkConfig(), torch.device("cpu")).cost_model is None
+    # The testbed names its link to every run that traces thunder_overlap, and to no other.
+    from slow_link import TestbedConfig
+
+    testbed = TestbedConfig(rate_mbit=400, link_latency_us=1000)
+    labels = ("thunder", "compute_only", "comm_only@auto", "thunder_overlap_uncoalesced@none")
+    named = {label: "--network" in testbed.benchmark_args(label, Path("run.json")) for label in labels}
+    assert named == {"thunder": False, "compute_only": False, "comm_only@auto": True, "thunder_overlap_uncoalesced@none": True}
+    assert testbed.network == "custom:1000:0.05"
 
 
 def _run(times_ms: list[float], optimizer_ms: list[float] = (), peak: int = 1) -> dict:
