@@ -91,6 +91,11 @@ class TestbedConfig:
             raise ValueError(f"--shard-mode={self.shard_mode!r}; accepted: {', '.join(SHARD_MODES)}")
         if self.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {self.rounds}")
+        if not (self.link_latency_us >= 0 and self.rate_mbit > 0):
+            raise ValueError(
+                f"--link-latency-us={self.link_latency_us} and --rate-mbit={self.rate_mbit}: "
+                "accepted are a latency >= 0 and a rate > 0"
+            )
 
     @property
     def network(self) -> str:

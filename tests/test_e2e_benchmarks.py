@@ -90,6 +90,8 @@ def test_benchmark_schedules_thunder_overlap_for_the_named_link():
     named = {label: "--network" in testbed.benchmark_args(label, Path("run.json")) for label in labels}
     assert named == {"thunder": False, "compute_only": False, "comm_only@auto": True, "thunder_overlap_uncoalesced@none": True}
     assert testbed.network == "custom:1000:0.05"
+    with pytest.raises(ValueError, match=r"--link-latency-us=-1.0 .*accepted are a latency >= 0"):
+        TestbedConfig(link_latency_us=-1.0)
 
 
 def _run(times_ms: list[float], optimizer_ms: list[float] = (), peak: int = 1) -> dict:
