@@ -131,6 +131,14 @@ def test_saturating_bytes_follow_the_latency_share():
     transfer = LATENCY_DOMINATED.transfer_ms(bytes_needed, WORLD_SIZE)
     assert latency / (latency + transfer) == pytest.approx(0.1, rel=1e-6)
     assert saturating_bytes(LATENCY_DOMINATED, 1, 0.1) == 0  # one rank: no latency to hide
+    # Two launches at once (gloo): the launch before's transfer hides the latency, so a bucket
+    # saturates once the latency left over is 10% of its time: far smaller buckets.
+    two_lanes = CostModel.named("h100", "custom:1000:100:ring:2")
+    two_lane_bytes = saturating_bytes(two_lanes, WORLD_SIZE, 0.1)
+    transfer = two_lanes.transfer_ms(two_lane_bytes, WORLD_SIZE)
+    left = two_lanes.unhidden_latency_ms(two_lane_bytes, WORLD_SIZE)
+    assert left == pytest.approx(latency - transfer) and left / (left + transfer) == pytest.approx(0.1, rel=1e-6)
+    assert two_lane_bytes < bytes_needed / 8
 
 
 def test_the_plan_digest_is_deterministic_and_follows_the_caps():

@@ -154,9 +154,14 @@ def test_profiles_by_name_and_clear_errors():
         network_profile("custom:5:0")
     assert network_profile("custom:5:100:tree").algorithm == "tree"
     assert network_profile("infiniband-pat").algorithm == "tree" and network_profile("infiniband").algorithm == "ring"
-    for bad in ("custom:5:100:butterfly", "custom:5", "custom:5:100:ring:extra"):
-        with pytest.raises(ValueError, match="ring\\|tree"):
+    gloo = network_profile("custom:1000:0.05:ring:2")
+    assert (gloo.algorithm, gloo.concurrent_launches) == ("ring", 2) and custom.concurrent_launches == 1
+    assert network_profile("gloo-loopback").concurrent_launches == 2 and network_profile("nvlink").concurrent_launches == 1
+    for bad in ("custom:5:100:butterfly", "custom:5", "custom:5:100:ring:extra", "custom:5:100:ring:0", "custom:5:100:ring:2:1"):
+        with pytest.raises(ValueError, match="ring\\|tree.*concurrent launches >= 1"):
             network_profile(bad)
+    with pytest.raises(ValueError, match="concurrent_launches must be an integer >= 1, got 0"):
+        NetworkProfile("bad", 1e-6, 1e9, concurrent_launches=0)
     with pytest.raises(ValueError, match="unknown device profile 'tpu'.*h100"):
         CostModel.named("tpu")
 

@@ -117,6 +117,53 @@ def test_collectives_of_one_group_queue_on_its_stream():
     assert (sim.hideable, sim.hidden) == (2, 1)
 
 
+def _two_gathers_then_wait() -> AnnotatedTrace:
+    """Two gathers issued at 0, both waited on at once, then a (3 ms)."""
+    group = _Group()
+    nodes = [
+        _node(0, NodeKind.HEADER, "unpack_trivial", outputs=["x", "w1", "w2"]),
+        _node(1, NodeKind.COLLECTIVE, "all_gather", inputs=["w1"], outputs=["f1"], collective=0),
+        _node(2, NodeKind.COLLECTIVE, "all_gather", inputs=["w2"], outputs=["f2"], collective=1),
+        _node(3, NodeKind.WAIT, "wait", inputs=["f1"], outputs=["g1"], collective=0),
+        _node(4, NodeKind.WAIT, "wait", inputs=["f2"], outputs=["g2"], collective=1),
+        _node(5, NodeKind.COMPUTE, "a", inputs=["x", "g1", "g2"], outputs=["z"]),
+        _node(6, NodeKind.RETURN, "python_return", inputs=["z"]),
+    ]
+    collectives = [
+        Collective(CollectiveKind.ALL_GATHER, 1, 3, group, TWO_MS_OF_BYTES),
+        Collective(CollectiveKind.ALL_GATHER, 2, 4, group, TWO_MS_OF_BYTES),
+    ]
+    return _trace(nodes, collectives)
+
+
+@pytest.mark.parametrize(
+    ("lanes", "latency_ms", "ends", "communication_ms"),
+    [
+        # One launch at a time: 1 + 2 ms each, back to back.
+        (1, 1.0, (3.0, 6.0), 6.0),
+        # Two at once: the second's latency (0-1 ms) passes during the first's transfer (1-3 ms),
+        # and the link carries its bytes after the first's (3-5 ms).
+        (2, 1.0, (3.0, 5.0), 5.0),
+        # Latencies pass one at a time: the second's (3-6 ms) outlasts the first's transfer
+        # (3-5 ms) by 1 ms, which is its own; its bytes then cross 6-8 ms.
+        (2, 3.0, (5.0, 8.0), 8.0),
+    ],
+)
+def test_concurrent_launches_hide_a_latency_behind_another_transfer(lanes, latency_ms, ends, communication_ms):
+    network = NetworkProfile("lanes", latency_s=latency_ms * 1e-3, bus_bandwidth=1e9, concurrent_launches=lanes)
+    cost = CostModel(DeviceProfile("test", 1e12, 1e12, 1e9), network, user_estimate=lambda bsym: COMPUTE_MS.get(bsym.sym.name, 0.0))
+    sim = simulate(_two_gathers_then_wait(), list(range(7)), cost)
+    assert tuple(c.end_ms for c in sim.collectives) == pytest.approx(ends)
+    assert sim.step_ms == pytest.approx(ends[1] + 3.0)
+    # The second gather's own time on the link starts when the first leaves it.
+    assert sim.collectives[1].start_ms == pytest.approx(ends[0])
+    # No order beats every byte after one latency, every latency before one transfer, nor the
+    # lanes' share of every launch's time.
+    bound = max(latency_ms + 2 * 2.0, 2 * latency_ms + 2.0, 2 * (latency_ms + 2.0) / lanes)
+    assert sim.communication_ms == pytest.approx(bound)
+    assert sim.communication_ms == pytest.approx(communication_ms)
+
+
 def test_compute_beside_a_collective_runs_slower_by_the_overlap_slowdown():
     # The gather runs 0-2 ms; a (3 ms of work) runs at half speed inside it: 1 ms of work by
     # 2 ms, the other 2 ms at full speed: a ends at 4 ms, b (after the gather) 4-5 ms.

@@ -12,7 +12,10 @@ the model NCCL's own performance notes and nccl-tests' "bus bandwidth" use. ``st
 network's algorithm: ``n - 1`` for a ring, ``ceil(log2 n)`` for a tree (NCCL's PAT). ``n`` is the
 size of the collective's process group, read from the trace. Every launch pays the latency: a
 collective of the trace is one launch, and a coalesced launch of several tensors is one collective
-of the trace (see ``classify``), so collectives issued back to back never share it.
+of the trace (see ``classify``), so collectives issued back to back never share it. Where the
+backend runs several launches of a group at once (``NetworkProfile.concurrent_launches``: gloo's
+worker threads), one launch's latency can pass while another moves bytes; the link still carries
+one transfer at a time (see ``simulator``).
 
 Local copies: a bucketed collective's start and wait copy the bucket in local memory (lay-out,
 pre-average, copy-out); :meth:`CostModel.local_copy_ms` costs the bytes that
@@ -80,17 +83,24 @@ LATENCY_ALGORITHMS = ("ring", "tree")
 
 @dataclass(frozen=True)
 class NetworkProfile:
-    """Per-step latency, bus bandwidth (nccl-tests' ``busbw``) and the algorithm whose step
-    count multiplies the latency: ``"ring"`` pays ``n - 1`` steps, ``"tree"`` ``ceil(log2 n)``."""
+    """Per-step latency, bus bandwidth (nccl-tests' ``busbw``), the algorithm whose step
+    count multiplies the latency (``"ring"`` pays ``n - 1`` steps, ``"tree"`` ``ceil(log2 n)``)
+    and how many launches of one process group run at once."""
 
     name: str
     latency_s: float
     bus_bandwidth: float  # bytes/s
     algorithm: str = "ring"
+    # Launches of one group in progress at once, sharing its link: NCCL runs a communicator's
+    # collectives one after another on its stream (1); gloo runs them on a pool of worker
+    # threads (two by default), so one launch's latency passes while another one transfers.
+    concurrent_launches: int = 1
 
     def __post_init__(self) -> None:
         if self.algorithm not in LATENCY_ALGORITHMS:
             raise ValueError(f"NetworkProfile.algorithm must be one of {LATENCY_ALGORITHMS}, got {self.algorithm!r}")
+        if isinstance(self.concurrent_launches, bool) or not isinstance(self.concurrent_launches, int) or self.concurrent_launches < 1:
+            raise ValueError(f"NetworkProfile.concurrent_launches must be an integer >= 1, got {self.concurrent_launches!r}")
         if not self.latency_s >= 0 or not self.bus_bandwidth > 0:
             raise ValueError(
                 f"NetworkProfile {self.name!r} needs latency_s >= 0 and bus_bandwidth > 0, "
@@ -123,12 +133,14 @@ DEVICE_PROFILES: dict[str, DeviceProfile] = {
 # all-reduce), so the ring's n - 1 steps is what "nvlink" and "infiniband" pay: at 1024 ranks that
 # makes every launch cost ~10 ms of latency, which is why buckets must grow with the world size.
 # NCCL >= 2.23's PAT algorithm runs them in log2(n) steps, but only with one GPU per node:
-# "infiniband-pat" models that. gloo's algorithms are rings too.
+# "infiniband-pat" models that. gloo's algorithms are rings too, run by ProcessGroupGloo's two
+# worker threads: two launches in progress at once (on a rate-limited link two in flight move as
+# many bytes per second as one large one, while one at a time leaves it idle between launches).
 NETWORK_PROFILES: dict[str, NetworkProfile] = {
     "nvlink": NetworkProfile("nvlink", 3e-6, 360e9),
     "infiniband": NetworkProfile("infiniband", 10e-6, 45e9),
     "infiniband-pat": NetworkProfile("infiniband-pat", 10e-6, 45e9, algorithm="tree"),
-    "gloo-loopback": NetworkProfile("gloo-loopback", 50e-6, 1e9),
+    "gloo-loopback": NetworkProfile("gloo-loopback", 50e-6, 1e9, concurrent_launches=2),
 }
 
 
@@ -151,8 +163,9 @@ def device_profile(name: str | DeviceProfile) -> DeviceProfile:
 
 
 def network_profile(name: str | NetworkProfile) -> NetworkProfile:
-    """A named profile, or ``"custom:<latency_us>:<bus GB/s>[:ring|tree]"`` (e.g. ``custom:5:100``,
-    a ring unless the algorithm is named)."""
+    """A named profile, or ``"custom:<latency_us>:<bus GB/s>[:ring|tree[:<concurrent launches>]]"``
+    (e.g. ``custom:5:100``: a ring, one launch at a time, unless named; ``custom:1000:0.05:ring:2``
+    is a gloo link)."""
     if isinstance(name, NetworkProfile):
         return name
     if name in NETWORK_PROFILES:
@@ -161,14 +174,17 @@ def network_profile(name: str | NetworkProfile) -> NetworkProfile:
         fields = name.split(":")[1:]
         try:
             latency, bandwidth = float(fields[0]) * 1e-6, float(fields[1]) * 1e9
-            algorithm = fields[2] if len(fields) == 3 else "ring"
+            algorithm = fields[2] if len(fields) >= 3 else "ring"
+            concurrent = int(fields[3]) if len(fields) == 4 else 1
         except (ValueError, IndexError):
             latency = bandwidth = -1.0
-        if len(fields) in (2, 3) and latency >= 0 and bandwidth > 0 and algorithm in LATENCY_ALGORITHMS:
-            return NetworkProfile(name, latency, bandwidth, algorithm)
+            concurrent = 0
+        if 2 <= len(fields) <= 4 and latency >= 0 and bandwidth > 0 and algorithm in LATENCY_ALGORITHMS and concurrent >= 1:
+            return NetworkProfile(name, latency, bandwidth, algorithm, concurrent)
     raise ValueError(
-        f"unknown network {name!r}; accepted: {sorted(NETWORK_PROFILES)} or 'custom:<latency_us>:<bus_GBps>[:ring|tree]' "
-        "with latency >= 0 and bandwidth > 0"
+        f"unknown network {name!r}; accepted: {sorted(NETWORK_PROFILES)} or "
+        "'custom:<latency_us>:<bus_GBps>[:ring|tree[:<concurrent launches>]]' with latency >= 0, bandwidth > 0 "
+        "and concurrent launches >= 1"
     )
 
 
@@ -413,9 +429,28 @@ class CostModel:
         phases = 2 if collective.kind is CollectiveKind.OTHER else 1  # all-reduce: reduce-scatter + all-gather
         return phases * (self.latency_ms(n) + self.transfer_ms(collective.unsharded_bytes, n))
 
+    def collective_latency_ms(self, collective: Collective, world_size: int | None = None) -> float:
+        """The part of :meth:`collective_ms` that is latency, not bytes on the link: with
+        concurrent launches it passes while another launch of the group transfers. A measured
+        estimate for a collective of no known group size counts as all transfer."""
+        total = self.collective_ms(collective, world_size)
+        if world_size is None and collective.process_group is None:
+            return 0.0
+        n = world_size if world_size is not None else _group_size(collective)
+        phases = 2 if collective.kind is CollectiveKind.OTHER else 1
+        return min(phases * self.latency_ms(n), total)
+
     def latency_ms(self, ranks: int) -> float:
         """What one all-gather or reduce-scatter launch on ``ranks`` ranks pays however small."""
         return self.network.latency_steps(ranks) * self.network.latency_s * 1e3
+
+    def unhidden_latency_ms(self, unsharded_bytes: int, ranks: int) -> float:
+        """The latency one all-gather or reduce-scatter adds to a run of launches like it: all of
+        it with one launch at a time; with concurrent launches, what outlasts the transfer of the
+        launch before it (latencies pass one at a time, as the simulator runs them)."""
+        if self.network.concurrent_launches == 1:
+            return self.latency_ms(ranks)
+        return max(0.0, self.latency_ms(ranks) - self.transfer_ms(unsharded_bytes, ranks))
 
     def transfer_ms(self, unsharded_bytes: int, ranks: int) -> float:
         """Bandwidth time of an all-gather or reduce-scatter of ``unsharded_bytes`` on ``ranks`` ranks."""

@@ -6,7 +6,13 @@ starts when it is issued (the compute stream reaches it) and its stream is free,
 the compute stream until the collective is done. What the compute stream spends blocked at a wait
 is that collective's *exposed* time. Every collective of the trace is one launch and pays its
 latency, however close to another it is issued: back-to-back NCCL launches serialise on the
-communicator's stream. Only a coalesced launch (one node for several tensors) shares one. A
+communicator's stream. Only a coalesced launch (one node for several tensors) shares one. A group
+whose backend runs ``NetworkProfile.concurrent_launches`` > 1 at once (gloo) has that many lanes
+on one link: a launch takes the first free lane and pays its latency once the latency before it
+has passed, then transfers when the link is free, in issue order; so one launch's latency can
+pass during another's transfer, while latencies and bytes each still pass one launch at a time.
+(Small launches gain nothing from this; on gloo with one core per rank they lose, which the
+model leaves out: coalescing them is the remedy, and the scheduler does it.) A
 bucketed collective's local copies (:meth:`CostModel.local_copy_ms`) run on the compute stream:
 the lay-out before its launch, the copy-out after its wait. With
 ``CostModel.overlap_compute_slowdown`` > 0, compute runs that much slower while any collective
@@ -86,7 +92,7 @@ class Simulation:
     collectives: list[CollectiveTiming]
     step_ms: float
     compute_ms: float
-    # Busiest communication stream's total.
+    # Busiest communication stream's total: what no order can beat (see _GroupLink.busy_ms).
     communication_ms: float
 
     @property
@@ -182,6 +188,54 @@ def _slowed_end(start: float, duration: float, busy: list[tuple[float, float]], 
     return now + remaining
 
 
+class _GroupLink:
+    """One process group's communication: ``lanes`` launches in progress at once on one link.
+
+    A launch pays its latency, then moves its bytes. Latencies pass one at a time (they are the
+    rank's and the link's round trips, which concurrent launches share), and so do transfers
+    (the link's bandwidth); what concurrency buys is one launch's latency passing while another
+    transfers. With one lane that is the serial stream of a NCCL communicator.
+    """
+
+    def __init__(self, lanes: int) -> None:
+        self.lane_free = [0.0] * lanes
+        self.latency_free = 0.0
+        self.link_free = 0.0
+        self.latency_total = 0.0
+        self.transfer_total = 0.0
+        self.latency_min = self.transfer_min = float("inf")
+
+    def run(self, issued_ms: float, latency_ms: float, transfer_ms: float) -> tuple[float, float]:
+        """(start, end) of a launch issued at ``issued_ms``. ``end - start`` is its own time on
+        the link: from when it started or the launch before it left the link, whichever is
+        later. With one lane that is its latency and transfer; with more, the latency it paid
+        while another launch transferred is not its own."""
+        lane = min(range(len(self.lane_free)), key=self.lane_free.__getitem__)
+        start = max(issued_ms, self.lane_free[lane], self.latency_free)
+        self.latency_free = start + latency_ms
+        end = max(self.latency_free, self.link_free) + transfer_ms
+        own_start = max(start, self.link_free)
+        self.lane_free[lane] = self.link_free = end
+        self.latency_total += latency_ms
+        self.transfer_total += transfer_ms
+        self.latency_min = min(self.latency_min, latency_ms)
+        self.transfer_min = min(self.transfer_min, transfer_ms)
+        return own_start, end
+
+    def busy_ms(self) -> float:
+        """A lower bound on this group's communication under any order: latencies pass one at
+        a time and so do transfers, each after at least one of the other kind, and the lanes
+        share every launch's whole time. With one lane that is the sum of the launches' times."""
+        if self.latency_min == float("inf"):
+            return 0.0
+        lanes = len(self.lane_free)
+        return max(
+            self.transfer_total + self.latency_min,
+            self.latency_total + self.transfer_min,
+            (self.latency_total + self.transfer_total) / lanes,
+        )
+
+
 def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel) -> Simulation:
     """Runs ``order`` (node indices of ``annotated``) on one compute and per-group comm streams."""
     nodes = annotated.nodes
@@ -189,8 +243,7 @@ def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel)
         raise ValueError(f"order must be a permutation of the {len(nodes)} node indices of the annotated trace")
     hideable = potentially_hideable(annotated)
     streams: dict[int, int] = {}
-    stream_free: list[float] = []
-    stream_busy: list[float] = []
+    links: list[_GroupLink] = []
     issued: dict[int, tuple[int, float, float, float]] = {}  # collective -> (stream, issue, start, end)
     waited: dict[int, tuple[float, float]] = {}  # collective -> (reached wait, exposed)
     ops: list[OpTiming] = []
@@ -215,16 +268,13 @@ def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel)
             now = run_compute(cost_model.local_copy_ms(node.bsym))  # the launch waits for its input's lay-out
             coll = annotated.collectives[node.collective]
             stream = streams.setdefault(coll.group_key, len(streams))
-            if stream == len(stream_free):
-                stream_free.append(0.0)
-                stream_busy.append(0.0)
-            duration = cost_model.collective_ms(coll)
-            start = max(now, stream_free[stream])
-            stream_free[stream] = start + duration
-            stream_busy[stream] += duration
-            issued[node.collective] = (stream, now, start, start + duration)
+            if stream == len(links):
+                links.append(_GroupLink(cost_model.network.concurrent_launches))
+            latency = cost_model.collective_latency_ms(coll)
+            start, end = links[stream].run(now, latency, cost_model.collective_ms(coll) - latency)
+            issued[node.collective] = (stream, now, start, end)
             if slowdown:
-                busy.insert(bisect.bisect(busy, (start, start + duration)), (start, start + duration))
+                busy.insert(bisect.bisect(busy, (start, end)), (start, end))
             ops.append(OpTiming(index, node.name, issued_from, now))
         elif node.kind is NodeKind.WAIT:
             reached = now
@@ -239,7 +289,7 @@ def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel)
             now = run_compute(cost_model.compute_ms(node.bsym))
             ops.append(OpTiming(index, node.name, start, now))
 
-    step = max([now, *stream_free])
+    step = max([now, *(link.link_free for link in links)])
     timings = []
     for c, coll in enumerate(annotated.collectives):
         stream, issue, start, end = issued[c]
@@ -250,4 +300,4 @@ def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel)
                 computing.between(start, end),
             )
         )  # fmt: skip
-    return Simulation(ops, timings, step, compute_total, max(stream_busy, default=0.0))
+    return Simulation(ops, timings, step, compute_total, max((link.busy_ms() for link in links), default=0.0))

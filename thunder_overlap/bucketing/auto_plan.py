@@ -8,7 +8,8 @@ contiguous buckets:
 
 - a bucket ends as soon as it saturates bandwidth, i.e. once its latency share of one all-gather
   is at most ``OverlapConfig.auto_bucket_latency_share`` (``bytes >= latency x bandwidth x (1 -
-  share) / share``, for the actual world size and network), even inside a block: a larger bucket
+  share) / share``, for the actual world size and network; where the backend runs k launches at
+  once, the latency another launch's transfer hides does not count), even inside a block: a larger bucket
   saves little latency but arrives later, so the first compute that needs it waits longer, and
   its copy-out grows. Blocks smaller than that merge; on a fast network a block splits into a
   few saturating pieces (where the rest of the block saturates too, so that no bucket holds the
@@ -79,13 +80,17 @@ class AutoBucketCaps:
 
 def saturating_bytes(cost_model: CostModel, world_size: int, latency_share: float) -> int:
     """The smallest unsharded size whose all-gather spends at most ``latency_share`` of its time
-    on latency: ``transfer >= latency x (1 - share) / share``. 0 on one rank (no latency)."""
+    on latency that no concurrent launch hides (:meth:`CostModel.unhidden_latency_ms`): with
+    launches in progress at once, ``latency - transfer <= share / (1 - share) x transfer``; one
+    at a time, ``transfer >= latency x (1 - share) / share``. 0 on one rank (no latency)."""
     latency_ms = cost_model.latency_ms(world_size)
     if latency_ms == 0 or world_size <= 1:
         return 0
     # transfer_ms is linear in bytes; measure its slope on a large size for precision.
     ms_per_byte = cost_model.transfer_ms(1 << 30, world_size) / (1 << 30)
-    return int(latency_ms * (1 - latency_share) / latency_share / ms_per_byte) + 1
+    hidden_per_transfer_ms = 0 if cost_model.network.concurrent_launches == 1 else 1
+    transfer_ms = latency_ms / (hidden_per_transfer_ms + latency_share / (1 - latency_share))
+    return int(transfer_ms / ms_per_byte) + 1
 
 
 @dataclass(frozen=True)

@@ -239,8 +239,9 @@ def plan_digest(plans: list[BucketPlan]) -> str:
 
 
 def latency_share(cost_model: CostModel, unsharded_bytes: int, world_size: int) -> float:
-    """Share of one all-gather of ``unsharded_bytes`` that is launch latency (0 on one rank)."""
-    latency = cost_model.latency_ms(world_size)
+    """Share of one all-gather of ``unsharded_bytes`` that is launch latency no concurrent
+    launch hides (:meth:`CostModel.unhidden_latency_ms`; 0 on one rank)."""
+    latency = cost_model.unhidden_latency_ms(unsharded_bytes, world_size)
     total = latency + cost_model.transfer_ms(unsharded_bytes, world_size)
     return latency / total if total > 0 else 0.0
 

@@ -52,7 +52,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--network",
         default="auto",
-        help=f"auto (nvlink up to 8 ranks, else infiniband), {sorted(NETWORK_PROFILES)}, or custom:<latency_us>:<GB/s>[:ring|tree]",
+        help=(
+            f"auto (nvlink up to 8 ranks, else infiniband), {sorted(NETWORK_PROFILES)}, "
+            "or custom:<latency_us>:<GB/s>[:ring|tree[:<concurrent launches>]]"
+        ),
     )
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES), help="parameter and activation dtype")
     parser.add_argument("--batch-size", type=int, default=1)

@@ -339,7 +339,7 @@ def report(
         cost_model: how long ops and collectives take; wins over the two names below.
         device_profile: a name from ``cost_model.DEVICE_PROFILES`` (h100, h200, a100, cpu);
             default: the profile of the device ``jm``'s parameters are on.
-        network: a name from ``cost_model.NETWORK_PROFILES`` or ``custom:<latency_us>:<GB/s>``;
+        network: a name from ``cost_model.NETWORK_PROFILES`` or ``custom:<latency_us>:<GB/s>[:ring|tree[:<concurrent launches>]]``;
             default: from the backend and size of the process group of ``jm``'s collectives
             (gloo: gloo-loopback; otherwise NVLink within a node, InfiniBand across nodes).
         thunder_fsdp: Thunder's own FSDP traces of the same model (the baseline); default:
