@@ -47,7 +47,7 @@ from fsdp_bench.bench_config import BUCKETING_MODES, SHARD_MODES, TRAINING_IMPLS
 from fsdp_bench.bench_models import TINY_PRESETS
 from fsdp_bench.launch import run_on_link
 from fsdp_bench.netns import LinkSpec, SlowLink
-from fsdp_bench.prediction import TestbedSetting, predict_testbed_step_ms
+from fsdp_bench.prediction import GLOO_CONCURRENT_LAUNCHES, TestbedSetting, predict_testbed_step_ms
 from fsdp_bench.results import load_results
 from fsdp_bench.testbed_summary import calibrate, format_table, summarize, target_checks
 
@@ -70,9 +70,10 @@ class TestbedConfig:
     warmup_iters: int = 4
     cores: tuple[int, int] = (0, 1)
     # What thunder_overlap is told one collective launch costs on this link, besides bytes over
-    # the rate: gloo's fixed cost per collective, about 1 ms on the 2-core testbed (the latency the
-    # simulator fits to the communication-only runs). With the rate it names the network that
-    # schedules and sizes auto buckets (no built-in profile knows a rate-limited veth).
+    # the rate: gloo's fixed cost per collective, about 1 ms on the 2-core testbed (one small
+    # launch in link_probe.py; the simulator fits 1.3 ms to the latency-bound setting's
+    # communication-only runs). With the rate, and gloo's two launches at once, it names the
+    # network that schedules and sizes auto buckets (no built-in profile knows a rate-limited veth).
     link_latency_us: float = 1000.0
     out: str = "results/slow_link"
     # Per launch; Thunder compiles in the first iteration of each run.
@@ -99,8 +100,9 @@ class TestbedConfig:
 
     @property
     def network(self) -> str:
-        """The link as a cost-model network: ``custom:<latency_us>:<GB/s>`` (a ring)."""
-        return f"custom:{self.link_latency_us:g}:{self.rate_mbit / 8e3:g}"
+        """The link as a cost-model network: ``custom:<latency_us>:<GB/s>:ring:2``, a ring on
+        which gloo runs two launches at once."""
+        return f"custom:{self.link_latency_us:g}:{self.rate_mbit / 8e3:g}:ring:{GLOO_CONCURRENT_LAUNCHES}"
 
     @property
     def bucketings(self) -> tuple[str, ...]:

@@ -89,7 +89,7 @@ def test_benchmark_schedules_thunder_overlap_for_the_named_link():
     labels = ("thunder", "compute_only", "comm_only@auto", "thunder_overlap_uncoalesced@none")
     named = {label: "--network" in testbed.benchmark_args(label, Path("run.json")) for label in labels}
     assert named == {"thunder": False, "compute_only": False, "comm_only@auto": True, "thunder_overlap_uncoalesced@none": True}
-    assert testbed.network == "custom:1000:0.05"
+    assert testbed.network == "custom:1000:0.05:ring:2"  # gloo runs two launches at once
     with pytest.raises(ValueError, match=r"--link-latency-us=-1.0 .*accepted are a latency >= 0"):
         TestbedConfig(link_latency_us=-1.0)
 
@@ -165,13 +165,14 @@ def test_link_fit_recovers_latency_and_bandwidth_from_two_bucketings():
 
     shape = ("tiny-gpt", 2, 32, 2, 2, "zero3")
     traces = {b: _annotated("thunder_overlap", b, None, *shape) for b in ("none", "block")}
-    link = NetworkProfile("truth", 2e-3, 5e7)
-    measured = {b: _communication_ms(t, link) for b, t in traces.items()}
-    # Same bytes, far fewer collectives: only a latency term can tell the two runs apart.
-    assert measured["block"] < 0.5 * measured["none"]
-    fit = fit_link({b: (measured[b], traces[b]) for b in traces})
-    assert fit.fitted_to == ("block", "none")
-    assert fit.latency_s == pytest.approx(2e-3, rel=1e-6) and fit.bus_bandwidth == pytest.approx(5e7, rel=1e-6)
+    for lanes in (1, 2):
+        link = NetworkProfile("truth", 2e-3, 5e7, concurrent_launches=lanes)
+        measured = {b: _communication_ms(t, link) for b, t in traces.items()}
+        # Same bytes, far fewer collectives: only a latency term can tell the two runs apart.
+        assert measured["block"] < 0.5 * measured["none"]
+        fit = fit_link({b: (measured[b], traces[b]) for b in traces}, concurrent_launches=lanes)
+        assert fit.fitted_to == ("block", "none") and fit.network().concurrent_launches == lanes
+        assert fit.latency_s == pytest.approx(2e-3, rel=1e-4) and fit.bus_bandwidth == pytest.approx(5e7, rel=1e-4)
     # One run: no latency, the bandwidth alone accounts for that run's M.
     single = fit_link({"none": (measured["none"], traces["none"])})
     assert single.latency_s == 0 and single.fitted_to == ("none",)

@@ -66,7 +66,7 @@ class BenchmarkConfig:
     network: str | None = _option(
         None,
         "the link thunder_overlap schedules for and sizes auto buckets to: a profile name or "
-        "custom:<latency_us>:<GB/s>[:ring|tree]; default: its own choice for the device",
+        "custom:<latency_us>:<GB/s>[:ring|tree[:<concurrent launches>]]; default: its own choice for the device",
     )
     # Thunder's defaults: 45 iterations, the first 25 untimed (jit compilation, allocator warm-up).
     max_iters: int = _option(45, "iterations in all")

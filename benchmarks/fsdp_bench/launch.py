@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fsdp_bench.netns import SlowLink
 
-__all__ = ["BENCHMARK_SCRIPT", "run_on_link"]
+__all__ = ["BENCHMARK_SCRIPT", "rank_env", "run_on_link"]
 
 BENCHMARK_SCRIPT = Path(__file__).resolve().parent.parent / "benchmark_fsdp.py"
 # Any port: it exists only inside rank 0's namespace.
@@ -21,7 +21,7 @@ _LOG_TAIL_LINES = 30
 _POLL_S = 0.2
 
 
-def _rank_env(link: SlowLink, rank: int) -> dict[str, str]:
+def rank_env(link: SlowLink, rank: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         RANK=str(rank),
@@ -69,7 +69,7 @@ def run_on_link(link: SlowLink, benchmark_args: list[str], log_dir: Path, label:
             argv = link.command(rank, [sys.executable, str(BENCHMARK_SCRIPT), *benchmark_args])
             with log.open("w") as out:
                 procs.append(
-                    subprocess.Popen(argv, env=_rank_env(link, rank), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                    subprocess.Popen(argv, env=rank_env(link, rank), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
                 )
         deadline = time.monotonic() + timeout_s
         while True:

@@ -5,11 +5,13 @@ Calibration uses the testbed's measured numbers and nothing else:
   the measured compute-only step C (op *proportions* come from the roofline, the total from C;
   timing every op on this CPU instead moved the 8-layer prediction by under 0.5%);
 - link: a ring with a per-collective latency and a bus bandwidth (the cost model's
-  ``latency * (n - 1) + bytes / bandwidth`` form). Each communication-only run M replays one
-  bucketing strategy's collectives back to back; with two or more strategies measured (same
-  bytes, different numbers of collectives) the latency and the bandwidth are fitted to all of
-  them by least squares on relative error. With one, or when the fit is not physical (negative
-  latency), the latency is zero and the bandwidth alone makes that strategy's collectives take M.
+  ``latency * (n - 1) + bytes / bandwidth`` form), on which gloo runs two launches at once
+  (``NetworkProfile.concurrent_launches``). Each communication-only run M replays one bucketing
+  strategy's collectives with the schedule's in-flight pattern and no compute, which the
+  simulator replays the same way; with two or more strategies measured (same bytes, different
+  numbers of collectives) the latency and the bandwidth are fitted to all of them by least
+  squares on relative error. With one, the latency is zero and the bandwidth alone makes that
+  strategy's collectives take M.
 - overlap: when the testbed measured C and M at once (no dependencies between them), compute is
   slowed by the factor that makes that run's simulation take what it measured: with the
   communication busy from 0 to M, T = M + C - M / (1 + slowdown) (see fit_overlap_slowdown).
@@ -20,6 +22,7 @@ prediction says about overlap comes from that schedule.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import thunder
@@ -29,7 +32,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from thunder_overlap import CostModel, OverlapConfig
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace
-from thunder_overlap.analysis.cost_model import NetworkProfile, device_profile, network_profile
+from thunder_overlap.analysis.cost_model import DeviceProfile, NetworkProfile, device_profile, network_profile
 from thunder_overlap.analysis.simulator import simulate
 from thunder_overlap.options import parse_sharding_strategy
 from thunder_overlap.report.models import trace_model
@@ -38,12 +41,14 @@ from fsdp_bench.bench_models import build_model, math_sdpa
 
 __all__ = ["LinkFit", "TestbedSetting", "fit_link", "fit_overlap_slowdown", "predict_testbed_step_ms"]
 
-# Unit link parameters: the simulator's communication time is linear in latency and in
-# 1/bandwidth, so pricing the traces once with each unit gives the two coefficients of the fit.
-_UNIT_LATENCY_S = 1e-3
-_REFERENCE_BANDWIDTH = 1e9
-_NO_LATENCY = NetworkProfile("bandwidth only", 0.0, _REFERENCE_BANDWIDTH)
-_NO_TRANSFER = NetworkProfile("latency only", _UNIT_LATENCY_S, 1e30)
+# The testbed's backend: ProcessGroupGloo runs two collectives at once (its worker threads).
+GLOO_CONCURRENT_LAUNCHES = 2
+# The replay is positively homogeneous in (latency, 1 / bandwidth): scaling both scales every
+# time. So the fit searches one ratio, latency x bandwidth (bytes), in this range, and solves the
+# scale in closed form for each.
+_LATENCY_BYTES_RANGE = (1.0, 1e10)
+_LATENCY_BYTES_GRID = 61
+_REFINE_STEPS = 60
 # A concurrent run at the serial bound would mean compute stops beside communication (an
 # infinite slowdown); 10x slower is already indistinguishable from that on the testbed.
 MAX_OVERLAP_SLOWDOWN = 10.0
@@ -87,9 +92,10 @@ class LinkFit:
     bus_bandwidth: float  # bytes/s
     # The bucketing strategies whose communication-only runs it was fitted to.
     fitted_to: tuple[str, ...]
+    concurrent_launches: int = GLOO_CONCURRENT_LAUNCHES
 
     def network(self) -> NetworkProfile:
-        return NetworkProfile("testbed", self.latency_s, self.bus_bandwidth)
+        return NetworkProfile("testbed", self.latency_s, self.bus_bandwidth, concurrent_launches=self.concurrent_launches)
 
 
 def _thunder_traces(model, world_size: int, shard_mode: str, idx_shape: tuple[int, int]):
@@ -131,35 +137,66 @@ def _annotated(
     return tuple(classify_trace(t) for t in (thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]))
 
 
+# Communication only: no op, local copy or launch overhead takes time.
+_NO_COMPUTE = DeviceProfile("communication only", math.inf, math.inf, math.inf, launch_overhead_s=0.0)
+
+
 def _communication_ms(annotated: tuple[AnnotatedTrace, ...], network: NetworkProfile) -> float:
-    cost = CostModel(device_profile("cpu"), network)
-    return sum(simulate(a, list(range(len(a.nodes))), cost).communication_ms for a in annotated)
+    """What the communication-only replay of ``annotated`` takes on ``network``: every trace's
+    collectives issued and waited on in its order, with no compute in between."""
+    cost = CostModel(_NO_COMPUTE, network, user_estimate=lambda bsym: 0.0)
+    return sum(simulate(a, list(range(len(a.nodes))), cost).step_ms for a in annotated)
 
 
-def fit_link(comm_ms_by_trace: dict[str, tuple[float, tuple[AnnotatedTrace, ...]]]) -> LinkFit:
+def fit_link(
+    comm_ms_by_trace: dict[str, tuple[float, tuple[AnnotatedTrace, ...]]],
+    concurrent_launches: int = GLOO_CONCURRENT_LAUNCHES,
+) -> LinkFit:
     """Latency and bandwidth that make each strategy's collectives take its measured M.
 
     ``comm_ms_by_trace`` maps a bucketing strategy to (its measured M, its traces). Minimises
     the squared relative errors, so a long per-parameter M does not drown a short bucketed one.
     """
     names = sorted(comm_ms_by_trace)
-    rows, targets = [], []
-    for name in names:
-        measured, traces = comm_ms_by_trace[name]
-        latency_part = _communication_ms(traces, _NO_TRANSFER)  # ms per unit latency
-        transfer_part = _communication_ms(traces, _NO_LATENCY)  # ms at the reference bandwidth
-        rows.append([latency_part / measured, transfer_part / measured])
-        targets.append(1.0)
-    if len(names) >= 2:
-        solution = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64), torch.tensor(targets, dtype=torch.float64)[:, None]).solution
-        latency_scale, transfer_scale = solution[:, 0].tolist()
-        if latency_scale >= 0 and transfer_scale > 0:
-            return LinkFit(latency_scale * _UNIT_LATENCY_S, _REFERENCE_BANDWIDTH / transfer_scale, tuple(names))
-    # Bandwidth only, to the per-parameter run when there is one (the one M every testbed run has).
-    name = "none" if "none" in comm_ms_by_trace else names[0]
-    measured, traces = comm_ms_by_trace[name]
-    transfer_scale = measured / _communication_ms(traces, _NO_LATENCY)
-    return LinkFit(0.0, _REFERENCE_BANDWIDTH / transfer_scale, (name,))
+
+    def at(latency_bytes: float) -> tuple[float, float]:
+        """(squared relative error, seconds per byte) of the best link with this latency x bandwidth."""
+        unit = NetworkProfile("unit", latency_bytes, 1.0, concurrent_launches=concurrent_launches)
+        ratios = [_communication_ms(comm_ms_by_trace[n][1], unit) / comm_ms_by_trace[n][0] for n in names]  # unit ms per measured ms
+        scale = sum(ratios) / sum(r * r for r in ratios)  # measured ms per unit ms: min sum (scale * r - 1)^2
+        return sum((scale * r - 1) ** 2 for r in ratios), scale
+
+    if len(names) < 2:
+        best = 0.0
+    else:
+        low, high = (math.log(b) for b in _LATENCY_BYTES_RANGE)
+        grid = [math.exp(low + (high - low) * i / (_LATENCY_BYTES_GRID - 1)) for i in range(_LATENCY_BYTES_GRID)]
+        errors = [at(b)[0] for b in grid]
+        i = min(range(len(grid)), key=errors.__getitem__)
+        best = _golden_minimum(lambda x: at(math.exp(x))[0], math.log(grid[max(i - 1, 0)]), math.log(grid[min(i + 1, len(grid) - 1)]))
+        best = math.exp(best)
+        if at(0.0)[0] <= at(best)[0]:
+            best = 0.0
+    # The unit link moves a byte a second, so the scale that fits it is the real seconds per byte.
+    seconds_per_byte = at(best)[1]
+    return LinkFit(best * seconds_per_byte, 1 / seconds_per_byte, tuple(names), concurrent_launches)
+
+
+def _golden_minimum(f, low: float, high: float) -> float:
+    """Where ``f`` is smallest on [low, high], by golden-section search."""
+    ratio = (math.sqrt(5) - 1) / 2
+    a, b = high - ratio * (high - low), low + ratio * (high - low)
+    fa, fb = f(a), f(b)
+    for _ in range(_REFINE_STEPS):
+        if fa <= fb:
+            high, b, fb = b, a, fa
+            a = high - ratio * (high - low)
+            fa = f(a)
+        else:
+            low, a, fa = a, b, fb
+            b = low + ratio * (high - low)
+            fb = f(b)
+    return (low + high) / 2
 
 
 def fit_overlap_slowdown(compute_ms: float, comm_ms: float, concurrent_ms: float | None) -> float:
@@ -191,7 +228,7 @@ def predict_testbed_step_ms(setting: TestbedSetting) -> float | None:
     comm_ms = dict(setting.comm_ms_by_bucketing) or {setting.bucketing: setting.comm_ms}
     link = fit_link({b: (ms, _annotated("thunder_overlap", b, setting.network, *shape)) for b, ms in comm_ms.items()})
 
-    reference = CostModel(device_profile("cpu"), _NO_LATENCY)
+    reference = CostModel(device_profile("cpu"), link.network())
     compute_scale = setting.compute_ms / sum(simulate(a, list(range(len(a.nodes))), reference).compute_ms for a in annotated)
     calibrated = CostModel(
         device_profile("cpu"),
