@@ -172,6 +172,14 @@ def test_zero3_pool_holds_only_what_is_alive_at_once(deep_runs):
     n_blocks = 6
     block_numel = max(deep_runs["zero3"].bucket_numels)
     assert deep_runs["zero3"].bucket_numels.count(block_numel) == n_blocks
+    # The pool says what used each buffer: the block buffers serve gathers, copy-outs and
+    # reduce-scatters of several blocks each, which is how fewer buffers than uses suffice.
+    users = deep_runs["zero3"].pool_users
+    assert len(users) == sum(deep_runs["zero3"].pool_buffers.values())
+    uses = {use.rsplit(" ", 1)[1] for slot in users for use in slot}
+    assert uses == {"all-gather", "copy-out", "reduce-scatter"}
+    assert any(len({use.rsplit(" ", 1)[0] for use in slot}) > 1 for slot in users)
+    assert any({"all-gather", "reduce-scatter"} <= {use.rsplit(" ", 1)[1] for use in slot} for slot in users)
     # ZeRO2 keeps every gathered block for backward: one buffer each (plus staging).
     assert deep_runs["zero2"].pool_buffers[block_numel] >= n_blocks
     # ZeRO3 frees a block after its last use; buffers are reused as the window moves. Busy at

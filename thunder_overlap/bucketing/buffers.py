@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from thunder_overlap.bucketing.plan import BucketPlan
 
-__all__ = ["BucketBuffers", "BufferPool", "PendingCollective", "lookup_bucket", "register_bucket"]
+__all__ = ["BucketBuffers", "BufferPool", "PendingCollective", "PoolSlot", "lookup_bucket", "register_bucket"]
 
 
 def _storage_users(t: torch.Tensor) -> int:
@@ -50,9 +50,24 @@ class _Reusable:
     def __init__(self, buffer: torch.Tensor) -> None:
         self.buffer = buffer
         self.idle_users = _storage_users(buffer)
+        # What it has held, in first-use order ("blocks.3 all-gather", ...).
+        self.users: dict[str, None] = {}
 
     def is_idle(self) -> bool:
         return _storage_users(self.buffer) == self.idle_users
+
+
+@dataclass(frozen=True)
+class PoolSlot:
+    """One buffer of the pool: its size and what used it."""
+
+    numel: int
+    dtype: torch.dtype
+    nbytes: int
+    # Bucket and purpose of every use so far: "<bucket> all-gather" (the gathered ranks),
+    # "<bucket> copy-out" (the parameter-major layout), "<bucket> reduce-scatter" (the laid-out
+    # gradients).
+    users: tuple[str, ...]
 
 
 @dataclass
@@ -60,20 +75,26 @@ class BufferPool:
     """Flat buffers, reused once no view of theirs is alive.
 
     ``acquire`` returns a view: a buffer counts as busy for exactly as long as some view of it
-    (the returned one, or any taken from it) is alive.
+    (the returned one, or any taken from it) is alive. Any use may take any idle buffer of its
+    size and dtype, so all-gather outputs, copy-outs and reduce-scatter inputs share buffers.
     """
 
     allocations: int = 0
     allocated_bytes: int = 0
     _buffers: list[_Reusable] = field(default_factory=list)
 
-    def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def acquire(self, numel: int, dtype: torch.dtype, device: torch.device, user: str = "") -> torch.Tensor:
+        """A view of an idle buffer of ``numel`` x ``dtype`` (allocated when none is idle);
+        ``user`` names the use in :attr:`slots`."""
         for entry in self._buffers:
             b = entry.buffer
             if b.numel() == numel and b.dtype == dtype and b.device == device and entry.is_idle():
+                entry.users[user] = None
                 return b.view(-1)
         buffer = torch.empty(numel, dtype=dtype, device=device)
-        self._buffers.append(_Reusable(buffer))
+        entry = _Reusable(buffer)
+        entry.users[user] = None
+        self._buffers.append(entry)
         self.allocations += 1
         self.allocated_bytes += numel * buffer.element_size()
         return buffer.view(-1)
@@ -81,6 +102,23 @@ class BufferPool:
     @property
     def buffers(self) -> list[torch.Tensor]:
         return [entry.buffer for entry in self._buffers]
+
+    @property
+    def slots(self) -> list[PoolSlot]:
+        """Every buffer the pool holds, with what used it: the pool is as large as the most
+        buffers of one size that were ever busy at once."""
+        return [
+            PoolSlot(e.buffer.numel(), e.buffer.dtype, e.buffer.numel() * e.buffer.element_size(), tuple(e.users))
+            for e in self._buffers
+        ]
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        lines = [f"bucket pool: {len(self._buffers)} buffers, {self.allocated_bytes / mib:.3f} MiB, held for the module's life"]
+        for i, slot in enumerate(self.slots):
+            users = ", ".join(slot.users)
+            lines.append(f"  slot {i}: {slot.nbytes / mib:8.3f} MiB {str(slot.dtype).removeprefix('torch.')}: {users}")
+        return "\n".join(lines)
 
 
 @dataclass
@@ -152,7 +190,9 @@ class BucketBuffers:
     def prepare_all_gather(self, shards: list[torch.Tensor], slots: tuple[int, ...]) -> PendingCollective:
         """Everything before the launch: checks the shards and takes an output buffer (no work yet)."""
         self._check_is_flat_shard(shards, slots)
-        out = self.pool.acquire(self.world_size * self.plan.shard_numel, self.flat_shard.dtype, self.flat_shard.device)
+        out = self.pool.acquire(
+            self.world_size * self.plan.shard_numel, self.flat_shard.dtype, self.flat_shard.device, f"{self.plan.label} all-gather"
+        )
         return PendingCollective(None, out)
 
     def launch_all_gather(self, pending: PendingCollective, *, async_op: bool) -> dist.Work | None:
@@ -174,7 +214,7 @@ class BucketBuffers:
         world, plan = self.world_size, self.plan
         unsharded = gathered
         if len(plan.slots) > 1 and world > 1:
-            unsharded = self.pool.acquire(gathered.numel(), gathered.dtype, gathered.device)
+            unsharded = self.pool.acquire(gathered.numel(), gathered.dtype, gathered.device, f"{plan.label} copy-out")
         pieces = [unsharded[world * s.offset : world * (s.offset + s.numel)] for s in plan.slots]
         if unsharded is not gathered:
             torch.split_with_sizes_copy(
@@ -204,7 +244,7 @@ class BucketBuffers:
                 f"thunder_overlap bucketing: bucket {self.plan.label!r} expects {len(self.plan.slots)} gradients, got {len(grads)}"
             )
         flat = self.flat_shard
-        laid_out = self.pool.acquire(self.world_size * self.plan.shard_numel, flat.dtype, flat.device)
+        laid_out = self.pool.acquire(self.world_size * self.plan.shard_numel, flat.dtype, flat.device, f"{self.plan.label} reduce-scatter")
         torch._chunk_cat(grads, dim=0, num_chunks=self.world_size, out=laid_out.view(self.world_size, self.plan.shard_numel))
         return laid_out
 

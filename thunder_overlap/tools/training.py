@@ -83,6 +83,8 @@ class BucketCensus:
     # The shared pool of unsharded buffers: numel -> how many buffers of that size it holds,
     # and each bucket's unsharded numel.
     pool_buffers: dict[int, int]
+    # Per pool buffer, what used it ("blocks.0 all-gather", "blocks.0 reduce-scatter", ...).
+    pool_users: list[tuple[str, ...]]
     bucket_numels: list[int]
     # Whether every .grad after the step is a view of its bucket's gradient shard.
     grads_are_bucket_views: bool
@@ -241,6 +243,7 @@ def _bucket_census(jm, bucketing: BucketingTransform, census: OpCensus, allocati
         allocations_after_first_step=allocations_after_first_step,
         allocations_after_last_step=bucketing.allocations,
         pool_buffers=dict(collections.Counter(b.numel() for b in bucketing.pool.buffers)),
+        pool_users=[slot.users for slot in bucketing.pool.slots],
         bucket_numels=[b.world_size * b.plan.shard_numel for b in bucketing.buckets.values()],
         grads_are_bucket_views=all(g is not None and g.untyped_storage().data_ptr() in grad_shards for g in grads),
     )

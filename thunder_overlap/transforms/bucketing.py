@@ -97,7 +97,10 @@ class BucketingTransform(Transform):
 
     After ``transform_module``, ``summaries["plan"]`` is the :class:`BucketPlanSummary`; after
     each compile, ``summaries["forward"]``, ``["backward"]`` (or ``["backward (no_sync)"]``) are
-    the :class:`BucketingSummary` of that trace's rewrite.
+    the :class:`BucketingSummary` of that trace's rewrite. ``pool`` is the
+    :class:`~thunder_overlap.bucketing.buffers.BufferPool` of the unsharded buffers; once a step
+    has run, ``pool.slots`` (or ``print(pool)``) says its buffers, their bytes and which buckets
+    used each for what.
     """
 
     def __init__(
