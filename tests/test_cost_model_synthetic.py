@@ -242,3 +242,26 @@ def test_a_coalesced_bucket_reduce_scatter_costs_each_members_lay_out():
     assert local_copy_bytes(bsym) == 4 * two_grads_bytes
     averaged = SimpleNamespace(sym=bsym.sym, args=(None, ((1, 2.0, (0,)),), [[grad(16, 8)]]))
     assert local_copy_bytes(averaged) == 2 * 128 * 4  # one out-of-place pre-average
+
+
+def test_a_coalesced_bucket_all_gather_wait_costs_each_members_copy_out():
+    from types import SimpleNamespace
+
+    from thunder.core import dtypes
+
+    from thunder_overlap.analysis.local_copies import local_copy_bytes
+
+    def shard(*shape):
+        return SimpleNamespace(shape=shape, dtype=dtypes.float32)
+
+    group = SimpleNamespace(size=lambda: 4)
+    # Two buckets on 4 ranks: one of two tensors (flat shard 36 floats: 4 x 144 bytes gathered,
+    # read and written by the copy-out); one of a single tensor (views of the gathered buffer).
+    members = ((0, (0, 1), (0, 1)), (1, (0,), (0,)))
+    shards = [[shard(4, 8), shard(4)], [shard(16, 8)]]
+    issue = SimpleNamespace(sym=SimpleNamespace(name="coalesced_bucket_all_gather"), args=(group, members, shards))
+    wait = SimpleNamespace(sym=SimpleNamespace(name="coalesced_wait"), args=(None, ()))
+    assert local_copy_bytes(wait, issued_by=issue) == 2 * 4 * (32 + 4) * 4
+    # A per-parameter coalesced launch copies nothing at its wait, and the wait alone names no bucket.
+    per_parameter = SimpleNamespace(sym=SimpleNamespace(name="coalesced_all_gather"), args=(group, (0,), [shard(4, 8)]))
+    assert local_copy_bytes(wait, issued_by=per_parameter) == local_copy_bytes(wait) == 0

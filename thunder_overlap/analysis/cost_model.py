@@ -399,10 +399,11 @@ class CostModel:
             return self.local_copy_ms(bsym)
         return self.roofline_ms(bsym)
 
-    def local_copy_ms(self, bsym: BoundSymbol) -> float:
+    def local_copy_ms(self, bsym: BoundSymbol, issued_by: BoundSymbol | None = None) -> float:
         """Time of the local copies a bucketed collective's start or wait makes, on the compute
-        stream: their bytes (read + written) at the device's memory bandwidth x efficiency."""
-        return self.copy_ms(local_copy_bytes(bsym))
+        stream: their bytes (read + written) at the device's memory bandwidth x efficiency. A
+        wait's ``issued_by`` is its collective's issue (see ``local_copies.WAIT_COPY_BYTES``)."""
+        return self.copy_ms(local_copy_bytes(bsym, issued_by))
 
     def copy_ms(self, moved_bytes: int) -> float:
         """A memory-bound copy that reads and writes ``moved_bytes`` in all."""

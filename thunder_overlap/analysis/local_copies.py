@@ -24,8 +24,9 @@ What each bucket operator copies (``U`` is the bucket's unsharded bytes, ``G`` i
   no_sync add ``2 U`` once, on the step after; not counted.
 - ``bucket_reduce_scatter_wait``: nothing; the reduce-scatter wrote the gradient shard in place.
 - ``coalesced_bucket_reduce_scatter``: each member bucket's lay-out and pre-average, as alone.
-  The copy-out of a coalesced bucket all-gather's members, run by ``coalesced_wait``, is not
-  counted yet: the wait does not name its members' buckets.
+- ``coalesced_wait`` of a ``coalesced_bucket_all_gather``: each member bucket's copy-out, as
+  alone (``2 U`` for a bucket of several tensors). The wait names no bucket, so these bytes come
+  from the issue (:data:`WAIT_COPY_BYTES`, keyed by the issue's name).
 - ``bucket_accumulate_grads`` (no_sync): the ``_chunk_cat`` (``G + U``) and the sum into the kept
   gradients (``3 U``), with ``U`` taken as ``G``: this operator has no process group to pad by.
 """
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 
-__all__ = ["LOCAL_COPY_BYTES", "LocalCopyBytes", "local_copy_bytes"]
+__all__ = ["LOCAL_COPY_BYTES", "WAIT_COPY_BYTES", "LocalCopyBytes", "local_copy_bytes"]
 
 # Bytes read plus bytes written by one operator's local copies, from its bound symbol.
 LocalCopyBytes = Callable[[BoundSymbol], int]
@@ -112,6 +113,21 @@ def coalesced_reduce_scatter_copy_in(bsym: BoundSymbol) -> int:
     return total
 
 
+def coalesced_all_gather_copy_out(issue: BoundSymbol) -> int:
+    """The copy-out of every member bucket of several tensors, from the coalesced issue: a
+    member's gathered ranks are ``world_size`` times its flat shard (the shards it sends)."""
+    group, _, shards = issue.args[:3]
+    world_size = group.size()
+    if world_size <= 1:
+        return 0
+    return sum(2 * world_size * sum(_bytes(s) for s in member) for member in shards if len(member) > 1)
+
+
+# Copies a wait makes that only its collective's issue can count, by the issue's name.
+WAIT_COPY_BYTES: dict[str, LocalCopyBytes] = {
+    "coalesced_bucket_all_gather": coalesced_all_gather_copy_out,
+}
+
 LOCAL_COPY_BYTES: dict[str, LocalCopyBytes] = {
     "bucket_all_gather": no_copy,
     "bucket_all_gather_wait": all_gather_copy_out,
@@ -123,7 +139,10 @@ LOCAL_COPY_BYTES: dict[str, LocalCopyBytes] = {
 }
 
 
-def local_copy_bytes(bsym: BoundSymbol) -> int:
-    """Bytes ``bsym`` copies in local memory (0 for an operator not in :data:`LOCAL_COPY_BYTES`)."""
+def local_copy_bytes(bsym: BoundSymbol, issued_by: BoundSymbol | None = None) -> int:
+    """Bytes ``bsym`` copies in local memory (0 for an operator in neither table). For a wait,
+    ``issued_by`` is its collective's issue, which counts what the wait cannot name."""
+    if issued_by is not None and issued_by.sym.name in WAIT_COPY_BYTES:
+        return WAIT_COPY_BYTES[issued_by.sym.name](issued_by)
     count = LOCAL_COPY_BYTES.get(bsym.sym.name)
     return 0 if count is None else count(bsym)

@@ -282,7 +282,8 @@ def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel)
             exposed = max(0.0, end - now)
             waited[node.collective] = (now, exposed)
             now += exposed
-            now = run_compute(cost_model.local_copy_ms(node.bsym))  # the copy-out reads the result
+            issue = nodes[annotated.collectives[node.collective].start].bsym
+            now = run_compute(cost_model.local_copy_ms(node.bsym, issue))  # the copy-out reads the result
             ops.append(OpTiming(index, node.name, reached, now))
         else:
             start = now
