@@ -172,7 +172,7 @@ def test_link_fit_recovers_latency_and_bandwidth_from_two_bucketings():
         assert measured["block"] < 0.5 * measured["none"]
         fit = fit_link({b: (measured[b], traces[b]) for b in traces}, concurrent_launches=lanes)
         assert fit.fitted_to == ("block", "none") and fit.network().concurrent_launches == lanes
-        assert fit.latency_s == pytest.approx(2e-3, rel=1e-4) and fit.bus_bandwidth == pytest.approx(5e7, rel=1e-4)
+        assert fit.latency_s == pytest.approx(2e-3, rel=1e-6) and fit.bus_bandwidth == pytest.approx(5e7, rel=1e-6)
     # One run: no latency, the bandwidth alone accounts for that run's M.
     single = fit_link({"none": (measured["none"], traces["none"])})
     assert single.latency_s == 0 and single.fitted_to == ("none",)

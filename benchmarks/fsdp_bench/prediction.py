@@ -32,17 +32,21 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from thunder_overlap import CostModel, OverlapConfig
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace
-from thunder_overlap.analysis.cost_model import DeviceProfile, NetworkProfile, device_profile, network_profile
+from thunder_overlap.analysis.cost_model import (
+    GLOO_CONCURRENT_LAUNCHES,
+    DeviceProfile,
+    NetworkProfile,
+    device_profile,
+    network_profile,
+)
 from thunder_overlap.analysis.simulator import simulate
 from thunder_overlap.options import parse_sharding_strategy
 from thunder_overlap.report.models import trace_model
 
 from fsdp_bench.bench_models import build_model, math_sdpa
 
-__all__ = ["LinkFit", "TestbedSetting", "fit_link", "fit_overlap_slowdown", "predict_testbed_step_ms"]
+__all__ = ["GLOO_CONCURRENT_LAUNCHES", "LinkFit", "TestbedSetting", "fit_link", "fit_overlap_slowdown", "predict_testbed_step_ms"]
 
-# The testbed's backend: ProcessGroupGloo runs two collectives at once (its worker threads).
-GLOO_CONCURRENT_LAUNCHES = 2
 # The replay is positively homogeneous in (latency, 1 / bandwidth): scaling both scales every
 # time. So the fit searches one ratio, latency x bandwidth (bytes), in this range, and solves the
 # scale in closed form for each.

@@ -44,6 +44,7 @@ from thunder_overlap.analysis.local_copies import LOCAL_COPY_BYTES, local_copy_b
 
 __all__ = [
     "DEVICE_PROFILES",
+    "GLOO_CONCURRENT_LAUNCHES",
     "NETWORK_PROFILES",
     "Calibration",
     "CostModel",
@@ -136,11 +137,13 @@ DEVICE_PROFILES: dict[str, DeviceProfile] = {
 # "infiniband-pat" models that. gloo's algorithms are rings too, run by ProcessGroupGloo's two
 # worker threads: two launches in progress at once (on a rate-limited link two in flight move as
 # many bytes per second as one large one, while one at a time leaves it idle between launches).
+# ProcessGroupGloo's default worker threads: launches of one gloo group in progress at once.
+GLOO_CONCURRENT_LAUNCHES = 2
 NETWORK_PROFILES: dict[str, NetworkProfile] = {
     "nvlink": NetworkProfile("nvlink", 3e-6, 360e9),
     "infiniband": NetworkProfile("infiniband", 10e-6, 45e9),
     "infiniband-pat": NetworkProfile("infiniband-pat", 10e-6, 45e9, algorithm="tree"),
-    "gloo-loopback": NetworkProfile("gloo-loopback", 50e-6, 1e9, concurrent_launches=2),
+    "gloo-loopback": NetworkProfile("gloo-loopback", 50e-6, 1e9, concurrent_launches=GLOO_CONCURRENT_LAUNCHES),
 }
 
 
@@ -427,8 +430,7 @@ class CostModel:
             if estimate is not None:
                 return float(estimate)
         n = world_size if world_size is not None else _group_size(collective)
-        phases = 2 if collective.kind is CollectiveKind.OTHER else 1  # all-reduce: reduce-scatter + all-gather
-        return phases * (self.latency_ms(n) + self.transfer_ms(collective.unsharded_bytes, n))
+        return _phases(collective) * (self.latency_ms(n) + self.transfer_ms(collective.unsharded_bytes, n))
 
     def collective_latency_ms(self, collective: Collective, world_size: int | None = None) -> float:
         """The part of :meth:`collective_ms` that is latency, not bytes on the link: with
@@ -438,8 +440,7 @@ class CostModel:
         if world_size is None and collective.process_group is None:
             return 0.0
         n = world_size if world_size is not None else _group_size(collective)
-        phases = 2 if collective.kind is CollectiveKind.OTHER else 1
-        return min(phases * self.latency_ms(n), total)
+        return min(_phases(collective) * self.latency_ms(n), total)
 
     def latency_ms(self, ranks: int) -> float:
         """What one all-gather or reduce-scatter launch on ``ranks`` ranks pays however small."""
@@ -458,6 +459,11 @@ class CostModel:
         if ranks <= 1:
             return 0.0
         return (ranks - 1) / ranks * unsharded_bytes / self.network.bus_bandwidth * 1e3
+
+
+def _phases(collective: Collective) -> int:
+    """Ring passes of one launch: an all-reduce is a reduce-scatter and an all-gather."""
+    return 2 if collective.kind is CollectiveKind.OTHER else 1
 
 
 def _group_size(collective: Collective) -> int:

@@ -88,8 +88,10 @@ def saturating_bytes(cost_model: CostModel, world_size: int, latency_share: floa
         return 0
     # transfer_ms is linear in bytes; measure its slope on a large size for precision.
     ms_per_byte = cost_model.transfer_ms(1 << 30, world_size) / (1 << 30)
-    hidden_per_transfer_ms = 0 if cost_model.network.concurrent_launches == 1 else 1
-    transfer_ms = latency_ms / (hidden_per_transfer_ms + latency_share / (1 - latency_share))
+    # Latency hidden per ms of transfer: none one at a time; with concurrent launches, the next
+    # launch's latency passes during this one's transfer.
+    hidden_per_transfer = 0 if cost_model.network.concurrent_launches == 1 else 1
+    transfer_ms = latency_ms / (hidden_per_transfer + latency_share / (1 - latency_share))
     return int(transfer_ms / ms_per_byte) + 1
 
 
@@ -153,7 +155,9 @@ COPY_BYTES_PER_BYTE = 2
 
 
 def _copy_break_even_bytes(cost_model: CostModel, world_size: int) -> float:
-    """Bytes a merge may add to a bucket's copies before they cost more than the launch saved."""
+    """Bytes a merge may add to a bucket's copies before they cost more than the launch saved
+    (a whole latency: with concurrent launches a merge saves at most that, so this errs toward
+    merging)."""
     latency_ms = cost_model.latency_ms(world_size)
     ms_per_byte = cost_model.copy_ms(1 << 30) / (1 << 30)
     return latency_ms / (COPY_BYTES_PER_BYTE * ms_per_byte) if ms_per_byte > 0 else float("inf")
