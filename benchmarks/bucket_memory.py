@@ -4,8 +4,15 @@ Two gloo ranks train a TinyGPT; after warm-up steps, one whole step (zero_grad, 
 backward, optimizer step) runs under :class:`~thunder_overlap.tools.op_census.OpCensus`, which counts
 every aten op that creates a storage and every copy op with the bytes it writes; then one more
 forward and backward runs under :class:`~thunder_overlap.tools.live_memory.LiveMemoryTracker` for the peak
-of live tensor bytes, persistent bucket buffers included (the optimizer step is left out: its
-in-place updates would count the parameters too). Variants:
+of live tensor bytes: what the step allocates or writes (gradient shards included) plus the bucket
+pool, counted from the step's start because it is held all along (the optimizer step is left
+out: its in-place updates would count the parameters too). The memory estimator's prediction of
+the same peak, from the final traces, stands beside it. Two shapes (``--shape``):
+
+- ``activations``: 4 sequences of 64 tokens per rank; activations are most of the peak;
+- ``parameters``: the demo's one sequence of 16 tokens; the gathered parameters are.
+
+Variants:
 
 - ``none``: one collective per parameter (Thunder's FSDP and thunder_overlap without buckets);
 - ``layer``/``block``: thunder_overlap's persistent bucket buffers;
@@ -18,7 +25,10 @@ in-place updates would count the parameters too). Variants:
 The variants swap only the runtime of the buckets (the class of each
 :class:`~thunder_overlap.bucketing.buffers.BucketBuffers`); traces and schedule are the same.
 
-    python benchmarks/bucket_memory.py --n-layer 8 --sharding zero3 --out benchmarks/measured/bucket_memory/zero3.md
+    python benchmarks/bucket_memory.py --n-layer 8 --sharding zero3 --shape parameters \
+        --out benchmarks/measured/bucket_memory/zero3_parameters.md
+
+It ends with the issue's target: block and layer peak at most none's plus one block buffer.
 """
 
 from __future__ import annotations
@@ -29,9 +39,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import thunder
 import torch
 import torch.nn.functional as F
 
+from thunder_overlap.analysis.memory_estimate import estimate_memory
 from thunder_overlap.bucketing.buffers import BucketBuffers, PendingCollective
 from thunder_overlap.options import ShardingStrategy
 from thunder_overlap.tools.live_memory import LiveMemoryTracker
@@ -115,6 +127,9 @@ class AllocateEveryIteration(BucketBuffers):
 
 RUNTIMES = {"concat_every_call": ConcatEveryCall, "allocate_every_iteration": AllocateEveryIteration}
 
+# Sequences x tokens per rank.
+SHAPES = {"activations": (4, 64), "parameters": (1, 16)}
+
 
 @dataclass
 class StepCensus:
@@ -123,13 +138,19 @@ class StepCensus:
     allocated_mib: float
     copies: int
     copied_mib: float
-    # Peak live tensor bytes of a forward+backward: what it allocated plus every pre-existing
-    # buffer it wrote into (the bucket pool and gradient shards).
+    # Peak live tensor bytes of a forward+backward: what it allocated, every pre-existing
+    # buffer it wrote into (gradient shards) and the bucket pool.
     peak_mib: float
+    # The memory estimator's peak of the same, from the final traces (persistent inputs left out).
+    predicted_peak_mib: float
+    pool_mib: float
+    pool_buffers: int
+    # The largest bucket's unsharded buffer (0 without buckets).
+    block_mib: float
     step_ms: float
 
 
-def _measure(rank: int, world_size: int, variant: str, sharding: str, model: TinyGPTConfig, steps: int) -> StepCensus:
+def _measure(rank: int, world_size: int, variant: str, sharding: str, model: TinyGPTConfig, shape: str, steps: int) -> StepCensus:
     import thunder_overlap
 
     strategy, _, runtime = variant.partition(":")
@@ -140,7 +161,8 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
             bucket.__class__ = RUNTIMES[runtime]
     optimizer = torch.optim.SGD([p for p in jm.parameters() if p.requires_grad], lr=0.01)
     g = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(0, model.vocab_size, (4, model.block_size + 1), generator=g)
+    sequences, length = SHAPES[shape]
+    tokens = torch.randint(0, model.vocab_size, (sequences, length + 1), generator=g)
 
     def forward_backward() -> None:
         logits = jm(tokens[:, :-1])
@@ -159,8 +181,16 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
     with OpCensus() as census:
         step()
     optimizer.zero_grad(set_to_none=True)
+    bucketing = thunder_overlap.BucketingTransform.of(jm)
+    pool = bucketing.pool.buffers if bucketing is not None else []
     with LiveMemoryTracker() as memory:
+        for buffer in pool:
+            memory.track(buffer)
         forward_backward()
+    forward = estimate_memory(thunder.last_traces(jm)[-1])
+    backward = estimate_memory(thunder.last_backward_traces(jm)[-1], after=forward)
+    buckets = bucketing.buckets.values() if bucketing is not None else []
+    block_bytes = max((b.layout.nbytes for b in buckets), default=0)
     return StepCensus(
         variant=variant,
         allocations=census.allocations,
@@ -168,6 +198,10 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
         copies=len(census.copies),
         copied_mib=census.copied_bytes / 2**20,
         peak_mib=memory.peak_bytes / 2**20,
+        predicted_peak_mib=max(forward.peak_beyond_inputs_bytes, backward.peak_beyond_inputs_bytes) / 2**20,
+        pool_mib=sum(b.numel() * b.element_size() for b in pool) / 2**20,
+        pool_buffers=len(pool),
+        block_mib=block_bytes / 2**20,
         step_ms=statistics.median(times[1:]),
     )
 
@@ -177,25 +211,47 @@ def main() -> None:
     parser.add_argument("--n-layer", type=int, default=8)
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--sharding", default="zero3", choices=ShardingStrategy.names())
+    parser.add_argument("--shape", default="activations", choices=sorted(SHAPES), help="what dominates the peak (see the docstring)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps before the counted one (the first is warm-up)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown table here")
     args = parser.parse_args()
     model = TinyGPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, block_size=64)
+    sequences, length = SHAPES[args.shape]
 
     lines = [
-        f"TinyGPT {args.n_layer} layers, n_embd {args.n_embd}, {args.sharding}, 2 gloo ranks; one steady-state step (rank 0)",
+        f"TinyGPT {args.n_layer} layers, n_embd {args.n_embd}, {args.sharding}, {sequences} x {length} tokens per rank "
+        f"({args.shape} shape), 2 gloo ranks; one steady-state step (rank 0)",
         "",
-        "| variant | allocations | MiB allocated | copy ops | MiB copied | peak live MiB (fwd+bwd) | step ms (median) |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | allocations | MiB allocated | copy ops | MiB copied | peak live MiB (fwd+bwd) | predicted peak MiB | "
+        "pool MiB (buffers) | step ms (median) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    results = {}
     for variant in args.variants:
-        r = run_local_ranks(_measure, 2, (variant, args.sharding, model, args.steps))[0]
+        r = results[variant] = run_local_ranks(_measure, 2, (variant, args.sharding, model, args.shape, args.steps))[0]
+        # The estimate and the pool are thunder_overlap's runtime's; the reimplementations use neither.
+        ours = ":" not in variant
+        predicted = f"{r.predicted_peak_mib:.2f}" if ours else "-"
+        pool = f"{r.pool_mib:.2f} ({r.pool_buffers})" if ours else "-"
         lines.append(
             f"| {r.variant} | {r.allocations} | {r.allocated_mib:.2f} | {r.copies} | {r.copied_mib:.2f} "
-            f"| {r.peak_mib:.2f} | {r.step_ms:.1f} |"
+            f"| {r.peak_mib:.2f} | {predicted} | {pool} | {r.step_ms:.1f} |"
         )
         print(lines[-1], flush=True)
+    if "none" in results:
+        lines.append("")
+        for variant in ("layer", "block"):
+            if variant in results:
+                r, none = results[variant], results["none"]
+                # One transformer block's unsharded buffer: the block strategy's largest bucket.
+                block_mib = results["block"].block_mib if "block" in results else r.block_mib
+                extra = (r.peak_mib - none.peak_mib) / block_mib
+                verdict = "met" if extra <= 1 else "missed"
+                lines.append(
+                    f"- {variant}: peak {r.peak_mib:.2f} MiB = none's {none.peak_mib:.2f} + {extra:.2f} block buffers "
+                    f"of {block_mib:.3f} MiB (target: at most 1; {verdict}); estimate {r.predicted_peak_mib / r.peak_mib - 1:+.1%}"
+                )
     print("\n".join(lines))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -190,6 +190,16 @@ def test_zero3_pool_holds_only_what_is_alive_at_once(deep_runs):
     assert deep_runs["zero3, one block ahead"].pool_buffers[block_numel] < deep_runs["zero3"].pool_buffers[block_numel]
 
 
+@pytest.mark.parametrize("name", ["zero2", "zero3", "zero3, one block ahead"])
+def test_slot_plan_from_the_final_traces_is_the_pool_the_steps_grew(deep_runs, name):
+    # Planned from the live intervals of the final traces alone, the pool must be the
+    # one the runtime grew over two steps: the same buffers, each serving the same uses in the
+    # same order. A step whose busy buffers exceeded the plan would have grown the pool.
+    census = deep_runs[name]
+    assert census.planned_pool_buffers == census.pool_buffers
+    assert sorted(census.planned_pool_users) == sorted(census.pool_users)
+
+
 # --- what a user does ---------------------------------------------------------------------------
 
 

@@ -12,6 +12,12 @@ Persistent tensors (parameters; the forward's inputs) are counted once and never
 the forward's estimate to the backward's makes tensors saved for backward keep their storage
 sharing and persistence across the two traces.
 
+Bucketed collectives run on the bucket pool's buffers (:mod:`thunder_overlap.analysis.pool_slots`):
+an all-gather's output, the copy-out its wait lays the parameters out into, and the laid-out
+gradients of a reduce-scatter (which hold the buffer, not the gradients, until the future dies).
+The estimate records each such buffer's live interval on the step's timeline, plans the pool's
+slots from them and counts the plan as persistent, for the whole step, as the pool holds it.
+
 (:mod:`thunder_overlap.tools.memory_check` runs a trace and compares what it measures with this
 estimate.)
 """
@@ -19,8 +25,8 @@ estimate.)
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 
 from thunder.core import prims
 from thunder.core.proxies import CollectionProxy, FutureTensorProxy, Proxy, TensorProxy
@@ -28,8 +34,12 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 
 from thunder_overlap.analysis.classify import COALESCED_PREFIX
+from thunder_overlap.analysis.pool_slots import BucketLayout, PoolInterval, SlotPlan, plan_slots
 
-__all__ = ["CUDA_ALLOCATION_GRANULARITY", "HandedOver", "MemoryEstimate", "estimate_memory"]
+__all__ = ["CUDA_ALLOCATION_GRANULARITY", "BucketLayouts", "HandedOver", "MemoryEstimate", "estimate_memory"]
+
+# Bucket id -> its layout, None for an id it does not know.
+BucketLayouts = Callable[[int], BucketLayout | None]
 
 # The CUDA caching allocator rounds every block up to a multiple of 512 bytes (kMinBlockSize in
 # c10/cuda/CUDACachingAllocator.cpp); estimates compared with CUDA counters round the same way.
@@ -137,6 +147,8 @@ class HandedOver:
     nbytes: int
     persistent: bool
     strides: tuple[int, ...] | None
+    # A bucket pool buffer still busy: its use so far (its end is the handing trace's end).
+    pool_use: PoolInterval | None = None
 
 
 def _received_as(previous: HandedOver, proxy: TensorProxy) -> bool:
@@ -163,10 +175,28 @@ class MemoryEstimate:
     peak_during: list[int]
     # What each name alive at the end holds, for the trace that receives it (the backward).
     final_storages: dict[str, HandedOver] = field(default_factory=dict, repr=False)
+    # The step's timeline so far: this trace's bound symbols follow those of ``after``'s.
+    timeline_start: int = 0
+    # Every bucket pool buffer's use in the step so far (those still busy end with this trace),
+    # and the pool they need. Its bytes are included in every figure above, as persistent.
+    pool_intervals: list[PoolInterval] = field(default_factory=list, repr=False)
+    pool: SlotPlan = field(default_factory=SlotPlan)
+    # The uses among them that are over (those still busy continue in the next trace).
+    pool_intervals_done: list[PoolInterval] = field(default_factory=list, repr=False)
 
     @property
     def peak_bytes(self) -> int:
         return max(self.peak_during, default=self.input_bytes)
+
+    @property
+    def peak_beyond_inputs_bytes(self) -> int:
+        """The peak less the persistent inputs this trace holds (parameters, the batch), the pool
+        kept: what a tracker started with the step counts, since the step never writes them."""
+        return self.peak_bytes - (self.persistent_bytes - self.pool.nbytes)
+
+    @property
+    def timeline_end(self) -> int:
+        return self.timeline_start + len(self.live_after)
 
 
 class _Books:
@@ -185,6 +215,13 @@ class _Books:
         self.live = 0
         self.allocated = 0
         self.freed = 0
+        # Bucket pool buffers: their use while busy, and the uses already over. The pool holds
+        # their bytes for the whole step, so they are not in ``live``.
+        self.pool_use: dict[int, PoolInterval] = {}
+        self.pool_done: list[PoolInterval] = []
+        # A coalesced bucket all-gather's members, for its wait: (layout, gather buffer, outputs).
+        self.coalesced_gathers: dict[str, list[tuple[BucketLayout, int, int]]] = {}
+        self.now = 0  # the bound symbol being walked, on the step's timeline
 
     def new_storage(self, proxy: TensorProxy | FutureTensorProxy, persistent: bool = False, nbytes: int | None = None) -> int:
         if nbytes is None:
@@ -196,6 +233,20 @@ class _Books:
         self.persistent.append(persistent)
         self.live += nbytes
         self.allocated += nbytes
+        return len(self.nbytes) - 1
+
+    def new_pool_storage(self, layout: BucketLayout, purpose: str) -> int:
+        """A pool buffer of ``layout``'s size for ``purpose``, busy from now until its last
+        reference goes."""
+        use = PoolInterval(f"{layout.label} {purpose}", layout.unsharded_numel, layout.dtype, layout.itemsize, self.now, self.now)
+        return self.resume_pool_storage(use)
+
+    def resume_pool_storage(self, use: PoolInterval) -> int:
+        """A pool buffer busy since ``use.start`` (one the forward handed over)."""
+        self.nbytes.append(use.numel * use.itemsize)
+        self.refs.append(0)
+        self.persistent.append(False)
+        self.pool_use[len(self.nbytes) - 1] = use
         return len(self.nbytes) - 1
 
     def carve(self, storage: int, proxy: TensorProxy) -> int:
@@ -217,7 +268,9 @@ class _Books:
 
     def decref(self, storage: int) -> None:
         self.refs[storage] -= 1
-        if self.refs[storage] == 0 and not self.persistent[storage]:
+        if self.refs[storage] == 0 and storage in self.pool_use:
+            self.pool_done.append(replace(self.pool_use.pop(storage), end=self.now))
+        elif self.refs[storage] == 0 and not self.persistent[storage]:
             self.live -= self.nbytes[storage]
             self.freed += self.nbytes[storage]
 
@@ -259,6 +312,7 @@ def estimate_memory(
     after: MemoryEstimate | None = None,
     persistent_inputs: Iterable[str] | None = None,
     allocation_granularity: int = 1,
+    buckets: BucketLayouts | None = None,
 ) -> MemoryEstimate:
     """Predicts live bytes around every bound symbol of an execution trace.
 
@@ -270,14 +324,21 @@ def estimate_memory(
             forward trace (parameters and batch are held by the caller), none of a backward's.
         allocation_granularity: round every storage up to this many bytes
             (:data:`CUDA_ALLOCATION_GRANULARITY` to compare with CUDA's counters).
+        buckets: the layout of each bucket id the trace's bucketed collectives name. Default:
+            the live buckets (:func:`thunder_overlap.bucketing.buffers.bucket_layout`). A
+            bucketed collective whose bucket is unknown is counted as a plain collective.
     """
     if allocation_granularity < 1:
         raise ValueError(f"allocation_granularity must be a positive byte count, got {allocation_granularity}")
     is_backward = TraceTag.BACKWARD in trace.tags
     persistent_names = set(persistent_inputs) if persistent_inputs is not None else None
+    if buckets is None:
+        from thunder_overlap.bucketing.buffers import bucket_layout as buckets
     books = _Books(allocation_granularity)
     handed_over: dict[int, int] = {}  # storage id in ``after`` -> storage id here
-    estimate = MemoryEstimate(trace, 0, 0, [], [], [], [])
+    timeline_start = after.timeline_end if after is not None else 0
+    estimate = MemoryEstimate(trace, 0, 0, [], [], [], [], timeline_start=timeline_start)
+    books.now = timeline_start
 
     def new_input(proxy: TensorProxy) -> None:
         strides = _contiguous_strides(tuple(int(s) for s in proxy.shape))
@@ -287,7 +348,9 @@ def estimate_memory(
             # another tensor (seen with a parameter left out of its bucket). Count it as its own.
             previous = None
         if previous is not None:
-            if previous.storage not in handed_over:
+            if previous.storage not in handed_over and previous.pool_use is not None:
+                handed_over[previous.storage] = books.resume_pool_storage(previous.pool_use)
+            elif previous.storage not in handed_over:
                 handed_over[previous.storage] = books.new_storage(proxy, previous.persistent, previous.nbytes)
             storage, strides = handed_over[previous.storage], previous.strides
         else:
@@ -300,7 +363,8 @@ def estimate_memory(
         if bsym.sym.id in _UNPACK_IDS:
             _unpack(bsym, books, new_input)
     estimate.input_bytes = books.live
-    for bsym in trace.bound_symbols:
+    for index, bsym in enumerate(trace.bound_symbols):
+        books.now = timeline_start + index
         books.allocated = books.freed = 0
         live_before = books.live
         if bsym.sym.id is prims.PrimIDs.DEL:
@@ -309,7 +373,7 @@ def estimate_memory(
         elif bsym.sym.name == "clear_mutable_collection":
             books.clear(bsym.flat_proxy_args[0].name)
         elif bsym.sym.id not in _UNPACK_IDS and bsym.sym.id is not prims.PrimIDs.RETURN:
-            _run_op(bsym, books)
+            _run_op(bsym, books, buckets)
         estimate.allocated.append(books.allocated)
         estimate.freed.append(books.freed)
         estimate.live_after.append(books.live)
@@ -317,10 +381,26 @@ def estimate_memory(
 
     estimate.persistent_bytes = sum(n for n, p in zip(books.nbytes, books.persistent, strict=True) if p)
     estimate.final_storages = {
-        name: HandedOver(s, books.nbytes[s], books.persistent[s], books.strides.get(name))
+        name: HandedOver(s, books.nbytes[s], books.persistent[s], books.strides.get(name), books.pool_use.get(s))
         for name, s in books.storage_of.items()
     }
+    _count_pool(estimate, books, after)
     return estimate
+
+
+def _count_pool(estimate: MemoryEstimate, books: _Books, after: MemoryEstimate | None) -> None:
+    """Plans the pool from the step's buffer uses so far and adds it to every figure: the pool
+    holds its buffers from before the step starts to after it ends."""
+    done_before = after.pool_intervals_done if after is not None else []
+    estimate.pool_intervals_done = [*done_before, *books.pool_done]
+    still_busy = [replace(use, end=estimate.timeline_end) for use in books.pool_use.values()]
+    estimate.pool_intervals = [*estimate.pool_intervals_done, *still_busy]
+    estimate.pool = plan_slots(estimate.pool_intervals)
+    pool_bytes = estimate.pool.nbytes
+    estimate.input_bytes += pool_bytes
+    estimate.persistent_bytes += pool_bytes
+    estimate.live_after = [b + pool_bytes for b in estimate.live_after]
+    estimate.peak_during = [b + pool_bytes for b in estimate.peak_during]
 
 
 def _unpack(bsym: BoundSymbol, books: _Books, new_input) -> None:
@@ -343,12 +423,15 @@ def _unpack(bsym: BoundSymbol, books: _Books, new_input) -> None:
             holders[member] += 1
 
 
-def _run_op(bsym: BoundSymbol, books: _Books) -> None:
+def _run_op(bsym: BoundSymbol, books: _Books, buckets: BucketLayouts) -> None:
     name = _op_name(bsym)
     args = [a for a in bsym.flat_proxy_args if isinstance(a, (TensorProxy, FutureTensorProxy))]
     first = args[0] if args else None
     is_collective = any(isinstance(o, FutureTensorProxy) for o in bsym.flat_proxy_outs)
     is_wait = not is_collective and len(args) == 1 and isinstance(first, FutureTensorProxy)
+    pool_holds = _bucket_pool_op(name, bsym, books, buckets)
+    if pool_holds is _DONE:
+        return
     if is_wait and name == COALESCED_WAIT:
         launch = books.storage_of[first.name]
         for out in bsym.flat_proxy_outs:
@@ -368,11 +451,76 @@ def _run_op(bsym: BoundSymbol, books: _Books) -> None:
         else:
             books.bind(out.name, books.storage_of[source], strides)
     if is_collective:
-        held = [books.storage_of[a.name] for a in args if a.name in books.storage_of]
+        held = [books.storage_of[a.name] for a in args if a.name in books.storage_of] if pool_holds is None else pool_holds
         for storage in held:
             books.refs[storage] += 1
         for out in bsym.flat_proxy_outs:
             books.held_by_future[out.name] = held
+
+
+# _bucket_pool_op's answer when it has bound every output itself.
+_DONE: list[int] = []
+
+
+def _bind_all(outs, books: _Books, storage: int) -> None:
+    for out in outs:
+        books.bind(out.name, storage, _contiguous_strides(tuple(int(s) for s in out.shape)))
+
+
+def _bucket_pool_op(name: str, bsym: BoundSymbol, books: _Books, buckets: BucketLayouts) -> list[int] | None:
+    """Pool buffers of a bucketed collective (see :mod:`thunder_overlap.bucketing.buffers`).
+
+    Binds what runs on pool buffers and returns what the collective's future holds (None: as
+    any collective, its tensor inputs); ``_DONE`` when every output is bound."""
+    outs = [o for o in bsym.flat_proxy_outs if isinstance(o, (TensorProxy, FutureTensorProxy))]
+    if name == "bucket_all_gather" and (layout := buckets(bsym.args[0])) is not None:
+        (future,) = outs
+        _bind_all([future], books, books.new_pool_storage(layout, "all-gather"))
+        return None
+    if name == "bucket_all_gather_wait" and (layout := buckets(bsym.args[1])) is not None:
+        gathered = books.storage_of[bsym.args[0].name]
+        _bind_all(outs, books, books.new_pool_storage(layout, "copy-out") if layout.copies_out else gathered)
+        return _DONE
+    if name == "bucket_reduce_scatter" and (layout := buckets(bsym.args[0])) is not None:
+        return _reduce_scatter_input(layout, bsym.args[2], books)
+    if name == "coalesced_bucket_all_gather":
+        layouts = [buckets(bucket_id) for bucket_id, _, _ in bsym.args[1]]
+        if None in layouts:
+            return None
+        (future,) = outs
+        _bind_all([future], books, books.new_storage(future, nbytes=0))
+        gathered = [books.new_pool_storage(layout, "all-gather") for layout in layouts]
+        books.coalesced_gathers[future.name] = [
+            (layout, storage, len(wait_slots)) for layout, storage, (_, _, wait_slots) in zip(layouts, gathered, bsym.args[1], strict=True)
+        ]
+        shards = [books.storage_of[t.name] for member in bsym.args[2] for t in member if t.name in books.storage_of]
+        return shards + gathered
+    if name == COALESCED_WAIT and bsym.args[0].name in books.coalesced_gathers:
+        position = 0
+        for layout, gathered, count in books.coalesced_gathers.pop(bsym.args[0].name):
+            storage = books.new_pool_storage(layout, "copy-out") if layout.copies_out else gathered
+            _bind_all(outs[position : position + count], books, storage)
+            position += count
+        return _DONE
+    if name == "coalesced_bucket_reduce_scatter":
+        layouts = [buckets(bucket_id) for bucket_id, _, _ in bsym.args[1]]
+        if None in layouts:
+            return None
+        return [s for layout, grads in zip(layouts, bsym.args[2], strict=True) for s in _reduce_scatter_input(layout, grads, books)]
+    if name == "bucket_accumulate_grads" and (layout := buckets(bsym.args[0])) is not None:
+        # The lay-out is summed into the kept gradients at once: busy for this op only.
+        storage = books.new_pool_storage(layout, "no_sync lay-out")
+        books.pool_done.append(replace(books.pool_use.pop(storage), end=books.now + 1))
+    return None
+
+
+def _reduce_scatter_input(layout: BucketLayout, grads, books: _Books) -> list[int]:
+    """What a bucketed reduce-scatter sends, held by its future: the one gradient as it is, or a
+    pool buffer the gradients are laid out into (they are then free to go)."""
+    grads = [g for g in grads if isinstance(g, TensorProxy)]
+    if layout.sends_as_is([math.prod(int(s) for s in g.shape) for g in grads]):
+        return [books.storage_of[g.name] for g in grads if g.name in books.storage_of]
+    return [books.new_pool_storage(layout, "reduce-scatter")]
 
 
 def _alias_source(name, bsym, first, out, shape, books: _Books, is_wait: bool):

@@ -14,6 +14,8 @@ which one ``_chunk_cat`` lays out (and pads) a bucket's gradients. A buffer is h
 only when no tensor of its storage is alive anymore. ZeRO2 keeps every gathered bucket alive
 until backward, so the pool holds one buffer per bucket; ZeRO3 frees each after its last use,
 so the pool holds no more than were alive at once. After the first step nothing is allocated.
+The memory estimator plans the same buffers from the final traces
+(:mod:`thunder_overlap.analysis.pool_slots`).
 
 Under no_sync a bucket's gradients are laid out the same way but summed into
 ``unsynced_grads`` (unsharded, as in any data parallelism that skips the reduction) instead of
@@ -34,9 +36,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from thunder_overlap.analysis.pool_slots import BucketLayout
 from thunder_overlap.bucketing.plan import BucketPlan
 
-__all__ = ["BucketBuffers", "BufferPool", "PendingCollective", "PoolSlot", "lookup_bucket", "register_bucket"]
+__all__ = ["BucketBuffers", "BufferPool", "PendingCollective", "PoolSlot", "bucket_layout", "lookup_bucket", "register_bucket"]
 
 
 def _storage_users(t: torch.Tensor) -> int:
@@ -158,6 +161,19 @@ class BucketBuffers:
         return [entry.buffer for entry in self._grad_shards]
 
     # --- shapes -----------------------------------------------------------------------------
+
+    @property
+    def layout(self) -> BucketLayout:
+        """The sizes the memory estimator follows this bucket's pool buffers by."""
+        flat = self.flat_shard
+        return BucketLayout(
+            label=self.plan.label,
+            unsharded_numel=self.world_size * self.plan.shard_numel,
+            dtype=str(flat.dtype),
+            itemsize=flat.element_size(),
+            tensors=len(self.plan.slots),
+            world_size=self.world_size,
+        )
 
     def unsharded_shape(self, slot: int) -> tuple[int, ...]:
         rows, *rest = self.plan.slots[slot].shard_shape
@@ -333,6 +349,12 @@ def lookup_bucket(bucket_id: int) -> BucketBuffers:
         return _REGISTRY[bucket_id]
     except KeyError:
         raise RuntimeError(f"thunder_overlap bucketing: bucket {bucket_id} belongs to a module that no longer exists") from None
+
+
+def bucket_layout(bucket_id: int) -> BucketLayout | None:
+    """The layout of a live bucket; None for an id no live module holds (a synthetic trace)."""
+    bucket = _REGISTRY.get(bucket_id)
+    return None if bucket is None else bucket.layout
 
 
 def all_gather_bucket(bucket_id: int, group: dist.ProcessGroup, shards: list[torch.Tensor], slots: tuple[int, ...]) -> PendingCollective:

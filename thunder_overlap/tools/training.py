@@ -85,6 +85,9 @@ class BucketCensus:
     pool_buffers: dict[int, int]
     # Per pool buffer, what used it ("blocks.0 all-gather", "blocks.0 reduce-scatter", ...).
     pool_users: list[tuple[str, ...]]
+    # The same, as the memory estimator plans them from the final traces (BucketingTransform.slot_plan).
+    planned_pool_buffers: dict[int, int]
+    planned_pool_users: list[tuple[str, ...]]
     bucket_numels: list[int]
     # Whether every .grad after the step is a view of its bucket's gradient shard.
     grads_are_bucket_views: bool
@@ -229,6 +232,7 @@ def _bucket_census(jm, bucketing: BucketingTransform, census: OpCensus, allocati
             copies[record.name] = copies.get(record.name, 0) + 1
     grad_shards = {g.untyped_storage().data_ptr() for b in bucketing.buckets.values() for g in b.grad_shards}
     grads = [p.grad for p in jm.parameters() if p.requires_grad]
+    planned = bucketing.slot_plan(jm)
     return BucketCensus(
         forward_all_gathers=bucketing.summaries["forward"].all_gathers,
         backward_all_gathers=bucketing.summaries["backward"].all_gathers,
@@ -244,6 +248,8 @@ def _bucket_census(jm, bucketing: BucketingTransform, census: OpCensus, allocati
         allocations_after_last_step=bucketing.allocations,
         pool_buffers=dict(collections.Counter(b.numel() for b in bucketing.pool.buffers)),
         pool_users=[slot.users for slot in bucketing.pool.slots],
+        planned_pool_buffers=dict(collections.Counter(slot.numel for slot in planned.slots)),
+        planned_pool_users=[slot.users for slot in planned.slots],
         bucket_numels=[b.world_size * b.plan.shard_numel for b in bucketing.buckets.values()],
         grads_are_bucket_views=all(g is not None and g.untyped_storage().data_ptr() in grad_shards for g in grads),
     )

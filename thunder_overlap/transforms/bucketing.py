@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import warnings
 
+import thunder
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -41,6 +42,8 @@ from thunder.distributed import get_skip_data_parallel_grad_sync
 from thunder_overlap.analysis.blocks import BlockTypes, find_blocks
 from thunder_overlap.analysis.classify import parameter_names_of_inputs
 from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap.analysis.memory_estimate import estimate_memory
+from thunder_overlap.analysis.pool_slots import SlotPlan
 from thunder_overlap.bucketing.auto_plan import AutoBucketCaps, plan_auto_buckets
 from thunder_overlap.bucketing.buffers import BucketBuffers, BufferPool, register_bucket
 from thunder_overlap.bucketing.plan import (
@@ -100,7 +103,7 @@ class BucketingTransform(Transform):
     the :class:`BucketingSummary` of that trace's rewrite. ``pool`` is the
     :class:`~thunder_overlap.bucketing.buffers.BufferPool` of the unsharded buffers; once a step
     has run, ``pool.slots`` (or ``print(pool)``) says its buffers, their bytes and which buckets
-    used each for what.
+    used each for what; :meth:`slot_plan` predicts them from the final traces.
     """
 
     def __init__(
@@ -142,6 +145,13 @@ class BucketingTransform(Transform):
     def allocations(self) -> int:
         """Buffers allocated so far, by the pool and for gradient shards."""
         return self.pool.allocations + sum(b.allocations for b in self.buckets.values())
+
+    def slot_plan(self, module) -> SlotPlan:
+        """The pool a step of ``module``'s last compiled traces needs, planned from the live
+        intervals of their bucket buffers (:mod:`thunder_overlap.analysis.pool_slots`): after a
+        step, the same buffers as ``pool.slots``, known before it runs."""
+        forward = estimate_memory(thunder.last_traces(module)[-1])
+        return estimate_memory(thunder.last_backward_traces(module)[-1], after=forward).pool
 
     @staticmethod
     def of(module) -> BucketingTransform | None:

@@ -1,0 +1,149 @@
+"""The bucket pool's slot plan: which unsharded buffers a schedule needs, from its live intervals.
+
+A bucketed collective runs on flat buffers from one pool (:class:`~thunder_overlap.bucketing.buffers.BufferPool`):
+an all-gather output from its issue until its future dies, the parameter-major copy-out from the
+wait until the last view of a parameter dies, and a reduce-scatter's laid-out gradients from the
+issue until the future dies. The pool hands a buffer out again once it is idle, to any use of
+the same size and dtype, and never frees one; so it holds, per (numel, dtype), as many buffers as
+the schedule has intervals of that size alive at once.
+
+:func:`plan_slots` colours the intervals the way the pool reuses (in order of start, the first
+idle buffer of the same size): on intervals this is optimal, so the plan has exactly the maximum
+overlap of each size class, the schedule's real concurrency. The memory estimator records the
+intervals (:func:`~thunder_overlap.analysis.memory_estimate.estimate_memory`) and counts the
+planned slots as persistent, as the runtime holds them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["BucketLayout", "PlannedSlot", "PoolInterval", "SlotPlan", "max_overlap", "plan_slots"]
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """What the memory estimator needs of one bucket to follow its pool buffers."""
+
+    label: str
+    # Elements of one unsharded buffer: world size x the flat shard, padding included.
+    unsharded_numel: int
+    dtype: str
+    itemsize: int
+    tensors: int
+    world_size: int
+
+    @property
+    def copies_out(self) -> bool:
+        """Whether the wait lays the gather out parameter by parameter into a second buffer:
+        with one tensor, or one rank, the parameters are views of the gather output."""
+        return self.tensors > 1 and self.world_size > 1
+
+    def sends_as_is(self, gradient_numels: list[int]) -> bool:
+        """Whether the reduce-scatter sends the gradient itself, with no laid-out buffer: one
+        gradient that needs no padding."""
+        return self.tensors == 1 and gradient_numels == [self.unsharded_numel]
+
+    @property
+    def nbytes(self) -> int:
+        return self.unsharded_numel * self.itemsize
+
+
+@dataclass(frozen=True)
+class PoolInterval:
+    """One use of a pool buffer, on a step's timeline of bound symbols (the forward's, then the
+    backward's): busy from ``start`` up to, not including, ``end``."""
+
+    user: str  # "<bucket> all-gather", "<bucket> copy-out" or "<bucket> reduce-scatter"
+    numel: int
+    dtype: str
+    itemsize: int
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if self.end < self.start:
+            raise ValueError(f"pool interval {self.user!r} ends ({self.end}) before it starts ({self.start})")
+
+
+@dataclass(frozen=True)
+class PlannedSlot:
+    """One buffer of the planned pool: its size and the uses it serves, in order."""
+
+    numel: int
+    dtype: str
+    nbytes: int
+    users: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """The buffers a schedule's bucket pool needs (:func:`plan_slots`)."""
+
+    slots: tuple[PlannedSlot, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+    def counts(self) -> dict[tuple[int, str], int]:
+        """Buffers per (numel, dtype)."""
+        counts: dict[tuple[int, str], int] = defaultdict(int)
+        for s in self.slots:
+            counts[(s.numel, s.dtype)] += 1
+        return dict(counts)
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        lines = [f"planned bucket pool: {len(self.slots)} buffers, {self.nbytes / mib:.3f} MiB"]
+        for i, slot in enumerate(self.slots):
+            lines.append(f"  slot {i}: {slot.nbytes / mib:8.3f} MiB {slot.dtype.removeprefix('torch.')}: {', '.join(slot.users)}")
+        return "\n".join(lines)
+
+
+def plan_slots(intervals: Iterable[PoolInterval]) -> SlotPlan:
+    """Assigns every interval a buffer, first fit by exact size and dtype in order of start.
+
+    An interval may take a buffer whose last use ended at or before its start. Intervals that
+    start together are placed in the order given (the order the runtime acquires them); empty
+    ones hold nothing."""
+    ordered = sorted(((i, v) for i, v in enumerate(intervals) if v.end > v.start), key=lambda item: (item[1].start, item[0]))
+    free_at: list[int] = []  # per slot, when its last use ends
+    keys: list[tuple[int, str]] = []
+    users: list[list[str]] = []
+    itemsizes: list[int] = []
+    for _, interval in ordered:
+        key = (interval.numel, interval.dtype)
+        slot = next((i for i, k in enumerate(keys) if k == key and free_at[i] <= interval.start), None)
+        if slot is None:
+            keys.append(key)
+            free_at.append(interval.end)
+            users.append([])
+            itemsizes.append(interval.itemsize)
+            slot = len(keys) - 1
+        free_at[slot] = interval.end
+        if interval.user not in users[slot]:
+            users[slot].append(interval.user)
+    return SlotPlan(
+        tuple(PlannedSlot(numel, dtype, numel * size, tuple(u)) for (numel, dtype), size, u in zip(keys, itemsizes, users, strict=True))
+    )
+
+
+def max_overlap(intervals: Iterable[PoolInterval]) -> dict[tuple[int, str], int]:
+    """The most intervals of each (numel, dtype) alive at one time: the fewest buffers any pool
+    needs for them (a sweep over starts and ends; an end frees before a start at the same time)."""
+    events: dict[tuple[int, str], list[tuple[int, int]]] = defaultdict(list)
+    for interval in intervals:
+        if interval.end > interval.start:
+            key = (interval.numel, interval.dtype)
+            events[key] += [(interval.start, 1), (interval.end, -1)]
+    most: dict[tuple[int, str], int] = {}
+    for key, points in events.items():
+        alive = best = 0
+        for _, change in sorted(points, key=lambda p: (p[0], p[1])):
+            alive += change
+            best = max(best, alive)
+        most[key] = best
+    return most
