@@ -20,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["BucketLayout", "PlannedSlot", "PoolInterval", "SlotPlan", "max_overlap", "plan_slots"]
+__all__ = ["BucketLayout", "PoolInterval", "PoolSlot", "SlotPlan", "describe_slots", "max_overlap", "plan_slots"]
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,9 @@ class PoolInterval:
 
 
 @dataclass(frozen=True)
-class PlannedSlot:
-    """One buffer of the planned pool: its size and the uses it serves, in order."""
+class PoolSlot:
+    """One buffer of a bucket pool, planned or grown by the runtime: its size and the uses it
+    serves, in order ("<bucket> all-gather", "<bucket> copy-out", "<bucket> reduce-scatter")."""
 
     numel: int
     dtype: str
@@ -78,11 +79,21 @@ class PlannedSlot:
     users: tuple[str, ...]
 
 
+def describe_slots(title: str, slots: Iterable[PoolSlot]) -> str:
+    """A table of ``slots``, one line each, under ``title`` (followed by the count and bytes)."""
+    slots = list(slots)
+    mib = 1 << 20
+    lines = [f"{title}: {len(slots)} buffers, {sum(s.nbytes for s in slots) / mib:.3f} MiB"]
+    for i, slot in enumerate(slots):
+        lines.append(f"  slot {i}: {slot.nbytes / mib:8.3f} MiB {slot.dtype.removeprefix('torch.')}: {', '.join(slot.users)}")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class SlotPlan:
     """The buffers a schedule's bucket pool needs (:func:`plan_slots`)."""
 
-    slots: tuple[PlannedSlot, ...] = ()
+    slots: tuple[PoolSlot, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -96,11 +107,7 @@ class SlotPlan:
         return dict(counts)
 
     def __str__(self) -> str:
-        mib = 1 << 20
-        lines = [f"planned bucket pool: {len(self.slots)} buffers, {self.nbytes / mib:.3f} MiB"]
-        for i, slot in enumerate(self.slots):
-            lines.append(f"  slot {i}: {slot.nbytes / mib:8.3f} MiB {slot.dtype.removeprefix('torch.')}: {', '.join(slot.users)}")
-        return "\n".join(lines)
+        return describe_slots("planned bucket pool", self.slots)
 
 
 def plan_slots(intervals: Iterable[PoolInterval]) -> SlotPlan:
@@ -127,7 +134,7 @@ def plan_slots(intervals: Iterable[PoolInterval]) -> SlotPlan:
         if interval.user not in users[slot]:
             users[slot].append(interval.user)
     return SlotPlan(
-        tuple(PlannedSlot(numel, dtype, numel * size, tuple(u)) for (numel, dtype), size, u in zip(keys, itemsizes, users, strict=True))
+        tuple(PoolSlot(numel, dtype, numel * size, tuple(u)) for (numel, dtype), size, u in zip(keys, itemsizes, users, strict=True))
     )
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from thunder_overlap.analysis.pool_slots import BucketLayout
+from thunder_overlap.analysis.pool_slots import BucketLayout, PoolSlot, describe_slots
 from thunder_overlap.bucketing.plan import BucketPlan
 
 __all__ = ["BucketBuffers", "BufferPool", "PendingCollective", "PoolSlot", "bucket_layout", "lookup_bucket", "register_bucket"]
@@ -58,19 +58,6 @@ class _Reusable:
 
     def is_idle(self) -> bool:
         return _storage_users(self.buffer) == self.idle_users
-
-
-@dataclass(frozen=True)
-class PoolSlot:
-    """One buffer of the pool: its size and what used it."""
-
-    numel: int
-    dtype: torch.dtype
-    nbytes: int
-    # Bucket and purpose of every use so far: "<bucket> all-gather" (the gathered ranks),
-    # "<bucket> copy-out" (the parameter-major layout), "<bucket> reduce-scatter" (the laid-out
-    # gradients).
-    users: tuple[str, ...]
 
 
 @dataclass
@@ -111,17 +98,12 @@ class BufferPool:
         """Every buffer the pool holds, with what used it: the pool is as large as the most
         buffers of one size that were ever busy at once."""
         return [
-            PoolSlot(e.buffer.numel(), e.buffer.dtype, e.buffer.numel() * e.buffer.element_size(), tuple(e.users))
+            PoolSlot(e.buffer.numel(), str(e.buffer.dtype), e.buffer.numel() * e.buffer.element_size(), tuple(e.users))
             for e in self._buffers
         ]
 
     def __str__(self) -> str:
-        mib = 1 << 20
-        lines = [f"bucket pool: {len(self._buffers)} buffers, {self.allocated_bytes / mib:.3f} MiB, held for the module's life"]
-        for i, slot in enumerate(self.slots):
-            users = ", ".join(slot.users)
-            lines.append(f"  slot {i}: {slot.nbytes / mib:8.3f} MiB {str(slot.dtype).removeprefix('torch.')}: {users}")
-        return "\n".join(lines)
+        return describe_slots("bucket pool (held for the module's life)", self.slots)
 
 
 @dataclass
@@ -150,6 +132,16 @@ class BucketBuffers:
         self.process_group = process_group
         self.world_size = process_group.size()
         self.pool = pool
+        # Its sizes, and the rules for when a copy-out or a lay-out is needed, which the
+        # memory estimator follows too.
+        self.layout = BucketLayout(
+            label=plan.label,
+            unsharded_numel=self.world_size * plan.shard_numel,
+            dtype=str(flat_shard.dtype),
+            itemsize=flat_shard.element_size(),
+            tensors=len(plan.slots),
+            world_size=self.world_size,
+        )
         self._grad_shards: list[_Reusable] = []
         self.allocations = 0
         # Gradients summed under no_sync, laid out like a reduce-scatter input; the next
@@ -162,18 +154,6 @@ class BucketBuffers:
 
     # --- shapes -----------------------------------------------------------------------------
 
-    @property
-    def layout(self) -> BucketLayout:
-        """The sizes the memory estimator follows this bucket's pool buffers by."""
-        flat = self.flat_shard
-        return BucketLayout(
-            label=self.plan.label,
-            unsharded_numel=self.world_size * self.plan.shard_numel,
-            dtype=str(flat.dtype),
-            itemsize=flat.element_size(),
-            tensors=len(self.plan.slots),
-            world_size=self.world_size,
-        )
 
     def unsharded_shape(self, slot: int) -> tuple[int, ...]:
         rows, *rest = self.plan.slots[slot].shard_shape
@@ -229,7 +209,7 @@ class BucketBuffers:
         """
         world, plan = self.world_size, self.plan
         unsharded = gathered
-        if len(plan.slots) > 1 and world > 1:
+        if self.layout.copies_out:
             unsharded = self.pool.acquire(gathered.numel(), gathered.dtype, gathered.device, f"{plan.label} copy-out")
         pieces = [unsharded[world * s.offset : world * (s.offset + s.numel)] for s in plan.slots]
         if unsharded is not gathered:
@@ -267,11 +247,9 @@ class BucketBuffers:
     def _is_laid_out(self, grads: list[torch.Tensor]) -> bool:
         """True for a bucket's one gradient that needs no padding, with nothing summed under no_sync."""
         return (
-            len(grads) == 1
-            and len(self.plan.slots) == 1
+            self.layout.sends_as_is([g.numel() for g in grads])
             and self.unsynced_grads is None
             and grads[0].is_contiguous()
-            and grads[0].numel() == self.world_size * self.plan.shard_numel
             and grads[0].dtype == self.flat_shard.dtype
         )
 
