@@ -5,8 +5,9 @@
 
 Data flows one way, and the subpackages follow it: model -> Thunder's FSDP transform and
 ``transforms`` (ZeRO3, ``bucketing``) -> execution traces -> ``analysis`` (annotated trace, cost
-and memory estimates) -> ``scheduling`` (decisions) -> executed trace -> ``report``. ``tools``
-holds the scaffolding of tests, benchmarks and the demo.
+and memory estimates) -> ``scheduling`` (decisions) -> executed trace -> ``report``. ``checkpoint``
+saves and loads the sharded state at any world size; ``tools`` holds the scaffolding of tests,
+benchmarks and the demo.
 """
 
 from thunder_overlap.tools import console as _console

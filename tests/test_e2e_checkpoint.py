@@ -1,0 +1,310 @@
+"""Sharded checkpoints: save on two gloo ranks, load elsewhere, and carry on as if never stopped.
+
+One spawn of two ranks trains litgpt's GPT (a small Llama: GQA, RoPE, RMSNorm, LLaMA MLP, a
+vocabulary of 101 so that shards are padded) with ZeRO3 block buckets for two AdamW steps, saves,
+and runs step 3; in the same processes the checkpoint is loaded into a ZeRO2 layer model and a
+ZeRO3 block one, which run their own step 3. TinyGPT (tied head, frozen parameter) goes from
+ZeRO2 without buckets to ZeRO3 block. Here, in one process, the checkpoint is loaded into a plain
+GPT and into a one-rank ZeRO3 auto-bucketed one. Bad checkpoints and interrupted saves need no
+ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+from litgpt import GPT, Config
+
+from thunder_overlap import checkpoint
+from thunder_overlap.checkpoint import StateDictOptions
+from thunder_overlap.tools.local_ranks import run_local_ranks
+from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.transforms import BucketingTransform
+
+WORLD_SIZE = 2
+LLAMA = Config(
+    block_size=32,
+    vocab_size=101,
+    padded_vocab_size=101,
+    n_layer=2,
+    n_head=4,
+    n_query_groups=2,
+    n_embd=32,
+    rotary_percentage=1.0,
+    parallel_residual=False,
+    bias=False,
+    norm_class_name="RMSNorm",
+    mlp_class_name="LLaMAMLP",
+    intermediate_size=64,
+)
+SEQUENCES_PER_RANK, SEQ_LEN, LR = 2, 16, 0.01
+
+
+def _batch(step: int, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch, or rank ``rank``'s half of it."""
+    tokens = torch.randint(
+        0, LLAMA.vocab_size, (SEQUENCES_PER_RANK * WORLD_SIZE, SEQ_LEN + 1), generator=torch.Generator().manual_seed(step)
+    )
+    if rank is not None:
+        tokens = tokens[rank * SEQUENCES_PER_RANK : (rank + 1) * SEQUENCES_PER_RANK]
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, rank: int | None) -> float:
+    inputs, targets = _batch(step, rank)
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(inputs)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def _gpt(seed: int) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(LLAMA)
+
+
+def _sharded(model: nn.Module, sharding: str, bucketing: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    import thunder_overlap
+
+    jm = thunder_overlap.fsdp(model, device="cpu", sharding_strategy=sharding, bucketing_strategy=bucketing)
+    return jm, torch.optim.AdamW([p for p in jm.parameters() if p.requires_grad], lr=LR)
+
+
+def _full(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict]:
+    options = StateDictOptions(full_state_dict=True)
+    model_state, optim_state = checkpoint.get_state_dict(model, optimizer, options=options)
+    return {k: v.clone() for k, v in model_state.items()}, {
+        name: {k: v.clone() for k, v in entries.items()} for name, entries in optim_state.get("state", {}).items()
+    }
+
+
+def _parameters_are_bucket_views(model: nn.Module) -> bool:
+    """Every parameter of a bucket still shares its bucket's flat shard, and so does its .grad."""
+    buckets = BucketingTransform.of(model).buckets.values()
+    flat_storages = {b.flat_shard.untyped_storage().data_ptr() for b in buckets}
+    grad_storages = {g.untyped_storage().data_ptr() for b in buckets for g in b.grad_shards}
+    return all(p.untyped_storage().data_ptr() in flat_storages for p in model.parameters()) and all(
+        p.grad is None or p.grad.untyped_storage().data_ptr() in grad_storages for p in model.parameters()
+    )
+
+
+def _checkpoint_session(rank: int, world_size: int, directory: str) -> dict:
+    path = Path(directory) / "llama"
+    result: dict = {}
+    model, optimizer = _sharded(_gpt(seed=0), "zero3", "block")
+    result["losses"] = [_train_step(model, optimizer, step, rank) for step in (0, 1)]
+    checkpoint.save(path, model, optimizer)
+    result["saved_model"], result["saved_optim"] = _full(model, optimizer)
+    result["step3_loss"] = _train_step(model, optimizer, 2, rank)
+    result["step3_model"], _ = _full(model, optimizer)
+
+    # Another initialisation, so that nothing matches unless the load worked.
+    for name, sharding, bucketing in (("zero2_layer", "zero2", "layer"), ("zero3_block", "zero3", "block")):
+        model, optimizer = _sharded(_gpt(seed=1), sharding, bucketing)
+        checkpoint.load(path, model, optimizer)
+        result[f"{name}_loaded_model"], result[f"{name}_loaded_optim"] = _full(model, optimizer)
+        result[f"{name}_step3_loss"] = _train_step(model, optimizer, 2, rank)
+        result[f"{name}_step3_model"], _ = _full(model, optimizer)
+        result[f"{name}_bucket_views"] = _parameters_are_bucket_views(model)
+
+    # TinyGPT: a tied head, a frozen parameter, padding; no buckets -> block buckets.
+    import thunder_overlap
+
+    torch.manual_seed(0)
+    tiny = thunder_overlap.fsdp(TinyGPT(TinyGPTConfig(n_layer=2)), device="cpu", sharding_strategy="zero2")
+    tiny_path = Path(directory) / "tiny"
+    checkpoint.save(tiny_path, tiny)
+    result["tiny_saved"], _ = _full(tiny)
+    torch.manual_seed(1)
+    tiny_block = thunder_overlap.fsdp(
+        TinyGPT(TinyGPTConfig(n_layer=2)), device="cpu", sharding_strategy="zero3", bucketing_strategy="block"
+    )
+    checkpoint.load(tiny_path, tiny_block)
+    result["tiny_loaded"], _ = _full(tiny_block)
+    # Thunder's own view of the same parameters (it lists a tied one once).
+    result["tiny_original"] = {k: v.clone() for k, v in tiny_block.original_state_dict().items()}
+    # set_state_dict takes full tensors too (here a plain module's state dict), every rank its rows.
+    torch.manual_seed(2)
+    plain = TinyGPT(TinyGPTConfig(n_layer=2)).state_dict()
+    checkpoint.set_state_dict(tiny, model_state_dict=plain)
+    result["plain_state"], (result["plain_loaded"], _) = plain, _full(tiny)
+    rank0_only = StateDictOptions(full_state_dict=True, rank0_only=True, cpu_offload=True)
+    result["rank0_only_keys"] = sorted(checkpoint.get_state_dict(tiny_block, options=rank0_only)[0])
+    return result
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("checkpoints")
+    return directory, run_local_ranks(_checkpoint_session, WORLD_SIZE, (str(directory),))
+
+
+def _assert_states_equal(actual: dict, expected: dict, **tolerance) -> None:
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        if isinstance(value, dict):
+            _assert_states_equal(actual[name], value, **tolerance)
+        else:
+            torch.testing.assert_close(actual[name], value, msg=name, **tolerance)
+
+
+def test_same_configuration_resumes_bit_identically(ranks):
+    _, results = ranks
+    for r in results:
+        assert r["zero3_block_step3_loss"] == r["step3_loss"]
+        _assert_states_equal(r["zero3_block_step3_model"], r["step3_model"], rtol=0, atol=0)
+
+
+def test_zero2_layer_resumes_a_zero3_block_checkpoint(ranks):
+    _, results = ranks
+    for r in results:
+        torch.testing.assert_close(r["zero2_layer_step3_loss"], r["step3_loss"], rtol=1e-6, atol=1e-6)
+        _assert_states_equal(r["zero2_layer_step3_model"], r["step3_model"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["zero2_layer", "zero3_block"])
+def test_loading_restores_parameters_and_optimizer_state(ranks, name):
+    _, results = ranks
+    for r in results:
+        _assert_states_equal(r[f"{name}_loaded_model"], r["saved_model"], rtol=0, atol=0)
+        # AdamW's step counts and both moments, per parameter, as they were saved.
+        assert {k for entries in r["saved_optim"].values() for k in entries} == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(float(entries["step"]) == 2.0 for entries in r["saved_optim"].values())
+        _assert_states_equal(r[f"{name}_loaded_optim"], r["saved_optim"], rtol=0, atol=0)
+        assert r[f"{name}_bucket_views"], "a parameter or gradient left its bucket buffer after loading"
+
+
+def test_one_plain_process_resumes_a_two_rank_checkpoint(ranks):
+    directory, results = ranks
+    model = _gpt(seed=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    assert not checkpoint.load(directory / "llama", model, optimizer)
+    _assert_states_equal(dict(model.named_parameters()), results[0]["saved_model"], rtol=0, atol=0)
+    # One process sees the whole batch: its loss is the mean of the two ranks'.
+    loss = _train_step(model, optimizer, 2, rank=None)
+    torch.testing.assert_close(loss, sum(r["step3_loss"] for r in results) / WORLD_SIZE, rtol=1e-6, atol=1e-6)
+    _assert_states_equal(dict(model.named_parameters()), results[0]["step3_model"], rtol=1e-6, atol=1e-6)
+
+
+def test_tied_and_frozen_parameters_reshard_into_block_buckets(ranks):
+    _, results = ranks
+    for r in results:
+        assert {"wte.weight", "lm_head.weight", "wpe.weight"} <= r["tiny_saved"].keys()
+        _assert_states_equal(r["tiny_loaded"], r["tiny_saved"], rtol=0, atol=0)
+        _assert_states_equal(r["tiny_original"], {k: r["tiny_saved"][k] for k in r["tiny_original"]}, rtol=0, atol=0)
+    assert results[0]["rank0_only_keys"] == sorted(results[0]["tiny_saved"])
+    assert results[1]["rank0_only_keys"] == []
+
+
+def test_set_state_dict_shards_a_plain_modules_state_dict(ranks):
+    _, results = ranks
+    for r in results:
+        _assert_states_equal(r["plain_loaded"], r["plain_state"], rtol=0, atol=0)
+
+
+def test_a_full_state_dict_loads_into_a_plain_module(ranks):
+    _, results = ranks
+    model = TinyGPT(TinyGPTConfig(n_layer=2))
+    model.load_state_dict(results[0]["tiny_saved"])
+    _assert_states_equal(model.state_dict(), results[0]["tiny_saved"], rtol=0, atol=0)
+
+
+# --- bad input, one process -------------------------------------------------------------------
+
+
+def _tiny(**config) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(TinyGPTConfig(n_layer=1, **config))
+
+
+def test_missing_and_unexpected_keys_are_named(tmp_path):
+    checkpoint.save(tmp_path / "one", _tiny())
+    bigger = TinyGPT(TinyGPTConfig(n_layer=2))
+    with pytest.raises(KeyError, match=r"missing keys: model\.blocks\.1\.") as missing:
+        checkpoint.load(tmp_path / "one", bigger)
+    assert "strict=False" in str(missing.value)
+    checkpoint.save(tmp_path / "two", bigger)
+    with pytest.raises(KeyError, match=r"unexpected keys: model\.blocks\.1\."):
+        checkpoint.load(tmp_path / "two", _tiny())
+
+
+def test_strict_false_loads_what_matches_and_reports_the_rest(tmp_path):
+    source = _tiny()
+    checkpoint.save(tmp_path / "one", source)
+    torch.manual_seed(1)
+    bigger = TinyGPT(TinyGPTConfig(n_layer=2))
+    result = checkpoint.load(tmp_path / "one", bigger, strict=False)
+    assert result.missing_keys and all(k.startswith("model.blocks.1.") for k in result.missing_keys)
+    assert result.unexpected_keys == []
+    torch.testing.assert_close(bigger.blocks[0].attn.qkv.weight, source.blocks[0].attn.qkv.weight, rtol=0, atol=0)
+
+
+def test_a_parameter_of_another_shape_names_the_key_and_both_shapes(tmp_path):
+    checkpoint.save(tmp_path / "ckpt", _tiny())
+    with pytest.raises(ValueError, match=r"model\.wte\.weight: the checkpoint has shape \(101, 64\), the model expects \(101, 32\)"):
+        checkpoint.load(tmp_path / "ckpt", _tiny(n_embd=32, n_head=2))
+
+
+def test_a_path_that_is_not_a_checkpoint_says_so(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*nowhere: it does not exist"):
+        checkpoint.load(tmp_path / "nowhere", _tiny())
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"is not a torch.distributed.checkpoint directory \(it has no \.metadata\)"):
+        checkpoint.load(tmp_path / "empty", _tiny())
+
+
+def test_loading_an_optimizer_from_a_checkpoint_without_one_is_an_error(tmp_path):
+    model = _tiny()
+    checkpoint.save(tmp_path / "ckpt", model)
+    with pytest.raises(KeyError, match=r"has no optimizer state"):
+        checkpoint.load(tmp_path / "ckpt", model, torch.optim.AdamW(model.parameters()))
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    old = _tiny()
+    checkpoint.save(tmp_path / "ckpt", old)
+
+    def crash(self, *args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "finish", crash)
+    with pytest.raises(dcp.api.CheckpointException, match="disk full"):
+        checkpoint.save(tmp_path / "ckpt", _tiny(n_embd=32, n_head=2))
+    monkeypatch.undo()
+    restored = TinyGPT(TinyGPTConfig(n_layer=1))
+    checkpoint.load(tmp_path / "ckpt", restored)
+    _assert_states_equal(restored.state_dict(), old.state_dict(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"full_state_dict": 1}, TypeError, r"StateDictOptions.full_state_dict must be a bool, got 1"),
+        ({"rank0_only": True}, ValueError, r"rank0_only=True\) needs full_state_dict=True"),
+    ],
+)
+def test_bad_state_dict_options_are_named(options, error, message):
+    with pytest.raises(error, match=message):
+        StateDictOptions(**options)
+
+
+# --- last: the module's one-rank group stays alive from here to the module's end ---------------
+
+
+def test_a_one_rank_auto_bucketed_model_resumes_a_two_rank_checkpoint(ranks, one_rank_gloo_group):
+    directory, results = ranks
+    model, optimizer = _sharded(_gpt(seed=1), "zero3", "auto")
+    checkpoint.load(directory / "llama", model, optimizer)
+    loaded_model, loaded_optim = _full(model, optimizer)
+    _assert_states_equal(loaded_model, results[0]["saved_model"], rtol=0, atol=0)
+    _assert_states_equal(loaded_optim, results[0]["saved_optim"], rtol=0, atol=0)
+    loss = _train_step(model, optimizer, 2, rank=None)
+    torch.testing.assert_close(loss, sum(r["step3_loss"] for r in results) / WORLD_SIZE, rtol=1e-6, atol=1e-6)
+    _assert_states_equal(_full(model)[0], results[0]["step3_model"], rtol=1e-6, atol=1e-6)

@@ -1,0 +1,16 @@
+"""Sharded checkpoints on ``torch.distributed.checkpoint``, readable at any world size.
+
+    from thunder_overlap import checkpoint
+    checkpoint.save("ckpt/step-1000", model, optimizer)       # every rank
+    checkpoint.load("ckpt/step-1000", model, optimizer)       # any world size, ZeRO2 or ZeRO3, any bucketing
+
+``get_state_dict`` / ``set_state_dict`` mirror ``torch.distributed.checkpoint.state_dict``: the
+state in the parameters' original shapes (DTensors sharded on dim 0, or full tensors with
+``StateDictOptions(full_state_dict=True)``) and the optimizer's state keyed by parameter name.
+``layout`` says how Thunder's padded shards map onto DTensors.
+"""
+
+from thunder_overlap.checkpoint.files import load, save
+from thunder_overlap.checkpoint.state_dict import LoadResult, StateDictOptions, get_state_dict, set_state_dict
+
+__all__ = ["LoadResult", "StateDictOptions", "get_state_dict", "load", "save", "set_state_dict"]
