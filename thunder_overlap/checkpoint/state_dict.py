@@ -191,8 +191,8 @@ def set_state_dict(
     Parameters are copied into in place, so they stay views of their bucket buffers and
     ``.grad`` works as before; padding rows are left as they are (zero). The optimizer gets its
     state through ``load_state_dict``, reshaped to this rank's padded shards. A value of another
-    shape is a ``ValueError`` naming the key and both shapes; missing and unexpected keys are
-    one too unless ``options.strict`` is False, in which case they are returned.
+    shape is a ``ValueError`` naming the key and both shapes; missing and unexpected keys raise
+    ``KeyError`` naming them unless ``options.strict`` is False, in which case they are returned.
     """
     options = options or StateDictOptions()
     sharding = model_sharding(model)
