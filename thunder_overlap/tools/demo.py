@@ -181,7 +181,7 @@ def _losses(results: DemoResults) -> list[str]:
     base, ours = results.thunder.losses, results.overlap.losses
     agree = "they agree" if base == ours else f"largest difference {max(abs(a - b) for a, b in zip(base, ours, strict=True)):.2e}"
     lines = [f"Losses ({agree}):", f"  {'step':>4}  {'thunder':>10}  {'thunder_overlap':>15}"]
-    lines += [f"  {step:>4}  {a:>10.6f}  {b:>15.6f}" for step, (a, b) in enumerate(zip(base, ours, strict=True), start=1)]
+    lines += [f"  {step:>4}  {a:>10.5f}  {b:>15.5f}" for step, (a, b) in enumerate(zip(base, ours, strict=True), start=1)]
     return lines
 
 
