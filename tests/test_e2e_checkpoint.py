@@ -295,6 +295,17 @@ def test_bad_state_dict_options_are_named(options, error, message):
         StateDictOptions(**options)
 
 
+
+def test_bad_save_and_load_arguments_are_named(tmp_path):
+    model = _tiny()
+    checkpoint.save(tmp_path / "ckpt", model)
+    with pytest.raises(TypeError, match=r"strict must be a bool, got 'no'"):
+        checkpoint.load(tmp_path / "ckpt", model, strict="no")
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module .*got OrderedDict"):
+        checkpoint.save(tmp_path / "other", model.state_dict())
+    with pytest.raises(TypeError, match=r"optimizer must be a torch.optim.Optimizer or None, got list"):
+        checkpoint.load(tmp_path / "ckpt", model, [1])
+
 # --- last: the module's one-rank group stays alive from here to the module's end ---------------
 
 

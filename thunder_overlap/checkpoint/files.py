@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from thunder_overlap.checkpoint.layout import model_sharding
+from thunder_overlap.checkpoint.layout import process_group_of
 from thunder_overlap.checkpoint.state_dict import LoadResult, StateDictOptions, get_state_dict, set_state_dict
 
 __all__ = ["save", "load", "MODEL_KEY", "OPTIM_KEY"]
@@ -34,13 +34,14 @@ OPTIM_KEY = "optim"
 _METADATA_FILE = ".metadata"
 
 
-def _group_of(model: nn.Module) -> dist.ProcessGroup | None:
-    """The group that reads and writes: the model's FSDP group, else the default group if there
-    is one, else None (one process, no collectives)."""
-    sharding = model_sharding(model)
-    if sharding is not None:
-        return sharding.process_group
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+def _check_arguments(model: object, optimizer: object, **flags: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (what thunder_overlap.fsdp returned, or a plain one), got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
 def _barrier(group: dist.ProcessGroup | None) -> None:
@@ -71,10 +72,11 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     written it, so a crash mid-save leaves the previous checkpoint at ``path`` loadable.
     Returns ``path``.
     """
+    _check_arguments(model, optimizer)
     path = Path(path)
     staging = path.with_name(path.name + ".saving")
     previous = path.with_name(path.name + ".previous")
-    group = _group_of(model)
+    group = process_group_of(model)
     model_state, optim_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {MODEL_KEY: model_state}
     if optimizer is not None:
@@ -177,9 +179,10 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     what matches is loaded and the rest returned. A tensor of another shape raises ``ValueError``
     naming the key and both shapes; a path that holds no checkpoint, ``FileNotFoundError``.
     """
+    _check_arguments(model, optimizer, strict=strict)
     path = Path(path)
     saved = _read_metadata(path)
-    group = _group_of(model)
+    group = process_group_of(model)
     if optimizer is not None:
         if not any(k.startswith(f"{OPTIM_KEY}.") for k in saved):
             raise KeyError(

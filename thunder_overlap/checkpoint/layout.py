@@ -20,15 +20,7 @@ from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["ParameterShard", "ModelSharding", "model_sharding"]
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= size
-    return tuple(reversed(stride))
+__all__ = ["ParameterShard", "ModelSharding", "model_sharding", "process_group_of"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +52,12 @@ class ParameterShard:
         self.check_padded(padded)
         local = padded.narrow(0, 0, self.real_rows)
         return DTensor.from_local(
-            local, mesh, [Shard(0)], run_check=False, shape=torch.Size(self.full_shape), stride=_contiguous_stride(self.full_shape)
+            local,
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=torch.Size(self.full_shape),
+            stride=torch.empty(self.full_shape, device="meta").stride(),
         )
 
     def rows_of(self, value: torch.Tensor) -> torch.Tensor:
@@ -118,3 +115,12 @@ def model_sharding(model: nn.Module) -> ModelSharding | None:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     mesh = DeviceMesh.from_group(group, device.type)
     return ModelSharding(group, mesh, parameters)
+
+
+def process_group_of(model: nn.Module) -> dist.ProcessGroup | None:
+    """The group that saves and loads ``model``: its FSDP group, else the default group if there
+    is one, else None (one process, no collectives)."""
+    transform = _fsdp_transform(model) if isinstance(model, ThunderModule) else None
+    if transform is not None:
+        return transform.process_group
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
