@@ -30,7 +30,6 @@ only carry constants and proxies.
 from __future__ import annotations
 
 import itertools
-import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -41,11 +40,6 @@ from thunder_overlap.analysis.pool_slots import BucketLayout, PoolSlot, describe
 from thunder_overlap.bucketing.plan import BucketPlan
 
 __all__ = ["BucketBuffers", "BufferPool", "PendingCollective", "PoolSlot", "bucket_layout", "lookup_bucket", "register_bucket"]
-
-
-# How long acquire waits for a buffer of the right size to turn idle before allocating one.
-_IDLE_RETRIES = 5
-_IDLE_RETRY_S = 2e-4
 
 
 def _storage_users(t: torch.Tensor) -> int:
@@ -82,17 +76,11 @@ class BufferPool:
     def acquire(self, numel: int, dtype: torch.dtype, device: torch.device, user: str = "") -> torch.Tensor:
         """A view of an idle buffer of ``numel`` x ``dtype`` (allocated when none is idle);
         ``user`` names the use in :attr:`slots`."""
-        for attempt in range(_IDLE_RETRIES + 1):
-            for entry in self._buffers:
-                b = entry.buffer
-                if b.numel() == numel and b.dtype == dtype and b.device == device and entry.is_idle():
-                    entry.users[user] = None
-                    return b.view(-1)
-            if attempt < _IDLE_RETRIES and any(e.buffer.numel() == numel and e.buffer.dtype == dtype for e in self._buffers):
-                # gloo's worker thread drops its reference to a finished collective's tensors a
-                # moment after the wait returns (longer on a loaded machine); give it that moment
-                # before growing the pool, so the pool follows the schedule, not the thread timing.
-                time.sleep(_IDLE_RETRY_S)
+        for entry in self._buffers:
+            b = entry.buffer
+            if b.numel() == numel and b.dtype == dtype and b.device == device and entry.is_idle():
+                entry.users[user] = None
+                return b.view(-1)
         buffer = torch.empty(numel, dtype=dtype, device=device)
         entry = _Reusable(buffer)
         entry.users[user] = None
