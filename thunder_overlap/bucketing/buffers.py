@@ -30,6 +30,7 @@ only carry constants and proxies.
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -115,6 +116,31 @@ class PendingCollective:
     result: torch.Tensor
     # A view of the collective's input while it runs, so that its pool buffer stays busy.
     source: torch.Tensor | None = None
+    # Storage users of result and source just before the launch (see settle).
+    users_at_launch: tuple[int, int | None] | None = None
+
+    def mark_launch(self) -> None:
+        """Records how many tensors use the buffers before the backend takes its own views."""
+        source_users = None if self.source is None else _storage_users(self.source)
+        self.users_at_launch = (_storage_users(self.result), source_users)
+
+    def settle(self, timeout_s: float = 1.0) -> None:
+        """After the wait: returns once the backend has let go of the buffers' storage.
+
+        gloo's worker thread still holds the finished work, and the views of our buffers it
+        made, for a moment after ``wait`` returns. The pool reads "busy" from the storage's users,
+        so without this a buffer would be busy or idle by that thread's timing, and the pool's
+        assignment of uses to buffers (and at worst its size) would vary from step to step.
+        After ``timeout_s`` it gives up: the pool then grows rather than anything hanging.
+        """
+        self.work = None
+        if self.users_at_launch is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        pairs = [(self.result, self.users_at_launch[0]), (self.source, self.users_at_launch[1])]
+        for tensor, users in pairs:
+            while tensor is not None and _storage_users(tensor) > users and time.monotonic() < deadline:
+                time.sleep(0)  # yield to the backend's thread
 
 
 class BucketBuffers:
@@ -193,11 +219,13 @@ class BucketBuffers:
 
     def launch_all_gather(self, pending: PendingCollective, *, async_op: bool) -> dist.Work | None:
         """Issues the prepared all-gather; inside a ``_coalescing_manager`` it only joins that launch."""
+        pending.mark_launch()
         return dist.all_gather_into_tensor(pending.result, self.flat_shard, group=self.process_group, async_op=async_op)
 
     def finish_all_gather(self, pending: PendingCollective, slots: tuple[int, ...]) -> list[torch.Tensor]:
         """Waits, then lays the gathered ranks out parameter by parameter (:meth:`copy_out`)."""
         pending.work.wait()
+        pending.settle()
         return self.copy_out(pending.result, slots)
 
     def copy_out(self, gathered: torch.Tensor, slots: tuple[int, ...]) -> list[torch.Tensor]:
@@ -279,10 +307,12 @@ class BucketBuffers:
 
     def launch_reduce_scatter(self, pending: PendingCollective, *, async_op: bool) -> dist.Work | None:
         """Issues the prepared reduce-scatter; inside a ``_coalescing_manager`` it only joins that launch."""
+        pending.mark_launch()
         return dist.reduce_scatter_tensor(pending.result, pending.source, group=self.process_group, async_op=async_op)
 
     def finish_reduce_scatter(self, pending: PendingCollective, slots: tuple[int, ...]) -> list[torch.Tensor]:
         pending.work.wait()
+        pending.settle()
         return self.reduced_views(pending, slots)
 
     def reduced_views(self, pending: PendingCollective, slots: tuple[int, ...]) -> list[torch.Tensor]:

@@ -37,7 +37,7 @@ __all__ = [
 class CoalescedLaunch:
     """What a coalesced issue returns and its wait consumes."""
 
-    manager: dist.distributed_c10d._CoalescingManager
+    manager: dist.distributed_c10d._CoalescingManager | None
     # Per member, its outputs once the launch is complete (copy-out included).
     finishers: list[Callable[[], list[torch.Tensor]]]
     # Inputs that must stay referenced while the launch runs (pool buffers stay busy).
@@ -101,6 +101,12 @@ def bucket_reduce_scatter(
 def wait(launch: CoalescedLaunch, shapes: tuple[tuple[int, ...], ...]) -> list[torch.Tensor]:
     """Waits for the whole launch; every member's outputs, member after member."""
     launch.manager.wait()
+    # Drop the manager (it holds the backend's works), then let the backend release the
+    # bucket members' pool buffers before their copy-outs take new views.
+    launch.manager = None
+    for source in launch.sources:
+        if isinstance(source, bucket_buffers.PendingCollective):
+            source.settle()
     outputs = [t for finish in launch.finishers for t in finish()]
     if len(outputs) != len(shapes):
         raise RuntimeError(f"thunder_overlap: a coalesced launch produced {len(outputs)} outputs, its trace expects {len(shapes)}")
