@@ -119,7 +119,7 @@ def test_ring_collective_time():
     gather = Collective(CollectiveKind.ALL_GATHER, start=0, wait=1, process_group=_Group(8), unsharded_bytes=8_000_000)
     # 7 steps of 1 us, plus 7/8 of 8 MB at 1 GB/s = 7 ms.
     assert CostModel(DEVICE, NETWORK).collective_ms(gather) == pytest.approx(7.007)
-    all_reduce = Collective(CollectiveKind.OTHER, start=0, wait=1, process_group=_Group(8), unsharded_bytes=8_000_000)
+    all_reduce = Collective(CollectiveKind.ALL_REDUCE, start=0, wait=1, process_group=_Group(8), unsharded_bytes=8_000_000)
     assert CostModel(DEVICE, NETWORK).collective_ms(all_reduce) == pytest.approx(2 * 7.007)
     assert CostModel(DEVICE, NETWORK).collective_ms(gather, world_size=1) == 0.0
     assert CostModel(DEVICE, NETWORK).collective_ms(gather, world_size=2) == pytest.approx(1e-3 + 4.0)

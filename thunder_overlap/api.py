@@ -13,11 +13,18 @@ from thunder.core.transform_common import Transform
 from thunder.distributed import FSDPBucketingStrategy, FSDPType
 from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 from thunder.transforms import MaterializationTransform
+from torch.distributed.device_mesh import DeviceMesh
 
 from thunder_overlap.analysis.blocks import find_blocks
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import BucketingStrategy, FSDPOptions, ShardingStrategy, options_from
-from thunder_overlap.transforms import BucketingTransform, OverlapScheduleTransform, RefuseNoSyncTransform, Zero3Transform
+from thunder_overlap.transforms import (
+    BucketingTransform,
+    OverlapScheduleTransform,
+    RefuseNoSyncTransform,
+    ReplicaReduceTransform,
+    Zero3Transform,
+)
 from thunder_overlap.transforms.executor import with_collectives_kept_visible
 
 __all__ = ["fsdp", "fsdp_transforms"]
@@ -26,11 +33,11 @@ __all__ = ["fsdp", "fsdp_transforms"]
 def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any) -> list[Transform]:
     """The transforms ``fsdp`` applies, for ``thunder.jit(model, transforms=...)``: Thunder's
     sharding and materialisation, then ZeRO3 re-gathering (ZeRO3 only), bucketing (layer, block
-    or auto only), then scheduling.
+    or auto only), the all-reduce across replicas (hybrid sharding only), then scheduling.
 
     Pass resolved ``options``, or the keywords of :meth:`FSDPOptions.resolve` (``device``,
     ``process_group``, ``sharding_strategy``, ``bucketing_strategy``, ``bucket_cap_mb``,
-    ``broadcast_from``, ``config``, ``move_state_dict_to_cpu``, ``block_types``), checked as
+    ``broadcast_from``, ``config``, ``move_state_dict_to_cpu``, ``block_types``, ``device_mesh``), checked as
     ``fsdp`` checks them (``block_types`` is checked against the model when it is transformed).
     """
     options = options_from(options, option_kwargs, "fsdp_transforms")
@@ -62,10 +69,20 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
         plan_digest, largest_bucket_bytes = bucketing.plan_digest, bucketing.largest_bucket_bytes
     else:
         transforms.append(RefuseNoSyncTransform())
+    agreement_group = None
+    if options.hybrid_mesh is not None:
+        # After bucketing, so that a bucket's reduce-scatter gets one all-reduce; before
+        # scheduling, which places the all-reduces like any other collective.
+        transforms.append(ReplicaReduceTransform(options.hybrid_mesh))
+        agreement_group = options.world_group
     # The ranks' first exchange compares their bucket plans too.
     transforms.append(
         OverlapScheduleTransform(
-            options.config, block_types=options.block_types, plan_digest=plan_digest, largest_bucket_bytes=largest_bucket_bytes
+            options.config,
+            block_types=options.block_types,
+            plan_digest=plan_digest,
+            largest_bucket_bytes=largest_bucket_bytes,
+            agreement_group=agreement_group,
         )
     )
     return transforms
@@ -83,6 +100,7 @@ def fsdp(
     move_state_dict_to_cpu: bool = False,
     bucket_cap_mb: float | None = None,
     block_types: type[nn.Module] | str | list[type[nn.Module] | str] | tuple[type[nn.Module] | str, ...] | None = None,
+    device_mesh: DeviceMesh | None = None,
     **jit_options: Any,
 ) -> ThunderModule:
     """Shards ``model`` like ``thunder.distributed.fsdp`` and overlaps its communication.
@@ -104,6 +122,10 @@ def fsdp(
             auto). Buckets live in persistent flat buffers whose views are the parameters;
             ``BucketingTransform.of(model).summaries["plan"]`` says which were formed and why.
         process_group: the group to shard over; default a copy of the default group.
+        device_mesh: instead of ``process_group``, a ``DeviceMesh`` over every rank: 1-D, the
+            group to shard over; 2-D with dims (replicate, shard), as FSDP2's, hybrid sharding
+            (HSDP): parameters are sharded and gathered within the shard group, and each
+            reduce-scattered gradient shard is then all-reduced across the replicate group.
         broadcast_from: rank whose parameters are broadcast to all before sharding.
         config: scheduler options (:class:`OverlapConfig`).
         move_state_dict_to_cpu: as in Thunder, for ``original_state_dict``.
@@ -131,6 +153,7 @@ def fsdp(
         config=config,
         move_state_dict_to_cpu=move_state_dict_to_cpu,
         block_types=block_types,
+        device_mesh=device_mesh,
     )
     # Checked here, before tracing: a type that matches no module names the classes there are.
     find_blocks(model._model if isinstance(model, ThunderModule) else model, options.block_types)

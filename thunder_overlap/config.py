@@ -67,6 +67,12 @@ class OverlapConfig:
     # All-gathers in flight when no limit is set and the model has no repeated blocks to size
     # one from: a few parameters ahead, rather than the whole model gathered at once.
     fallback_in_flight_allgathers: int = 4
+    # A reduce-scatter whose result another collective reads (hybrid sharding's all-reduce
+    # across replicas) is waited on once this many expensive compute ops (matmuls) have run
+    # since its issue, so that the all-reduce goes out while backward still computes. Two:
+    # long enough for the reduce-scatter to finish behind them (the wait then costs nothing),
+    # short enough to leave compute for the all-reduce. 0: right after the issue.
+    chained_wait_compute_ops: int = 2
 
     # --- memory_aware only ---------------------------------------------------------------
     # Prefetch distance: a collective is issued at most this many expensive compute ops
@@ -114,6 +120,7 @@ class OverlapConfig:
         _check_number("max_in_flight_allgather_bytes", self.max_in_flight_allgather_bytes, int)
         _check_number("max_in_flight_reduce_scatter_bytes", self.max_in_flight_reduce_scatter_bytes, int)
         _check_number("fallback_in_flight_allgathers", self.fallback_in_flight_allgathers, int, optional=False)
+        _check_number("chained_wait_compute_ops", self.chained_wait_compute_ops, int, allow_zero=True, optional=False)
         if isinstance(self.prefetch_blocks, bool) or not isinstance(self.prefetch_blocks, (int, float)):
             raise TypeError(f"OverlapConfig.prefetch_blocks must be a number, got {self.prefetch_blocks!r}")
         if self.prefetch_blocks <= 0:
@@ -162,6 +169,7 @@ class OverlapConfig:
             max_allgathers=allgathers,
             max_allgather_bytes=allgather_bytes,
             max_reduce_scatter_bytes=reduce_scatter_bytes,
+            chained_wait_compute_ops=self.chained_wait_compute_ops,
         )
         if self.policy == "heuristic":
             return limits
@@ -198,6 +206,9 @@ class ScheduleLimits:
     # Stretch the distance until compute covers this many times the collective's time.
     prefetch_time_margin: float | None = None
     memory_budget: MemoryBudgetRule | None = None
+    # Expensive compute ops after which a reduce-scatter that feeds another collective is
+    # waited on (None: at its first use, as any other).
+    chained_wait_compute_ops: int | None = None
 
 
 # Each all-gather right before its first use, each reduce-scatter waited right after its issue.

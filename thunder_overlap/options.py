@@ -25,6 +25,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 from thunder.distributed import FSDPBucketingStrategy, FSDPType, copy_default_process_group
+from torch.distributed.device_mesh import DeviceMesh
 
 from thunder_overlap.analysis.blocks import BlockTypes, parse_block_types
 from thunder_overlap.config import OverlapConfig
@@ -215,6 +216,19 @@ class FSDPOptions:
     move_state_dict_to_cpu: bool
     # Module classes (or class names) that form blocks; None: detect them (analysis.blocks).
     block_types: BlockTypes | None = None
+    # Hybrid sharding: the 2-D device mesh (replicate, shard); process_group is its shard
+    # group. None for plain FSDP.
+    hybrid_mesh: DeviceMesh | None = None
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """The group each reduced gradient shard is all-reduced over (hybrid sharding only)."""
+        return None if self.hybrid_mesh is None else self.hybrid_mesh.get_group(0)
+
+    @property
+    def world_group(self) -> dist.ProcessGroup:
+        """The group every rank of the model is in: ranks agree on their schedules over it."""
+        return self.process_group if self.replicate_group is None else dist.group.WORLD
 
     def __post_init__(self) -> None:
         # Raw user input goes through resolve(); this only catches a hand-built instance.
@@ -237,6 +251,7 @@ class FSDPOptions:
         config: OverlapConfig | None = None,
         move_state_dict_to_cpu: bool = False,
         block_types: object = None,
+        device_mesh: DeviceMesh | None = None,
     ) -> FSDPOptions:
         """Checks user input and fills in defaults (see :func:`thunder_overlap.fsdp` for each option).
 
@@ -255,7 +270,20 @@ class FSDPOptions:
                 "thunder_overlap.fsdp needs an initialised process group: call "
                 "torch.distributed.init_process_group(...) first (torchrun sets up the environment for it)"
             )
-        if process_group is None:
+        hybrid_mesh = None
+        if device_mesh is not None:
+            if process_group is not None:
+                raise ValueError(
+                    "pass either device_mesh or process_group, not both: a 1-D mesh is the group to shard over, "
+                    "a 2-D mesh (replicate, shard) is hybrid sharding"
+                )
+            process_group, hybrid_mesh = _groups_of_mesh(device_mesh)
+            if broadcast_from is not None and hybrid_mesh is not None:
+                raise ValueError(
+                    f"broadcast_from={broadcast_from!r} is not supported with a 2-D device_mesh (hybrid sharding): "
+                    "give every rank the same initial parameters (the same seed) and pass broadcast_from=None"
+                )
+        elif process_group is None:
             process_group = copy_default_process_group()
         elif not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r}")
@@ -275,7 +303,29 @@ class FSDPOptions:
             config=config if config is not None else OverlapConfig(),
             move_state_dict_to_cpu=move_state_dict_to_cpu,
             block_types=parsed_block_types,
+            hybrid_mesh=hybrid_mesh,
         )
+
+
+def _groups_of_mesh(device_mesh: object) -> tuple[dist.ProcessGroup, DeviceMesh | None]:
+    """(shard group, the mesh if it is hybrid): a 1-D mesh is the shard group, a 2-D mesh has
+    dims (replicate, shard), FSDP2's order; the mesh must hold every rank of the world."""
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh or None, got {device_mesh!r}")
+    if device_mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"device_mesh must have 1 dim (shard) or 2 dims (replicate, shard), got {device_mesh.ndim} dims "
+            f"of sizes {tuple(device_mesh.shape)}"
+        )
+    world_size = dist.get_world_size()
+    if device_mesh.size() != world_size:
+        raise ValueError(
+            f"device_mesh of shape {tuple(device_mesh.shape)} holds {device_mesh.size()} ranks, but the world has "
+            f"{world_size}: the mesh must cover every rank"
+        )
+    if device_mesh.ndim == 1:
+        return device_mesh.get_group(0), None
+    return device_mesh.get_group(1), device_mesh
 
 
 def options_from(options: FSDPOptions | None, option_kwargs: dict[str, object], caller: str) -> FSDPOptions:

@@ -53,7 +53,8 @@ class NodeKind(Enum):
 class CollectiveKind(Enum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
-    OTHER = "other"
+    # Hybrid sharding's reduction across replicas; any other collective is costed as one too.
+    ALL_REDUCE = "all_reduce"
 
 
 _HEADER_IDS = {prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.UNPACK_SEQUENCE}
@@ -168,7 +169,7 @@ def _collective_kind(bsym: BoundSymbol) -> CollectiveKind:
         return CollectiveKind.ALL_GATHER
     if "reduce_scatter" in name:
         return CollectiveKind.REDUCE_SCATTER
-    return CollectiveKind.OTHER
+    return CollectiveKind.ALL_REDUCE
 
 
 def _launch_members(bsym: BoundSymbol) -> int:

@@ -463,7 +463,7 @@ class CostModel:
 
 def _phases(collective: Collective) -> int:
     """Ring passes of one launch: an all-reduce is a reduce-scatter and an all-gather."""
-    return 2 if collective.kind is CollectiveKind.OTHER else 1
+    return 2 if collective.kind is CollectiveKind.ALL_REDUCE else 1
 
 
 def _group_size(collective: Collective) -> int:

@@ -523,9 +523,14 @@ def _reduce_scatter_input(layout: BucketLayout, grads, books: _Books) -> list[in
     return [books.new_pool_storage(layout, "reduce-scatter")]
 
 
+# Collectives that work in place on their (first) input: hybrid sharding's all-reduces of a
+# reduced gradient shard (transforms/replicate.py).
+_IN_PLACE_COLLECTIVES = {"replica_all_reduce", "bucket_all_reduce"}
+
+
 def _alias_source(name, bsym, first, out, shape, books: _Books, is_wait: bool):
     """(name whose storage ``out`` shares, its strides) or (None, None) for a new storage."""
-    if is_wait:
+    if is_wait or (name in _IN_PLACE_COLLECTIVES and first is not None and first.name in books.storage_of):
         return first.name, books.strides.get(first.name)
     if name == "copy_":  # copy_(copy_from, copy_to) writes into copy_to
         target = bsym.flat_proxy_args[1]

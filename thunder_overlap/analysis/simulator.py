@@ -38,7 +38,7 @@ __all__ = ["CollectiveTiming", "OpTiming", "Simulation", "potentially_hideable",
 _KIND_LABELS = {
     CollectiveKind.ALL_GATHER: "all_gather",
     CollectiveKind.REDUCE_SCATTER: "reduce_scatter",
-    CollectiveKind.OTHER: "all_reduce",
+    CollectiveKind.ALL_REDUCE: "all_reduce",
 }
 
 

@@ -21,7 +21,7 @@ Under no_sync a bucket's gradients are laid out the same way but summed into
 ``unsynced_grads`` (unsharded, as in any data parallelism that skips the reduction) instead of
 being reduce-scattered; the next reduce-scatter of the bucket adds the sum in and frees it.
 
-The five functions at the bottom are the implementations of the trace operators that
+The functions at the bottom are the implementations of the trace operators that
 :class:`~thunder_overlap.transforms.BucketingTransform` puts in place of the per-parameter
 collectives. Their first argument is a bucket id, looked up in a registry, because a trace can
 only carry constants and proxies.
@@ -322,6 +322,31 @@ class BucketBuffers:
     def _slot_views(self, flat: torch.Tensor, slots: tuple[int, ...]) -> list[torch.Tensor]:
         return [flat[s.offset : s.offset + s.numel].view(s.shard_shape) for s in (self.plan.slots[i] for i in slots)]
 
+    # --- all-reduce across replicas (hybrid sharding) ----------------------------------------
+
+    def start_all_reduce(self, reduced: list[torch.Tensor], group: dist.ProcessGroup, divisor: float) -> PendingCollective:
+        """Sums the bucket's reduced gradient shard over ``group`` in place, pre-divided by
+        ``divisor``: one all-reduce on the persistent buffer that ``reduced`` (the views of its
+        reduce-scatter's wait) live in."""
+        flat = self._grad_shard_holding(reduced[0])
+        flat.div_(divisor)
+        pending = PendingCollective(None, flat)
+        pending.mark_launch()
+        pending.work = dist.all_reduce(flat, group=group, async_op=True)
+        return pending
+
+    def finish_all_reduce(self, pending: PendingCollective, slots: tuple[int, ...]) -> list[torch.Tensor]:
+        pending.work.wait()
+        pending.settle()
+        return self._slot_views(pending.result, slots)
+
+    def _grad_shard_holding(self, view: torch.Tensor) -> torch.Tensor:
+        storage = view.untyped_storage().data_ptr()
+        for entry in self._grad_shards:
+            if entry.buffer.untyped_storage().data_ptr() == storage:
+                return entry.buffer.view(-1)
+        raise RuntimeError(f"thunder_overlap bucketing: bucket {self.plan.label!r} holds no gradient shard that this gradient lives in")
+
     # --- no_sync ----------------------------------------------------------------------------
 
     def accumulate_unsynced(self, grads: list[torch.Tensor], slots: tuple[int, ...]) -> list[torch.Tensor]:
@@ -385,3 +410,11 @@ def wait_reduce_scatter_bucket(pending: PendingCollective, bucket_id: int, slots
 
 def accumulate_bucket_grads(bucket_id: int, grads: list[torch.Tensor], slots: tuple[int, ...]) -> list[torch.Tensor]:
     return lookup_bucket(bucket_id).accumulate_unsynced(grads, slots)
+
+
+def all_reduce_bucket(bucket_id: int, group: dist.ProcessGroup, reduced: list[torch.Tensor], divisor: float) -> PendingCollective:
+    return lookup_bucket(bucket_id).start_all_reduce(reduced, group, divisor)
+
+
+def wait_all_reduce_bucket(pending: PendingCollective, bucket_id: int, slots: tuple[int, ...]) -> list[torch.Tensor]:
+    return lookup_bucket(bucket_id).finish_all_reduce(pending, slots)

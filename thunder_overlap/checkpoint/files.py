@@ -151,11 +151,13 @@ def _drop(template: dict[str, Any], missing: set[str], prefix: str = "") -> dict
 
 
 def _initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Gives every parameter its optimizer state (as torch does): one step with zero gradients at
-    learning rate 0, which creates the state tensors and changes no parameter."""
-    if all(p in optimizer.state for group in optimizer.param_groups for p in group["params"]):
+    """Gives every trainable parameter its optimizer state (as torch does): one step with zero
+    gradients at learning rate 0, which creates the state tensors and changes no parameter. A
+    frozen parameter never has a gradient, so torch gives it no state, and neither does this."""
+    trainable = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if all(p in optimizer.state for p in trainable):
         return
-    saved = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
+    saved = [(p, p.grad) for p in trainable]
     learning_rates = [group["lr"] for group in optimizer.param_groups]
     for parameter, _ in saved:
         parameter.grad = torch.zeros_like(parameter)

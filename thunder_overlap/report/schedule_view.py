@@ -12,7 +12,7 @@ from thunder_overlap.analysis.simulator import simulate
 
 __all__ = ["ScheduleStats", "default_cost_model", "schedule_picture", "schedule_stats"]
 
-_COLLECTIVE_LABELS = {CollectiveKind.ALL_GATHER: "AG", CollectiveKind.REDUCE_SCATTER: "RS", CollectiveKind.OTHER: "AR"}
+_COLLECTIVE_LABELS = {CollectiveKind.ALL_GATHER: "AG", CollectiveKind.REDUCE_SCATTER: "RS", CollectiveKind.ALL_REDUCE: "AR"}
 
 
 def schedule_picture(trace: TraceCtx) -> str:
@@ -62,6 +62,11 @@ class ScheduleStats:
     peak_reduce_scatter_bytes_in_flight: int
     # Launches that carry several of the collectives counted above (scheduling/launches.py).
     coalesced_launches: int = 0
+    # Hybrid sharding's all-reduces across replicas; those whose estimated time the compute
+    # between issue and wait covers; and those with any compute op between issue and wait.
+    all_reduces: int = 0
+    all_reduces_overlapped: int = 0
+    all_reduces_beside_compute: int = 0
 
     @property
     def allgather_overlap_fraction(self) -> float:
@@ -81,7 +86,7 @@ def schedule_stats(trace: TraceCtx, cost_model: CostModel | None = None) -> Sche
     cost_model = cost_model if cost_model is not None else default_cost_model(annotated)
     simulation = simulate(annotated, list(range(len(nodes))), cost_model)
 
-    counts = {CollectiveKind.ALL_GATHER: [0, 0], CollectiveKind.REDUCE_SCATTER: [0, 0]}
+    counts = {kind: [0, 0] for kind in CollectiveKind}
     for coll, timing in zip(annotated.collectives, simulation.collectives, strict=True):
         if coll.kind in counts:
             # Collectives, not launches: a coalesced launch counts each of its members.
@@ -115,4 +120,19 @@ def schedule_stats(trace: TraceCtx, cost_model: CostModel | None = None) -> Sche
         max_allgathers_in_flight=max_allgathers,
         peak_reduce_scatter_bytes_in_flight=peaks[CollectiveKind.REDUCE_SCATTER],
         coalesced_launches=sum(c.members > 1 for c in annotated.collectives),
+        all_reduces=counts[CollectiveKind.ALL_REDUCE][0],
+        all_reduces_overlapped=counts[CollectiveKind.ALL_REDUCE][1],
+        all_reduces_beside_compute=_beside_compute(annotated, CollectiveKind.ALL_REDUCE),
+    )
+
+
+def _beside_compute(annotated, kind: CollectiveKind) -> int:
+    """Collectives of ``kind`` with at least one compute op between their issue and their wait."""
+    compute_before = [0]
+    for node in annotated.nodes:
+        compute_before.append(compute_before[-1] + (node.kind is NodeKind.COMPUTE))
+    return sum(
+        c.wait is not None and compute_before[c.wait] > compute_before[c.start + 1]
+        for c in annotated.collectives
+        if c.kind is kind
     )

@@ -57,7 +57,7 @@ class LaunchGroup:
 def _flavour(annotated: AnnotatedTrace, c: int) -> str | None:
     """``"bucket"`` or ``"plain"`` for a collective a coalesced launch can take in, else None."""
     coll = annotated.collectives[c]
-    if coll.kind is CollectiveKind.OTHER or coll.wait is None or coll.members != 1 or coll.process_group is None:
+    if coll.kind is CollectiveKind.ALL_REDUCE or coll.wait is None or coll.members != 1 or coll.process_group is None:
         return None
     name = annotated.nodes[coll.start].name
     if name in _BUCKET_ISSUES:

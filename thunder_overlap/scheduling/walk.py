@@ -77,6 +77,11 @@ class ScheduleWalk:
         self.position = 0  # the compute op emitted next
         self._ready = _ReadyQueue(annotated)
         self.builder = OrderBuilder(annotated, self, self.issue_order)
+        # Collectives whose result another collective reads (a reduce-scatter and hybrid
+        # sharding's all-reduce), by the compute position they were issued before.
+        self.chained_wait_after = limits.chained_wait_compute_ops
+        self.feeds_collective = _feeds_collective(annotated)
+        self.chained_in_flight: dict[int, int] = {}
 
     def run(self) -> list[int]:
         """Node indices of the annotated trace in execution order."""
@@ -101,6 +106,7 @@ class ScheduleWalk:
             self.position = position + 1
             for c in used_at.get(position, ()):
                 self.allgathers.in_flight.discard(c)
+            self._wait_on_chained()
             self._issue_ready(prefetch_queue)
 
         # Whatever the return needs, and waits nobody reads, go last, in issue order.
@@ -162,6 +168,19 @@ class ScheduleWalk:
             logger.debug("%s held back collective %d before compute op %d", limit, c, self.position)
         return True
 
+    def _wait_on_chained(self) -> None:
+        """Waits on the chained collectives that have had their compute, so that what reads
+        their result can be issued now rather than at its first use by compute. Once no expensive
+        op is left, now: what follows is the last compute the reader can hide behind."""
+        if self.chained_wait_after is None:
+            return
+        expensive = self.distance.expensive_before
+        none_left = expensive[-1] == expensive[self.position]
+        for c, issued_at in list(self.chained_in_flight.items()):
+            if none_left or expensive[self.position] - expensive[issued_at] >= self.chained_wait_after:
+                logger.debug("wait on collective %d before compute op %d: a collective reads its result", c, self.position)
+                self.builder.wait_on(c)
+
     # ----------------------------------------------------------------------------------------
     # Forced waits
 
@@ -194,8 +213,11 @@ class ScheduleWalk:
                 self.memory.commit_prefetch(self.position, self.first_use[c], coll.unsharded_bytes)
         else:
             self.reduce_scatters.in_flight.add(c, coll.unsharded_bytes)
+        if c in self.feeds_collective:
+            self.chained_in_flight[c] = self.position
 
     def retired(self, c: int) -> None:
+        self.chained_in_flight.pop(c, None)
         if self.first_use[c] == len(self.anchors):  # only the return reads it
             self.allgathers.in_flight.discard(c)
         self.reduce_scatters.in_flight.discard(c)
@@ -203,3 +225,16 @@ class ScheduleWalk:
     def became_ready(self, c: int) -> None:
         if self.annotated.collectives[c].kind is not CollectiveKind.ALL_GATHER:
             self._ready.push(c)
+
+
+def _feeds_collective(annotated: AnnotatedTrace) -> set[int]:
+    """Collectives whose wait's outputs another collective (or its prologue) reads."""
+    nodes, fed = annotated.nodes, set()
+    for c, coll in enumerate(annotated.collectives):
+        if coll.wait is None:
+            continue
+        for name in nodes[coll.wait].outputs:
+            for reader in annotated.consumers.get(name, ()):
+                if nodes[reader].kind in (NodeKind.COLLECTIVE, NodeKind.PROLOGUE) and nodes[reader].collective != c:
+                    fed.add(c)
+    return fed

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import thunder
 import torch
 import torch.nn.functional as F
+from thunder.core.proxies import FutureTensorProxy
 
 from thunder_overlap.analysis.classify import NodeKind, classify_trace
 from thunder_overlap.api import fsdp as overlap_fsdp
@@ -27,7 +28,19 @@ from thunder_overlap.tools.op_census import COPY_OPS, OpCensus
 from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.transforms import BucketingTransform
 
-__all__ = ["IMPLEMENTATIONS", "BucketCensus", "TrainSetup", "RankResult", "train_rank", "train_reference", "collective_sequence"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "BucketCensus",
+    "RankResult",
+    "TrainSetup",
+    "collective_groups",
+    "collective_sequence",
+    "global_batch",
+    "reference_first_grads",
+    "shard_group_rank",
+    "train_rank",
+    "train_reference",
+]
 
 IMPLEMENTATIONS = ("thunder_overlap", "thunder")
 
@@ -47,12 +60,18 @@ class TrainSetup:
     config: OverlapConfig | None = None
     # One extra forward+backward after training, under LiveMemoryTracker (not timed).
     measure_memory: bool = True
+    # Above 1: hybrid sharding over a (replicas, world_size // replicas) device mesh.
+    replicas: int = 1
+    optimizer: str = "sgd"  # or "adamw"
+    adamw_eps: float = 1e-8
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLEMENTATIONS:
             raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {self.impl!r}")
         object.__setattr__(self, "sharding", parse_sharding_strategy(self.sharding))
         object.__setattr__(self, "bucketing", parse_bucketing_strategy(self.bucketing))
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.seq_len > self.model.block_size:
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's block_size={self.model.block_size}")
 
@@ -110,9 +129,32 @@ class RankResult:
     # Saved-for-backward tensors that are gathered parameters or views of them (ZeRO3: none).
     saved_unsharded: list[str]
     bucket_census: BucketCensus | None = None
+    # Per collective of the final forward and backward: (kind, the global ranks of its
+    # process group, numel of its future).
+    forward_groups: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
+    backward_groups: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
+    # Local gradient shards after the first backward (name -> tensor, padded), before any step.
+    first_grads: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _global_batch(setup: TrainSetup, world_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+
+
+def _optimizer(setup: TrainSetup, parameters) -> torch.optim.Optimizer:
+    trainable = [p for p in parameters if p.requires_grad]
+    if setup.optimizer == "adamw":
+        return torch.optim.AdamW(trainable, lr=setup.lr, eps=setup.adamw_eps)
+    return OPTIMIZERS[setup.optimizer](trainable, lr=setup.lr)
+
+
+def shard_group_rank(rank: int, world_size: int, setup: TrainSetup) -> tuple[int, int]:
+    """(rank within its shard group, the shard group's size): a device mesh (replicas, shards)
+    puts consecutive ranks in one shard group."""
+    shards = world_size // setup.replicas
+    return rank % shards, shards
+
+
+def global_batch(setup: TrainSetup, world_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(setup.seed * 1000 + step)
     shape = (setup.micro_batch * world_size, setup.seq_len + 1)
     tokens = torch.randint(0, setup.model.vocab_size, shape, generator=generator)
@@ -151,13 +193,35 @@ def collective_sequence(trace) -> list[str]:
     return sequence
 
 
+def collective_groups(trace) -> list[tuple[str, tuple[int, ...], int]]:
+    """Each collective of ``trace``: kind, its group's global ranks and the numel of its future
+    (an all-gather's gathered output, a reduce-scatter's reduced shard)."""
+    annotated = classify_trace(trace)
+    groups = []
+    for c in annotated.collectives:
+        future = next(o for o in annotated.nodes[c.start].bsym.flat_proxy_outs if isinstance(o, FutureTensorProxy))
+        ranks = tuple(torch.distributed.get_process_group_ranks(c.process_group)) if c.process_group is not None else ()
+        groups.append((c.kind.value, ranks, int(future.numel)))
+    return groups
+
+
 def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
     """Trains on this rank's slice of each global batch; call inside an initialised process group."""
     model = _build_model(setup)
     device = torch.device("cpu")
     if setup.impl == "thunder_overlap":
+        mesh = None
+        if setup.replicas > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (setup.replicas, world_size // setup.replicas))
         jm = overlap_fsdp(
-            model, device=device, sharding_strategy=setup.sharding, bucketing_strategy=setup.bucketing, config=setup.config
+            model,
+            device=device,
+            sharding_strategy=setup.sharding,
+            bucketing_strategy=setup.bucketing,
+            config=setup.config,
+            device_mesh=mesh,
         )
     else:
         jm = thunder.distributed.fsdp(
@@ -166,20 +230,22 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
             sharding_strategy=setup.sharding.thunder_type,
             bucketing_strategy=setup.bucketing.thunder_type,
         )
-    optimizer = torch.optim.SGD([p for p in jm.parameters() if p.requires_grad], lr=setup.lr)
+    optimizer = _optimizer(setup, jm.parameters())
 
     rows = slice(rank * setup.micro_batch, (rank + 1) * setup.micro_batch)
     bucketing = BucketingTransform.of(jm) if setup.impl == "thunder_overlap" else None
     census, allocations_after_first_step = OpCensus(), None
-    losses, step_ms = [], []
+    losses, step_ms, first_grads = [], [], {}
     for step in range(setup.steps):
-        idx, targets = _global_batch(setup, world_size, step)
+        idx, targets = global_batch(setup, world_size, step)
         counted = bucketing is not None and step == setup.steps - 1 and step > 0
         start = time.perf_counter()
         with census if counted else contextlib.nullcontext():
             optimizer.zero_grad(set_to_none=True)
             loss = _loss(jm(idx[rows]), targets[rows])
             loss.backward()
+            if step == 0:
+                first_grads = {n: p.grad.clone() for n, p in jm.named_parameters() if p.grad is not None}
             optimizer.step()
         step_ms.append((time.perf_counter() - start) * 1e3)
         losses.append(loss.item())
@@ -192,7 +258,7 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
     shards = {name: p.detach().clone() for name, p in jm.named_parameters()}
     peak = None
     if setup.measure_memory:
-        idx, targets = _global_batch(setup, world_size, setup.steps)
+        idx, targets = global_batch(setup, world_size, setup.steps)
         optimizer.zero_grad(set_to_none=True)
         with LiveMemoryTracker() as tracker:
             _loss(jm(idx[rows]), targets[rows]).backward()
@@ -213,6 +279,9 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
         shards=shards,
         saved_unsharded=saved_unsharded(forward),
         bucket_census=bucket_census,
+        first_grads=first_grads,
+        forward_groups=collective_groups(forward),
+        backward_groups=collective_groups(backward),
     )
 
 
@@ -258,16 +327,24 @@ def _bucket_census(jm, bucketing: BucketingTransform, census: OpCensus, allocati
 def train_reference(setup: TrainSetup, world_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same steps on one process over the whole global batch, with no sharding."""
     model = _build_model(setup)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=setup.lr)
+    optimizer = _optimizer(setup, model.parameters())
     losses = []
     for step in range(setup.steps):
-        idx, targets = _global_batch(setup, world_size, step)
+        idx, targets = global_batch(setup, world_size, step)
         optimizer.zero_grad(set_to_none=True)
         loss = _loss(model(idx), targets)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def reference_first_grads(setup: TrainSetup, world_size: int) -> dict[str, torch.Tensor]:
+    """The gradients of the first step in one process over the whole global batch."""
+    model = _build_model(setup)
+    idx, targets = global_batch(setup, world_size, 0)
+    _loss(model(idx), targets).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
 def shard_of(full: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, int]:

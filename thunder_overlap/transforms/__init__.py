@@ -1,9 +1,11 @@
-"""Trace transforms, one per file: ZeRO3 re-gathering, bucketing, overlap scheduling, and the
-refusal of no_sync where there are no buckets to accumulate in."""
+"""Trace transforms, one per file: ZeRO3 re-gathering, bucketing, hybrid sharding's all-reduce
+across replicas, overlap scheduling, and the refusal of no_sync where there are no buckets to
+accumulate in."""
 
 from thunder_overlap.transforms.bucketing import BucketingTransform
 from thunder_overlap.transforms.no_sync import RefuseNoSyncTransform
+from thunder_overlap.transforms.replicate import ReplicaReduceTransform
 from thunder_overlap.transforms.schedule import OverlapScheduleTransform
 from thunder_overlap.transforms.zero3 import Zero3Transform
 
-__all__ = ["BucketingTransform", "OverlapScheduleTransform", "RefuseNoSyncTransform", "Zero3Transform"]
+__all__ = ["BucketingTransform", "OverlapScheduleTransform", "RefuseNoSyncTransform", "ReplicaReduceTransform", "Zero3Transform"]

@@ -10,11 +10,14 @@ The bucketed collectives that :class:`~thunder_overlap.transforms.BucketingTrans
 the traces are operators of this executor too; they run on :mod:`thunder_overlap.bucketing.buffers`.
 So are the coalesced launches that :mod:`thunder_overlap.scheduling.launches` makes of several
 collectives (:mod:`thunder_overlap.transforms.coalesced`): each issue operator takes the process
-group, then a tuple with one entry per member (what ``classify`` counts), then the inputs.
+group, then a tuple with one entry per member (what ``classify`` counts), then the inputs. And so
+are hybrid sharding's all-reduces across replicas (:mod:`thunder_overlap.transforms.replicate`).
 """
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.distributed import prims as dist_prims
 from thunder.executors import torchex
@@ -32,6 +35,10 @@ __all__ = [
     "bucket_reduce_scatter",
     "bucket_reduce_scatter_wait",
     "bucket_accumulate_grads",
+    "bucket_all_reduce",
+    "bucket_all_reduce_wait",
+    "replica_all_reduce",
+    "replica_all_reduce_wait",
     "coalesced_all_gather",
     "coalesced_reduce_scatter",
     "coalesced_bucket_all_gather",
@@ -95,6 +102,38 @@ bucket_reduce_scatter_wait = overlap_executor.register_operator(
 )
 bucket_accumulate_grads = overlap_executor.register_operator(
     "bucket_accumulate_grads", meta=_bucket_accumulate_grads_meta, fn=bucket_buffers.accumulate_bucket_grads
+)
+
+
+# Hybrid sharding's all-reduce of a reduced gradient shard across replicas (transforms/replicate.py).
+def _replica_all_reduce_meta(reduced: TensorProxy, group, divisor: float) -> FutureTensorProxy:
+    return FutureTensorProxy(like=reduced)
+
+
+def _replica_all_reduce_impl(reduced: torch.Tensor, group, divisor: float) -> tuple[dist.Work, torch.Tensor]:
+    # In place: the reduce-scatter's fresh output, read by nothing but this all-reduce.
+    reduced.div_(divisor)
+    return dist.all_reduce(reduced, group=group, async_op=True), reduced
+
+
+def _replica_all_reduce_wait_meta(pending: FutureTensorProxy) -> TensorProxy:
+    return TensorProxy(like=pending)
+
+
+def _bucket_all_reduce_meta(bucket_id: int, group, reduced: list[TensorProxy], divisor: float) -> FutureTensorProxy:
+    bucket = bucket_buffers.lookup_bucket(bucket_id)
+    return FutureTensorProxy(shape=(bucket.plan.shard_numel,), like=reduced[0])
+
+
+replica_all_reduce = overlap_executor.register_operator("replica_all_reduce", meta=_replica_all_reduce_meta, fn=_replica_all_reduce_impl)
+replica_all_reduce_wait = overlap_executor.register_operator(
+    "replica_all_reduce_wait", meta=_replica_all_reduce_wait_meta, fn=torchex._wait_prim_impl
+)
+bucket_all_reduce = overlap_executor.register_operator(
+    "bucket_all_reduce", meta=_bucket_all_reduce_meta, fn=bucket_buffers.all_reduce_bucket
+)
+bucket_all_reduce_wait = overlap_executor.register_operator(
+    "bucket_all_reduce_wait", meta=_bucket_reduce_scatter_wait_meta, fn=bucket_buffers.wait_all_reduce_bucket
 )
 
 

@@ -9,6 +9,7 @@ from thunder.core.devices import to_torch_device
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
+from torch.distributed import ProcessGroup
 
 from thunder_overlap.analysis.blocks import BlockTypes, largest_block_bytes
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace, find_swallowed_collectives
@@ -33,7 +34,9 @@ class OverlapScheduleTransform(Transform):
     ``block_types`` names the module classes that form blocks (None: detected), which size the
     default prefetch limits; ``plan_digest`` returns the bucket plan's hash (None without
     buckets), which ranks compare when they agree on the issue order; ``largest_bucket_bytes``
-    returns the largest bucket's bytes, the unit of prefetching where buckets outgrow blocks.
+    returns the largest bucket's bytes, the unit of prefetching where buckets outgrow blocks;
+    ``agreement_group`` is the group ranks agree on their issue order over (None: the group of
+    the traces' collectives; hybrid sharding passes the world).
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class OverlapScheduleTransform(Transform):
         block_types: BlockTypes | None = None,
         plan_digest: Callable[[], str | None] | None = None,
         largest_bucket_bytes: Callable[[], int | None] | None = None,
+        agreement_group: ProcessGroup | None = None,
     ) -> None:
         self.config = config if config is not None else OverlapConfig()
         self.block_types = block_types
@@ -54,6 +58,9 @@ class OverlapScheduleTransform(Transform):
         # The last forward's memory estimate: Thunder compiles a backward right after its
         # forward, whose outputs are the backward's inputs (persistent shards, shared storages).
         self._forward_memory: MemoryEstimate | None = None
+        # Where the traces' collectives use several groups (hybrid sharding), ranks must agree
+        # across all of them: the world. None: the group of the traces' collectives.
+        self.agreement_group = agreement_group
 
     def transform_module(self, model) -> None:
         # The original module still has the unsharded shapes (on meta once FSDP released it).
@@ -108,7 +115,8 @@ class OverlapScheduleTransform(Transform):
             # and on which collectives launch together.
             own = issue_order_of(annotated, scheduled.order)
             own_launches = [list(launch.members) for launch in scheduled.launches]
-            agreed = self.agreement.agree(pass_name, keys, own, _process_group(annotated), own_launches)
+            group = self.agreement_group if self.agreement_group is not None else _process_group(annotated)
+            agreed = self.agreement.agree(pass_name, keys, own, group, own_launches)
             agreed_launches = self.agreement.agreed_launches(pass_name, keys)
             if agreed != own or agreed_launches != own_launches:
                 scheduled = self._schedule(annotated, agreed, agreed_launches)

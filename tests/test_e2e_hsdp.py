@@ -1,0 +1,230 @@
+"""Hybrid sharding (HSDP) on four gloo ranks, a (2 replicate x 2 shard) device mesh.
+
+ZeRO2 and ZeRO3, each without and with block buckets, train three AdamW steps in one spawn of
+the four ranks; every run is checked against a single-process reference over the whole batch,
+and its final traces are read: all-gathers within the shard group, one all-reduce across the
+replicate group per reduce-scatter, issued beside compute.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from thunder_overlap.tools.local_ranks import run_local_ranks
+from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.tools.training import (
+    TrainSetup,
+    global_batch,
+    reference_first_grads,
+    shard_group_rank,
+    shard_of,
+    train_rank,
+    train_reference,
+)
+
+WORLD_SIZE = 4
+REPLICAS = 2
+MODEL = TinyGPTConfig(n_layer=2)
+RUNS = [(sharding, bucketing) for sharding in ("zero2", "zero3") for bucketing in ("none", "block")]
+
+
+def _setup(sharding: str, bucketing: str) -> TrainSetup:
+    # AdamW's update is about lr x gradient / (|gradient| + eps): float noise in a near-zero
+    # gradient (another summation order) moves a parameter by up to lr at eps 1e-8. In one
+    # process, summing the batch in four parts instead of one moved parameters by 3.7e-7 beyond
+    # rtol at lr 1e-4, eps 1e-8, and by 1.6e-7 at lr 1e-3, eps 1e-6; four ranks moved the tied
+    # embedding by 1.1e-6 at lr 1e-3, eps 1e-6. lr 3e-4 with eps 1e-6 keeps the comparison within
+    # the parity tests' tolerances, and each step still moves every parameter by about lr.
+    # The first step's gradients are compared too, where no optimizer amplifies anything.
+    return TrainSetup(
+        sharding=sharding,
+        bucketing=bucketing,
+        model=MODEL,
+        steps=3,
+        replicas=REPLICAS,
+        optimizer="adamw",
+        lr=3e-4,
+        adamw_eps=1e-6,
+        measure_memory=False,
+    )
+
+
+def _hsdp(seed: int, sharding: str, bucketing: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import thunder_overlap
+
+    torch.manual_seed(seed)
+    mesh = init_device_mesh("cpu", (REPLICAS, WORLD_SIZE // REPLICAS))
+    return thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy=sharding, bucketing_strategy=bucketing, device_mesh=mesh)
+
+
+def _micro_batch_loss(model, rank: int, micro: int) -> torch.Tensor:
+    idx, targets = global_batch(_setup("zero2", "none"), WORLD_SIZE, micro)
+    rows = slice(2 * rank, 2 * rank + 2)
+    logits = model(idx[rows])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[rows].reshape(-1))
+
+
+def _no_sync_and_checkpoint(rank: int, directory: str) -> dict:
+    """Two micro-batches with the first under no_sync; then a checkpoint saved by one HSDP
+    configuration and loaded by another."""
+    from thunder_overlap import checkpoint
+    from thunder_overlap.checkpoint import StateDictOptions
+
+    result: dict = {}
+    model = _hsdp(0, "zero2", "block")
+    with model.no_sync():
+        _micro_batch_loss(model, rank, 0).backward()
+    result["grads_none_under_no_sync"] = all(p.grad is None for p in model.parameters())
+    _micro_batch_loss(model, rank, 1).backward()
+    result["accumulated_grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    full = StateDictOptions(full_state_dict=True)
+    model = _hsdp(0, "zero3", "block")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _micro_batch_loss(model, rank, 0).backward()
+    optimizer.step()
+    checkpoint.save(Path(directory) / "hsdp", model, optimizer)
+    result["saved"] = checkpoint.get_state_dict(model, optimizer, options=full)
+    result["original_state_dict"] = {k: v.clone() for k, v in model.original_state_dict().items()}
+    model = _hsdp(1, "zero2", "none")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    checkpoint.load(Path(directory) / "hsdp", model, optimizer)
+    result["loaded"] = checkpoint.get_state_dict(model, optimizer, options=full)
+    return result
+
+
+def _session(rank: int, world_size: int, setups: list[TrainSetup], directory: str):
+    return [train_rank(rank, world_size, setup) for setup in setups], _no_sync_and_checkpoint(rank, directory)
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hsdp")
+    setups = [_setup(*run) for run in RUNS]
+    per_rank = run_local_ranks(_session, WORLD_SIZE, (setups, str(directory)))
+    return directory, setups, per_rank
+
+
+@pytest.fixture(scope="module")
+def runs(session):
+    _, setups, per_rank = session
+    return {run: (setup, [ranks[i] for ranks, _ in per_rank]) for i, (run, setup) in enumerate(zip(RUNS, setups, strict=True))}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    setup = _setup("zero2", "none")
+    losses, state = train_reference(setup, WORLD_SIZE)
+    return losses, state, reference_first_grads(setup, WORLD_SIZE)
+
+
+def _check_shards(results, full, rtol, atol, what):
+    for r in results:
+        shard_rank, shard_size = shard_group_rank(r.rank, WORLD_SIZE, _setup("zero2", "none"))
+        for name, expected_full in full.items():
+            shard = getattr(r, what)[name]
+            expected, rows = shard_of(expected_full, shard_rank, shard_size)
+            torch.testing.assert_close(shard[:rows], expected, rtol=rtol, atol=atol, msg=f"{what} {name} on rank {r.rank}")
+
+
+@pytest.mark.parametrize("run", RUNS, ids=["-".join(r) for r in RUNS])
+def test_first_gradients_are_the_average_over_the_whole_world(runs, reference, run):
+    # The reduction itself: reduce-scatter in the shard group, all-reduce across replicas. A
+    # missing all-reduce leaves each replica its own half-batch gradient; a wrong divisor scales it.
+    _, results = runs[run]
+    _, _, grads = reference
+    _check_shards(results, grads, rtol=1e-5, atol=1e-6, what="first_grads")
+
+
+@pytest.mark.parametrize("run", RUNS, ids=["-".join(r) for r in RUNS])
+def test_losses_and_parameters_match_the_single_process_reference(runs, reference, run):
+    _, results = runs[run]
+    reference_losses, state, _ = reference
+    mean_losses = [sum(r.losses[i] for r in results) / WORLD_SIZE for i in range(len(reference_losses))]
+    torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(reference_losses), rtol=1e-5, atol=1e-5)
+    _check_shards(results, state, rtol=1e-5, atol=1e-6, what="shards")
+
+
+@pytest.mark.parametrize("run", RUNS, ids=["-".join(r) for r in RUNS])
+def test_gathers_and_reduce_scatters_stay_in_the_shard_group_all_reduces_cross_replicas(runs, run):
+    setup, results = runs[run]
+    for r in results:
+        shard_rank, shard_size = shard_group_rank(r.rank, WORLD_SIZE, setup)
+        first = r.rank - shard_rank
+        shard_group, replicate_group = tuple(range(first, first + shard_size)), tuple(range(shard_rank, WORLD_SIZE, shard_size))
+        everything = r.forward_groups + r.backward_groups
+        assert {kind for kind, _, _ in everything} == {"all_gather", "reduce_scatter", "all_reduce"}
+        for kind, ranks, _ in everything:
+            assert ranks == (replicate_group if kind == "all_reduce" else shard_group), kind
+        # The forward gathers every parameter once: shard_size times this rank's shards, so
+        # each rank sends 1/shard_size of the model (a full-world FSDP would gather 4 shards).
+        gathered = sum(numel for kind, _, numel in r.forward_groups if kind == "all_gather")
+        assert gathered == shard_size * sum(s.numel() for s in r.shards.values())
+        # Each all-reduce moves what its reduce-scatter produced: reduced shards, not gradients.
+        reduced = sorted(numel for kind, _, numel in r.backward_groups if kind == "reduce_scatter")
+        assert sorted(numel for kind, _, numel in r.backward_groups if kind == "all_reduce") == reduced
+
+
+@pytest.mark.parametrize("run", RUNS, ids=["-".join(r) for r in RUNS])
+def test_backward_has_one_all_reduce_per_reduce_scatter_beside_compute(runs, run):
+    _, results = runs[run]
+    stats = results[0].backward_stats
+    assert stats.reduce_scatters > 0
+    assert stats.all_reduces == stats.reduce_scatters
+    names = [c.split("(")[0] for c in results[0].collectives]
+    issued = [n for n in names if n.endswith("all_reduce")]
+    waits = [n for n in names if n.endswith("all_reduce_wait")]
+    assert len(issued) == len(waits) == stats.all_reduces
+    assert stats.all_reduces_beside_compute >= 0.75 * stats.all_reduces
+    assert all(r.collectives == results[0].collectives for r in results)
+
+
+def test_no_sync_skips_both_reductions_and_the_next_backward_sends_the_sum(session):
+    _, _, per_rank = session
+    torch.manual_seed(0)
+    model = TinyGPT(MODEL)
+    sum(_micro_batch_loss_full(model, micro) for micro in (0, 1)).backward()
+    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for rank, (_, extra) in enumerate(per_rank):
+        assert extra["grads_none_under_no_sync"]
+        shard_rank, shard_size = rank % (WORLD_SIZE // REPLICAS), WORLD_SIZE // REPLICAS
+        for name, grad in extra["accumulated_grads"].items():
+            full, rows = shard_of(expected[name], shard_rank, shard_size)
+            torch.testing.assert_close(grad[:rows], full, rtol=1e-5, atol=1e-6, msg=f"{name} on rank {rank}")
+
+
+def _micro_batch_loss_full(model, micro: int) -> torch.Tensor:
+    # The mean over every rank's rows: what the ranks' gradients average to.
+    idx, targets = global_batch(_setup("zero2", "none"), WORLD_SIZE, micro)
+    logits = model(idx)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def test_a_checkpoint_saved_under_hsdp_loads_into_another_hsdp_configuration_and_one_process(session):
+    from thunder_overlap import checkpoint
+
+    directory, _, per_rank = session
+    saved_model, saved_optim = per_rank[0][1]["saved"]
+    for rank, (_, extra) in enumerate(per_rank):
+        # Every rank sees the same full state: replicas hold the same shards.
+        for name, value in extra["saved"][0].items():
+            assert torch.equal(value, saved_model[name]), f"{name} on rank {rank}"
+        loaded_model, loaded_optim = extra["loaded"]
+        for name, value in saved_model.items():
+            assert torch.equal(loaded_model[name], value), f"{name} on rank {rank}"
+        for name, state in saved_optim["state"].items():
+            for key, value in state.items():
+                assert torch.equal(torch.as_tensor(loaded_optim["state"][name][key]), torch.as_tensor(value)), f"{name}.{key}"
+        for name, value in extra["original_state_dict"].items():
+            assert torch.equal(value, saved_model[name]), f"original_state_dict {name} on rank {rank}"
+    torch.manual_seed(1)
+    plain = TinyGPT(MODEL)
+    checkpoint.load(directory / "hsdp", plain)
+    for name, value in plain.state_dict().items():
+        if name in saved_model:
+            assert torch.equal(value, saved_model[name]), name

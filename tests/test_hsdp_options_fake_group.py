@@ -1,0 +1,77 @@
+"""device_mesh on the fake group of 4 ranks: which groups a 1-D and a 2-D mesh become, the errors
+for meshes that cannot be used, and how the memory estimator counts HSDP's all-reduces."""
+
+from __future__ import annotations
+
+import pytest
+import thunder
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+import thunder_overlap
+from thunder_overlap import fsdp_transforms
+from thunder_overlap.analysis.memory_estimate import estimate_memory
+from thunder_overlap.options import FSDPOptions
+from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.transforms import OverlapScheduleTransform, ReplicaReduceTransform
+
+
+def test_a_2d_mesh_shards_over_its_second_dim_and_replicates_over_its_first(fake_group_4):
+    mesh = init_device_mesh("cpu", (2, 2))
+    options = FSDPOptions.resolve(device_mesh=mesh)
+    assert dist.get_process_group_ranks(options.process_group) == [0, 1]
+    assert dist.get_process_group_ranks(options.replicate_group) == [0, 2]
+    assert options.world_group is dist.group.WORLD
+    transforms = fsdp_transforms(options)
+    replicate = [t for t in transforms if isinstance(t, ReplicaReduceTransform)]
+    assert len(replicate) == 1 and replicate[0].device_mesh is mesh
+    assert dist.get_process_group_ranks(replicate[0].replicate_group) == [0, 2]
+    # Ranks agree on their schedules across the whole world, not within one shard group.
+    schedule = next(t for t in transforms if isinstance(t, OverlapScheduleTransform))
+    assert schedule.agreement_group is dist.group.WORLD
+
+
+def test_a_1d_mesh_is_plain_fsdp_over_it(fake_group_4):
+    mesh = init_device_mesh("cpu", (4,))
+    options = FSDPOptions.resolve(device_mesh=mesh)
+    assert options.replicate_group is None and options.hybrid_mesh is None
+    assert dist.get_process_group_ranks(options.process_group) == [0, 1, 2, 3]
+    assert not any(isinstance(t, ReplicaReduceTransform) for t in fsdp_transforms(options))
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: dict(device_mesh=init_device_mesh("cpu", (1, 2, 2))), ValueError, "1 dim (shard) or 2 dims (replicate, shard), got 3"),
+        (lambda: dict(device_mesh=DeviceMesh("cpu", [0, 1])), ValueError, "holds 2 ranks, but the world has 4"),
+        (
+            lambda: dict(device_mesh=init_device_mesh("cpu", (2, 2)), process_group=dist.group.WORLD),
+            ValueError,
+            "either device_mesh or process_group, not both",
+        ),
+        (lambda: dict(device_mesh=[[0, 1], [2, 3]]), TypeError, "device_mesh must be a torch.distributed.device_mesh.DeviceMesh"),
+        (lambda: dict(device_mesh=init_device_mesh("cpu", (2, 2)), broadcast_from=0), ValueError, "broadcast_from=0 is not supported"),
+    ],
+    ids=["3-dims", "not-the-world", "with-process-group", "not-a-mesh", "broadcast-from"],
+)
+def test_meshes_that_cannot_be_used_are_refused_by_name(fake_group_4, make, error, message):
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        FSDPOptions.resolve(**make())
+
+
+@pytest.mark.parametrize("bucketing", ["none", "block"])
+def test_the_all_reduces_work_in_place_and_the_estimator_allocates_nothing_for_them(fake_group_4, bucketing):
+    torch.manual_seed(0)
+    model = TinyGPT(TinyGPTConfig(n_layer=2))
+    jm = thunder_overlap.fsdp(
+        model, device="cpu", sharding_strategy="zero3", bucketing_strategy=bucketing, device_mesh=init_device_mesh("cpu", (2, 2))
+    )
+    jm(torch.randint(0, 101, (2, 8))).sum().backward()
+    forward, backward = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
+    estimate = estimate_memory(backward, after=estimate_memory(forward))
+    all_reduces = [i for i, b in enumerate(backward.bound_symbols) if "all_reduce" in b.sym.name]
+    assert len(all_reduces) >= 4  # issues and waits
+    # The reduced shard is divided and summed where it lies: neither the issue nor the wait
+    # allocates (an estimator that gave the future a storage of its own would count a shard).
+    assert [estimate.allocated[i] for i in all_reduces] == [0] * len(all_reduces)
