@@ -2,9 +2,11 @@
 
     import thunder_overlap
     model = thunder_overlap.fsdp(model, sharding_strategy="zero3")
+    # hybrid sharding: shard within a node, replicate across nodes
+    model = thunder_overlap.fsdp(model, sharding_strategy="zero3", device_mesh=init_device_mesh("cuda", (nodes, 8)))
 
 Data flows one way, and the subpackages follow it: model -> Thunder's FSDP transform and
-``transforms`` (ZeRO3, ``bucketing``) -> execution traces -> ``analysis`` (annotated trace, cost
+``transforms`` (ZeRO3, ``bucketing``, HSDP's all-reduce) -> execution traces -> ``analysis`` (annotated trace, cost
 and memory estimates) -> ``scheduling`` (decisions) -> executed trace -> ``report``. ``checkpoint``
 saves and loads the sharded state at any world size; ``tools`` holds the scaffolding of tests,
 benchmarks and the demo.
@@ -25,7 +27,7 @@ from thunder_overlap.plugin import FSDPOverlap
 from thunder_overlap.plugin import register as _register_plugin
 from thunder_overlap.report.report import Report, report
 from thunder_overlap.report.schedule_view import ScheduleStats, schedule_picture, schedule_stats
-from thunder_overlap.transforms import BucketingTransform, OverlapScheduleTransform, Zero3Transform
+from thunder_overlap.transforms import BucketingTransform, OverlapScheduleTransform, ReplicaReduceTransform, Zero3Transform
 
 __all__ = [
     "BucketingStrategy",
@@ -35,6 +37,7 @@ __all__ = [
     "FSDPOverlap",
     "OverlapConfig",
     "OverlapScheduleTransform",
+    "ReplicaReduceTransform",
     "Report",
     "ScheduleStats",
     "ShardingStrategy",
