@@ -9,6 +9,14 @@ traces the model on the meta device over a fake process group and predicts one t
 - ``stock``: Thunder's order of thunder_overlap's collectives with these buckets;
 - ``memory_aware``: thunder_overlap's schedule (the default).
 
+With ``--shard-group-sizes 8``, every world size also gets hybrid sharding (HSDP) rows: a 2-D
+device mesh (world / 8 replicas, shard groups of 8 consecutive ranks, one node each), the
+all-gathers and reduce-scatters over NVLink inside the node and each reduced gradient shard
+all-reduced across the replicas over InfiniBand. Every group is costed on its own network
+(``NodeTopology``: NVLink inside a node of 8, InfiniBand across nodes), which for plain FSDP is
+the network of its world size. Thunder's own FSDP has no hybrid sharding: its row is the
+full-world one.
+
 Columns: predicted step, the bound max(C, M) (the busier of compute and the busiest
 communication stream, summed over both passes), the gap between them, the predicted peak
 against the just-in-time order's, and whether the peak stays within the memory budget. About
@@ -16,6 +24,8 @@ against the just-in-time order's, and whether the peak stays within the memory b
 
     python benchmarks/scaling_table.py --out benchmarks/measured/scaling/scaling.md \\
         --json benchmarks/measured/scaling/scaling.json
+    python benchmarks/scaling_table.py --world-sizes 1024 --sharding zero3 --bucketing none block auto \\
+        --shard-group-sizes 8 --n-layer-70b 0 --out benchmarks/measured/hsdp/hsdp.md --json benchmarks/measured/hsdp/hsdp.json
 """
 
 from __future__ import annotations
@@ -30,11 +40,11 @@ from pathlib import Path
 import torch
 
 from thunder_overlap import CostModel, OverlapConfig
-from thunder_overlap.analysis.cost_model import default_network
+from thunder_overlap.analysis.network import NodeTopology
 from thunder_overlap.report.models import BUILTIN_MODELS, trace_model
 from thunder_overlap.report.policies import PolicyComparison, compare_policies
 from thunder_overlap.report.report import BASELINE
-from thunder_overlap.report.thunder_baseline import trace_thunder_fsdp
+from thunder_overlap.report.thunder_baseline import ThunderFSDPTraces, fake_process_group, trace_thunder_fsdp
 
 WORLD_SIZES = (8, 64, 256, 1024)
 BUCKETINGS = ("none", "layer", "block", "auto")
@@ -42,6 +52,10 @@ ORDERS = ("stock", "memory_aware")
 # The issue's targets for memory_aware with auto buckets: within 10% of its own max(C, M) at
 # every world size and within 3% on one NVLink node.
 GAP_TARGET, GAP_TARGET_ONE_NODE = 0.10, 0.03
+# The HSDP issue's target: hybrid sharding's best step at most this share of full-world FSDP's best.
+HSDP_TARGET = 0.5
+# NVLink inside a node of 8 GPUs, InfiniBand across nodes, per process group.
+TOPOLOGY = NodeTopology("nvlink", "infiniband", 8)
 _GIB = 2**30
 
 
@@ -60,6 +74,16 @@ class ScalingRow:
     # Whether every pass's predicted peak is within the memory budget the scheduler applies (the
     # just-in-time peak of the same pass plus the slack); None for orders without a budget.
     within_budget: bool | None
+    # Hybrid sharding: ranks per shard group (world_size / shard_group_size replicas); None:
+    # sharded over the whole world.
+    shard_group_size: int | None = None
+
+    @property
+    def layout(self) -> str:
+        """The sharding strategy, and the mesh under hybrid sharding."""
+        if self.shard_group_size is None:
+            return self.sharding
+        return f"{self.sharding} HSDP {self.world_size // self.shard_group_size}x{self.shard_group_size}"
 
     @property
     def gap(self) -> float:
@@ -73,7 +97,7 @@ class ScalingRow:
         vs_jit = "" if self.peak_vs_just_in_time is None else f"{self.peak_vs_just_in_time:+.1%}"
         budget = {None: "", True: "yes", False: "**no**"}[self.within_budget]
         return (
-            f"| {self.model} | {self.world_size}, {self.network} | {self.sharding} | {self.bucketing} | {self.order} "
+            f"| {self.model} | {self.world_size}, {self.network} | {self.layout} | {self.bucketing} | {self.order} "
             f"| {self.step_ms:.1f} | {self.bound_ms:.1f} | {self.gap:.1%} | {self.peak_bytes / _GIB:.2f} | {vs_jit} | {budget} |"
         )
 
@@ -105,39 +129,63 @@ def _order_row(comparison: PolicyComparison, order: str, config: OverlapConfig, 
 
 
 def measure_setting(
-    model_name: str, n_layer: int, seq_len: int, world_size: int, sharding: str, device_profile: str, bucketings: tuple[str, ...]
+    model_name: str,
+    n_layer: int,
+    seq_len: int,
+    world_size: int,
+    sharding: str,
+    device_profile: str,
+    bucketings: tuple[str, ...],
+    shard_group_size: int | None = None,
 ) -> list[ScalingRow]:
-    """Every row of one model, world size and sharding: Thunder's own FSDP, then each bucketing."""
-    network = default_network(world_size)
-    cost_model = CostModel.named(device_profile, network)
+    """Every row of one model, world size and sharding (hybrid with ``shard_group_size``):
+    Thunder's own FSDP (full world only: it has no hybrid sharding), then each bucketing."""
+    # The default network is the shard group's (bucket sizing reads it); each collective is
+    # costed on its own group's network.
+    network = TOPOLOGY.network_of_ranks(range(shard_group_size or world_size)).name
+    cost_model = CostModel.named(device_profile, network, topology=TOPOLOGY)
     recipe = BUILTIN_MODELS[model_name](n_layer)
-    setting = {"model": f"{model_name} x{n_layer}", "world_size": world_size, "network": network, "sharding": sharding}
+    networks = network if shard_group_size is None else f"{network}+{TOPOLOGY.inter_node.name}"
+    setting = {"model": f"{model_name} x{n_layer}", "world_size": world_size, "network": networks, "sharding": sharding}
     rows = []
-    with torch.device("meta"):
-        model = recipe.build().to(torch.bfloat16)
-        idx = torch.zeros((1, seq_len), dtype=torch.long)
-    # Thunder's own traces do not depend on the bucketing asked for: trace them once.
-    thunder_fsdp = trace_thunder_fsdp(model, world_size=world_size, sharding=sharding, args=(idx,))
-    for bucketing in bucketings:
-        start = time.perf_counter()
+    # One fake group for the whole setting: the topology reads each group's ranks while alive.
+    with fake_process_group(world_size):
         with torch.device("meta"):
             model = recipe.build().to(torch.bfloat16)
-        config = OverlapConfig(cost_model=cost_model)
-        jm = trace_model(model, world_size=world_size, sharding=sharding, bucketing=bucketing, idx_shape=(1, seq_len), config=config)
-        comparison = compare_policies(jm, cost_model=cost_model, config=config, policies=ORDERS, thunder_fsdp=thunder_fsdp)
-        if bucketing == bucketings[0]:
-            rows.append(_order_row(comparison, BASELINE, config, **setting, bucketing="-"))
-        rows += [_order_row(comparison, order, config, **setting, bucketing=bucketing) for order in ORDERS]
-        print(f"{model_name} {world_size} {sharding} {bucketing}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+            idx = torch.zeros((1, seq_len), dtype=torch.long)
+        # Thunder's own traces do not depend on the bucketing asked for: trace them once.
+        thunder_fsdp: ThunderFSDPTraces = trace_thunder_fsdp(model, world_size=world_size, sharding=sharding, args=(idx,))
+        for bucketing in bucketings:
+            start = time.perf_counter()
+            with torch.device("meta"):
+                model = recipe.build().to(torch.bfloat16)
+            config = OverlapConfig(cost_model=cost_model)
+            jm = trace_model(
+                model,
+                world_size=world_size,
+                sharding=sharding,
+                bucketing=bucketing,
+                idx_shape=(1, seq_len),
+                config=config,
+                shard_group_size=shard_group_size,
+            )
+            comparison = compare_policies(jm, cost_model=cost_model, config=config, policies=ORDERS, thunder_fsdp=thunder_fsdp)
+            if bucketing == bucketings[0] and shard_group_size is None:
+                rows.append(_order_row(comparison, BASELINE, config, **setting, bucketing="-"))
+            rows += [
+                _order_row(comparison, order, config, **setting, bucketing=bucketing, shard_group_size=shard_group_size) for order in ORDERS
+            ]
+            hybrid = f" HSDP shard {shard_group_size}" if shard_group_size else ""
+            print(f"{model_name} {world_size} {sharding}{hybrid} {bucketing}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return rows
 
 
 def target_checks(rows: list[ScalingRow]) -> list[str]:
     """The issue's targets, one line each, for every model, world size and sharding."""
     lines = []
-    settings = sorted({(r.model, r.world_size, r.sharding) for r in rows}, key=lambda s: (s[0], s[1], s[2]))
-    for model, world_size, sharding in settings:
-        group = [r for r in rows if (r.model, r.world_size, r.sharding) == (model, world_size, sharding)]
+    settings = sorted({(r.model, r.world_size, r.sharding, r.shard_group_size or 0) for r in rows})
+    for model, world_size, sharding, shard in settings:
+        group = [r for r in rows if (r.model, r.world_size, r.sharding, r.shard_group_size or 0) == (model, world_size, sharding, shard)]
         auto = next((r for r in group if (r.bucketing, r.order) == ("auto", "memory_aware")), None)
         if auto is None:
             continue
@@ -151,7 +199,29 @@ def target_checks(rows: list[ScalingRow]) -> list[str]:
             (auto.within_budget is not False, "peak within the memory budget"),
         ]
         verdicts = "; ".join(f"{'ok' if passed else 'MISSED'}: {what}" for passed, what in checks)
-        lines.append(f"{model} {world_size} ranks {sharding}, memory_aware auto {auto.step_ms:.1f} ms: {verdicts}")
+        lines.append(f"{model} {world_size} ranks {auto.layout}, memory_aware auto {auto.step_ms:.1f} ms: {verdicts}")
+    return lines + hsdp_checks(rows)
+
+
+def hsdp_checks(rows: list[ScalingRow]) -> list[str]:
+    """For every hybrid setting: its best step (any bucketing, memory_aware) against the best
+    full-world step of the same model, world size and sharding, and the peaks of both."""
+    lines = []
+    for hybrid in sorted({(r.model, r.world_size, r.sharding, r.shard_group_size) for r in rows if r.shard_group_size}):
+        model, world_size, sharding, shard = hybrid
+        same = [r for r in rows if (r.model, r.world_size, r.sharding) == (model, world_size, sharding) and r.order == "memory_aware"]
+        hsdp = [r for r in same if r.shard_group_size == shard]
+        full = [r for r in same if r.shard_group_size is None]
+        if not hsdp or not full:
+            continue
+        best_hsdp, best_full = min(hsdp, key=lambda r: r.step_ms), min(full, key=lambda r: r.step_ms)
+        ratio = best_hsdp.step_ms / best_full.step_ms
+        lines.append(
+            f"{model} {world_size} ranks {best_hsdp.layout}: best {best_hsdp.bucketing} {best_hsdp.step_ms:.1f} ms, "
+            f"peak {best_hsdp.peak_bytes / _GIB:.2f} GiB; full-world {sharding} best {best_full.bucketing} "
+            f"{best_full.step_ms:.1f} ms, peak {best_full.peak_bytes / _GIB:.2f} GiB; ratio {ratio:.2f} "
+            f"({'ok' if ratio <= HSDP_TARGET else 'MISSED'}: <= {HSDP_TARGET})"
+        )
     return lines
 
 
@@ -172,17 +242,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=list(WORLD_SIZES))
     parser.add_argument("--sharding", nargs="+", default=["zero2", "zero3"])
     parser.add_argument("--bucketing", nargs="+", default=list(BUCKETINGS))
+    parser.add_argument(
+        "--shard-group-sizes",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also predict hybrid sharding with shard groups of these sizes (world sizes they divide, with replicas)",
+    )
     parser.add_argument("--device-profile", default="h100")
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     parser.add_argument("--json", default=None, help="also write every row's raw figures to this JSON file")
     args = parser.parse_args(argv)
 
     rows: list[ScalingRow] = []
-    settings = [("llama-2-7b", args.n_layer, world_size, sharding) for world_size in args.world_sizes for sharding in args.sharding]
+    settings = [
+        ("llama-2-7b", args.n_layer, world_size, sharding, shard)
+        for world_size in args.world_sizes
+        for sharding in args.sharding
+        for shard in (None, *(s for s in args.shard_group_sizes if s < world_size and world_size % s == 0))
+    ]
     if args.n_layer_70b:
-        settings.append(("llama-2-70b", args.n_layer_70b, 1024, "zero3"))
-    for model_name, n_layer, world_size, sharding in settings:
-        rows += measure_setting(model_name, n_layer, args.seq_len, world_size, sharding, args.device_profile, args.bucketing)
+        settings.append(("llama-2-70b", args.n_layer_70b, 1024, "zero3", None))
+    for model_name, n_layer, world_size, sharding, shard in settings:
+        rows += measure_setting(model_name, n_layer, args.seq_len, world_size, sharding, args.device_profile, args.bucketing, shard)
         # Written after every setting: a long run that stops keeps what it measured.
         _write(rows, args.out, args.json)
     print("\n".join([HEADER, *(r.markdown() for r in rows), "", *target_checks(rows)]))

@@ -12,7 +12,10 @@ the model NCCL's own performance notes and nccl-tests' "bus bandwidth" use. ``st
 network's algorithm: ``n - 1`` for a ring, ``ceil(log2 n)`` for a tree (NCCL's PAT). ``n`` is the
 size of the collective's process group, read from the trace. Every launch pays the latency: a
 collective of the trace is one launch, and a coalesced launch of several tensors is one collective
-of the trace (see ``classify``), so collectives issued back to back never share it. Where the
+of the trace (see ``classify``), so collectives issued back to back never share it. Each
+collective runs on the network of its process group: one network for all, or with a
+:class:`~thunder_overlap.analysis.network.NodeTopology` the intra-node network for a group inside
+one node and the inter-node one for a group across nodes (hybrid sharding's two groups). Where the
 backend runs several launches of a group at once (``NetworkProfile.concurrent_launches``: gloo's
 worker threads), one launch's latency can pass while another moves bytes; the link still carries
 one transfer at a time (see ``simulator``).
@@ -41,6 +44,16 @@ from thunder.core.symbol import BoundSymbol
 
 from thunder_overlap.analysis.classify import AnnotatedTrace, Collective, CollectiveKind
 from thunder_overlap.analysis.local_copies import LOCAL_COPY_BYTES, local_copy_bytes
+from thunder_overlap.analysis.network import (
+    DEFAULT_GPUS_PER_NODE,
+    GLOO_CONCURRENT_LAUNCHES,
+    LATENCY_ALGORITHMS,
+    NETWORK_PROFILES,
+    NetworkProfile,
+    NodeTopology,
+    default_network,
+    network_profile,
+)
 
 __all__ = [
     "DEVICE_PROFILES",
@@ -51,6 +64,7 @@ __all__ = [
     "DeviceProfile",
     "LATENCY_ALGORITHMS",
     "NetworkProfile",
+    "NodeTopology",
     "default_cost_model",
     "default_network",
     "device_profile",
@@ -78,43 +92,6 @@ class DeviceProfile:
     launch_overhead_s: float = 5e-6
 
 
-# How many latencies one all-gather or reduce-scatter launch pays on n ranks, per algorithm.
-LATENCY_ALGORITHMS = ("ring", "tree")
-
-
-@dataclass(frozen=True)
-class NetworkProfile:
-    """Per-step latency, bus bandwidth (nccl-tests' ``busbw``), the algorithm whose step
-    count multiplies the latency (``"ring"`` pays ``n - 1`` steps, ``"tree"`` ``ceil(log2 n)``)
-    and how many launches of one process group run at once."""
-
-    name: str
-    latency_s: float
-    bus_bandwidth: float  # bytes/s
-    algorithm: str = "ring"
-    # Launches of one group in progress at once, sharing its link: NCCL runs a communicator's
-    # collectives one after another on its stream (1); gloo runs them on a pool of worker
-    # threads (two by default), so one launch's latency passes while another one transfers.
-    concurrent_launches: int = 1
-
-    def __post_init__(self) -> None:
-        if self.algorithm not in LATENCY_ALGORITHMS:
-            raise ValueError(f"NetworkProfile.algorithm must be one of {LATENCY_ALGORITHMS}, got {self.algorithm!r}")
-        if isinstance(self.concurrent_launches, bool) or not isinstance(self.concurrent_launches, int) or self.concurrent_launches < 1:
-            raise ValueError(f"NetworkProfile.concurrent_launches must be an integer >= 1, got {self.concurrent_launches!r}")
-        if not self.latency_s >= 0 or not self.bus_bandwidth > 0:
-            raise ValueError(
-                f"NetworkProfile {self.name!r} needs latency_s >= 0 and bus_bandwidth > 0, "
-                f"got {self.latency_s!r} and {self.bus_bandwidth!r}"
-            )
-
-    def latency_steps(self, ranks: int) -> int:
-        """Latencies one launch pays on ``ranks`` ranks."""
-        if ranks <= 1:
-            return 0
-        return ranks - 1 if self.algorithm == "ring" else math.ceil(math.log2(ranks))
-
-
 # Datasheet peaks (dense, no sparsity): NVIDIA H100 SXM5 (989 TFLOP/s BF16, 67 FP32, 3.35 TB/s
 # HBM3), H200 SXM (same compute, 4.8 TB/s HBM3e), A100 SXM 80GB (312 BF16, 19.5 FP32, 2.04 TB/s).
 # The CPU profile is a small x86 machine (two AVX2 cores at ~50 GFLOP/s each, ~10 GB/s per core
@@ -126,36 +103,6 @@ DEVICE_PROFILES: dict[str, DeviceProfile] = {
     "cpu": DeviceProfile("cpu", 100e9, 100e9, 20e9, flops_efficiency=0.5, bandwidth_efficiency=0.5, launch_overhead_s=20e-6),
 }
 
-# NVLink 4 (H100/H200 DGX, NVSwitch): 450 GB/s per direction per GPU; nccl-tests report about
-# 360 GB/s bus bandwidth for all-gather at large sizes, and a few microseconds per ring step.
-# InfiniBand NDR (one 400 Gb/s = 50 GB/s NIC per GPU): about 45 GB/s bus bandwidth across nodes,
-# with ~10 us per step (network hops plus proxy thread). Loopback gloo on a CPU: about 1 GB/s.
-# Algorithms: NCCL runs all-gather and reduce-scatter as rings (its tree algorithm is for
-# all-reduce), so the ring's n - 1 steps is what "nvlink" and "infiniband" pay: at 1024 ranks that
-# makes every launch cost ~10 ms of latency, which is why buckets must grow with the world size.
-# NCCL >= 2.23's PAT algorithm runs them in log2(n) steps, but only with one GPU per node:
-# "infiniband-pat" models that. gloo's algorithms are rings too, run by ProcessGroupGloo's two
-# worker threads: two launches in progress at once (on a rate-limited link two in flight move as
-# many bytes per second as one large one, while one at a time leaves it idle between launches).
-# ProcessGroupGloo's default worker threads: launches of one gloo group in progress at once.
-GLOO_CONCURRENT_LAUNCHES = 2
-NETWORK_PROFILES: dict[str, NetworkProfile] = {
-    "nvlink": NetworkProfile("nvlink", 3e-6, 360e9),
-    "infiniband": NetworkProfile("infiniband", 10e-6, 45e9),
-    "infiniband-pat": NetworkProfile("infiniband-pat", 10e-6, 45e9, algorithm="tree"),
-    "gloo-loopback": NetworkProfile("gloo-loopback", 50e-6, 1e9, concurrent_launches=GLOO_CONCURRENT_LAUNCHES),
-}
-
-
-# GPUs one NVLink domain joins when nothing says otherwise: an 8-GPU H100/A100 node.
-DEFAULT_GPUS_PER_NODE = 8
-
-
-def default_network(world_size: int, gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> str:
-    """The network a GPU group of ``world_size`` is assumed to use: NVLink while it fits one
-    node, InfiniBand beyond. The one place that default is decided (scheduler and report CLI)."""
-    return "nvlink" if world_size <= gpus_per_node else "infiniband"
-
 
 def device_profile(name: str | DeviceProfile) -> DeviceProfile:
     if isinstance(name, DeviceProfile):
@@ -163,32 +110,6 @@ def device_profile(name: str | DeviceProfile) -> DeviceProfile:
     if name not in DEVICE_PROFILES:
         raise ValueError(f"unknown device profile {name!r}; accepted: {sorted(DEVICE_PROFILES)} or a DeviceProfile")
     return DEVICE_PROFILES[name]
-
-
-def network_profile(name: str | NetworkProfile) -> NetworkProfile:
-    """A named profile, or ``"custom:<latency_us>:<bus GB/s>[:ring|tree[:<concurrent launches>]]"``
-    (e.g. ``custom:5:100``: a ring, one launch at a time, unless named; ``custom:1000:0.05:ring:2``
-    is a gloo link)."""
-    if isinstance(name, NetworkProfile):
-        return name
-    if name in NETWORK_PROFILES:
-        return NETWORK_PROFILES[name]
-    if name.startswith("custom:"):
-        fields = name.split(":")[1:]
-        try:
-            latency, bandwidth = float(fields[0]) * 1e-6, float(fields[1]) * 1e9
-            algorithm = fields[2] if len(fields) >= 3 else "ring"
-            concurrent = int(fields[3]) if len(fields) == 4 else 1
-        except (ValueError, IndexError):
-            latency = bandwidth = -1.0
-            concurrent = 0
-        if 2 <= len(fields) <= 4 and latency >= 0 and bandwidth > 0 and algorithm in LATENCY_ALGORITHMS and concurrent >= 1:
-            return NetworkProfile(name, latency, bandwidth, algorithm, concurrent)
-    raise ValueError(
-        f"unknown network {name!r}; accepted: {sorted(NETWORK_PROFILES)} or "
-        "'custom:<latency_us>:<bus_GBps>[:ring|tree[:<concurrent launches>]]' with latency >= 0, bandwidth > 0 "
-        "and concurrent launches >= 1"
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,6 +268,12 @@ class CostModel:
 
     Precedence for compute: ``user_estimate`` (when it returns a number), then ``calibration``
     (measured, when it has the op's shape), then the roofline of ``device``.
+
+    Collectives: ``collective_estimate`` (when it returns a number), else the ring model on the
+    network of the collective's process group (:meth:`network_for`): ``topology``'s choice for
+    the group when there is a topology, else ``network``. ``network`` is also what the
+    rank-count-only methods (``latency_ms``, ``transfer_ms``, ``unhidden_latency_ms``) use unless
+    given another: give it the network of the group parameters are sharded over.
     """
 
     device: DeviceProfile
@@ -360,6 +287,9 @@ class CostModel:
     # communication threads take cores. 0 assumes free overlap; calibrate it by running compute
     # and communication at once (benchmarks/slow_link.py does).
     overlap_compute_slowdown: float = 0.0
+    # Where ranks sit, so that each process group gets its own network (hybrid sharding: the
+    # shard group inside a node, the replicate group across nodes); None: ``network`` for all.
+    topology: NodeTopology | None = None
 
     def __post_init__(self) -> None:
         if not self.overlap_compute_slowdown >= 0:
@@ -372,15 +302,24 @@ class CostModel:
     @classmethod
     def for_device(cls, device: torch.device | str, world_size: int) -> CostModel:
         """The scheduler's default: the profile of ``device`` (an H100 for an unknown GPU), over
-        :func:`default_network` with ``LOCAL_WORLD_SIZE`` GPUs per node (default 8); a CPU over
-        loopback gloo."""
+        :func:`default_network` with ``LOCAL_WORLD_SIZE`` GPUs per node (default 8), and each
+        process group over NVLink inside a node and InfiniBand across nodes (a
+        :class:`NodeTopology`); a CPU over loopback gloo for every group."""
         device = torch.device(device)
         if device.type != "cuda":
             return cls.named("cpu", "gloo-loopback")
         name = torch.cuda.get_device_name(device).lower() if torch.cuda.is_available() else ""
         profile = next((p for p in ("h200", "h100", "a100") if p in name), "h100")
         gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", DEFAULT_GPUS_PER_NODE))
-        return cls.named(profile, default_network(world_size, gpus_per_node))
+        topology = NodeTopology("nvlink", "infiniband", gpus_per_node)
+        return cls.named(profile, default_network(world_size, gpus_per_node), topology=topology)
+
+    def network_for(self, collective: Collective) -> NetworkProfile:
+        """The network ``collective`` runs on: its group's under ``topology``, else ``network``
+        (also for a collective of no known group)."""
+        if self.topology is None or collective.process_group is None:
+            return self.network
+        return self.topology.network_of(collective.process_group)
 
     @property
     def is_measured(self) -> bool:
@@ -430,7 +369,8 @@ class CostModel:
             if estimate is not None:
                 return float(estimate)
         n = world_size if world_size is not None else _group_size(collective)
-        return _phases(collective) * (self.latency_ms(n) + self.transfer_ms(collective.unsharded_bytes, n))
+        network = self.network_for(collective)
+        return _phases(collective) * (self.latency_ms(n, network) + self.transfer_ms(collective.unsharded_bytes, n, network))
 
     def collective_latency_ms(self, collective: Collective, world_size: int | None = None) -> float:
         """The part of :meth:`collective_ms` that is latency, not bytes on the link: with
@@ -440,25 +380,29 @@ class CostModel:
         if world_size is None and collective.process_group is None:
             return 0.0
         n = world_size if world_size is not None else _group_size(collective)
-        return min(_phases(collective) * self.latency_ms(n), total)
+        return min(_phases(collective) * self.latency_ms(n, self.network_for(collective)), total)
 
-    def latency_ms(self, ranks: int) -> float:
-        """What one all-gather or reduce-scatter launch on ``ranks`` ranks pays however small."""
-        return self.network.latency_steps(ranks) * self.network.latency_s * 1e3
+    def latency_ms(self, ranks: int, network: NetworkProfile | None = None) -> float:
+        """What one all-gather or reduce-scatter launch on ``ranks`` ranks pays however small,
+        on ``network`` (default: ``self.network``)."""
+        network = network or self.network
+        return network.latency_steps(ranks) * network.latency_s * 1e3
 
-    def unhidden_latency_ms(self, unsharded_bytes: int, ranks: int) -> float:
+    def unhidden_latency_ms(self, unsharded_bytes: int, ranks: int, network: NetworkProfile | None = None) -> float:
         """The latency one all-gather or reduce-scatter adds to a run of launches like it: all of
         it with one launch at a time; with concurrent launches, what outlasts the transfer of the
         launch before it (latencies pass one at a time, as the simulator runs them)."""
-        if self.network.concurrent_launches == 1:
-            return self.latency_ms(ranks)
-        return max(0.0, self.latency_ms(ranks) - self.transfer_ms(unsharded_bytes, ranks))
+        network = network or self.network
+        if network.concurrent_launches == 1:
+            return self.latency_ms(ranks, network)
+        return max(0.0, self.latency_ms(ranks, network) - self.transfer_ms(unsharded_bytes, ranks, network))
 
-    def transfer_ms(self, unsharded_bytes: int, ranks: int) -> float:
-        """Bandwidth time of an all-gather or reduce-scatter of ``unsharded_bytes`` on ``ranks`` ranks."""
+    def transfer_ms(self, unsharded_bytes: int, ranks: int, network: NetworkProfile | None = None) -> float:
+        """Bandwidth time of an all-gather or reduce-scatter of ``unsharded_bytes`` on ``ranks``
+        ranks, on ``network`` (default: ``self.network``)."""
         if ranks <= 1:
             return 0.0
-        return (ranks - 1) / ranks * unsharded_bytes / self.network.bus_bandwidth * 1e3
+        return (ranks - 1) / ranks * unsharded_bytes / (network or self.network).bus_bandwidth * 1e3
 
 
 def _phases(collective: Collective) -> int:

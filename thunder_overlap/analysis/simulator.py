@@ -1,23 +1,25 @@
 """Two-stream simulation of one rank running a scheduled execution trace.
 
 The compute stream runs the trace's ops in the given order, each for its cost-model time. Each
-process group has one communication stream that runs its collectives in issue order: a collective
-starts when it is issued (the compute stream reaches it) and its stream is free, and a wait blocks
-the compute stream until the collective is done. What the compute stream spends blocked at a wait
-is that collective's *exposed* time. Every collective of the trace is one launch and pays its
-latency, however close to another it is issued: back-to-back NCCL launches serialise on the
-communicator's stream. Only a coalesced launch (one node for several tensors) shares one. A group
-whose backend runs ``NetworkProfile.concurrent_launches`` > 1 at once (gloo) has that many lanes
-on one link: a launch takes the first free lane and pays its latency once the latency before it
-has passed, then transfers when the link is free, in issue order; so one launch's latency can
-pass during another's transfer, while latencies and bytes each still pass one launch at a time.
-(Small launches gain nothing from this; on gloo with one core per rank they lose, which the
-model leaves out: coalescing them is the remedy, and the scheduler does it.) A
-bucketed collective's local copies (:meth:`CostModel.local_copy_ms`) run on the compute stream:
-the lay-out before its launch, the copy-out after its wait. With
-``CostModel.overlap_compute_slowdown`` > 0, compute runs that much slower while any collective
-is in flight. Whether a collective is *hidden* is decided by
-:class:`thunder_overlap.analysis.overlap.Coverage` from this simulation (see there).
+process group has one communication stream, on its own link (the network
+:meth:`CostModel.network_for` gives the group), which runs its collectives in issue order;
+groups do not wait for one another (hybrid sharding's all-reduces across nodes run beside the
+shard group's reduce-scatters). A collective starts when it is issued (the compute stream
+reaches it) and its stream is free, and a wait blocks the compute stream until the collective is
+done. What the compute stream spends blocked at a wait is that collective's *exposed* time.
+Every collective of the trace is one launch and pays its latency, however close to another it is
+issued: back-to-back NCCL launches serialise on the communicator's stream. Only a coalesced
+launch (one node for several tensors) shares one. A group whose backend runs
+``NetworkProfile.concurrent_launches`` > 1 at once (gloo) has that many lanes on one link: a
+launch takes the first free lane and pays its latency once the latency before it has passed,
+then transfers when the link is free, in issue order; so one launch's latency can pass during
+another's transfer, while latencies and bytes each still pass one launch at a time. (Small
+launches gain nothing from this; on gloo with one core per rank they lose, which the model
+leaves out: coalescing them is the remedy, and the scheduler does it.) A bucketed collective's
+local copies (:meth:`CostModel.local_copy_ms`) run on the compute stream: the lay-out before its
+launch, the copy-out after its wait. With ``CostModel.overlap_compute_slowdown`` > 0, compute
+runs that much slower while any collective is in flight. Whether a collective is *hidden* is
+decided by :class:`thunder_overlap.analysis.overlap.Coverage` from this simulation (see there).
 
 A collective is *potentially hideable* when some compute op is neither its ancestor nor its
 descendant in the data-flow graph: only then can any order overlap it. Ancestry is found with one
@@ -269,7 +271,7 @@ def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel)
             coll = annotated.collectives[node.collective]
             stream = streams.setdefault(coll.group_key, len(streams))
             if stream == len(links):
-                links.append(_GroupLink(cost_model.network.concurrent_launches))
+                links.append(_GroupLink(cost_model.network_for(coll).concurrent_launches))
             latency = cost_model.collective_latency_ms(coll)
             start, end = links[stream].run(now, latency, cost_model.collective_ms(coll) - latency)
             issued[node.collective] = (stream, now, start, end)

@@ -5,11 +5,17 @@ rank 0 of ``--world-size`` ranks through PyTorch's ``fake`` process group, so a 
 Llama-2-7B report needs neither GPUs nor memory for the weights. The same model is traced twice:
 with thunder_overlap's FSDP and with Thunder's own (the baseline). Thunder's tracing dominates the
 run time (about 5 s per transformer layer and FSDP here); a heartbeat shows it is still going.
+
+``--shard-group-size N`` predicts hybrid sharding (HSDP): a 2-D device mesh (world / N replicas,
+shard groups of N consecutive ranks) passed to ``thunder_overlap.fsdp``. With ``--network auto``
+each process group is costed on its own network: NVLink when its ranks lie in one node of
+``--gpus-per-node`` consecutive ranks, InfiniBand when they span nodes.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import threading
 import time
@@ -17,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from thunder_overlap.analysis.cost_model import default_network
+from thunder_overlap.analysis.network import DEFAULT_GPUS_PER_NODE, NodeTopology
 from thunder_overlap.options import BucketingStrategy, ShardingStrategy, parse_bucketing_strategy, parse_sharding_strategy
 from thunder_overlap.report.models import BUILTIN_MODELS, model_recipe, trace_model
 
@@ -46,6 +52,19 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--n-layer", type=int, default=None, help="override the number of transformer layers")
     parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument(
+        "--shard-group-size",
+        type=int,
+        default=None,
+        help="hybrid sharding (HSDP): shard within groups of N consecutive ranks and all-reduce gradients across the "
+        "world-size / N replicas; N must divide --world-size (default: shard over the whole world)",
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=DEFAULT_GPUS_PER_NODE,
+        help=f"consecutive ranks per node, for --network auto (default: {DEFAULT_GPUS_PER_NODE})",
+    )
     parser.add_argument("--sharding", default="zero3", help=f"{' or '.join(ShardingStrategy.names())} (default: zero3)")
     parser.add_argument("--bucketing", default="none", help=f"{', '.join(BucketingStrategy.names())} (default: none)")
     parser.add_argument("--device-profile", default="h100", help=f"one of {sorted(DEVICE_PROFILES)}")
@@ -53,8 +72,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--network",
         default="auto",
         help=(
-            f"auto (nvlink up to 8 ranks, else infiniband), {sorted(NETWORK_PROFILES)}, "
-            "or custom:<latency_us>:<GB/s>[:ring|tree[:<concurrent launches>]]"
+            "auto (each process group over nvlink when its ranks lie in one node, else infiniband), "
+            f"{sorted(NETWORK_PROFILES)}, or custom:<latency_us>:<GB/s>[:ring|tree[:<concurrent launches>]] for every group"
         ),
     )
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES), help="parameter and activation dtype")
@@ -74,6 +93,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         raise UsageError(f"--world-size {args.world_size} is impossible; accepted: 1 to {MAX_WORLD_SIZE} ranks")
     if args.n_layer is not None and args.n_layer < 1:
         raise UsageError(f"--n-layer {args.n_layer} is impossible; a model needs at least 1 layer")
+    if args.gpus_per_node < 1:
+        raise UsageError(f"--gpus-per-node {args.gpus_per_node} is impossible; accepted: 1 or more ranks per node")
+    if args.shard_group_size is not None and (args.shard_group_size < 1 or args.world_size % args.shard_group_size):
+        raise UsageError(
+            f"--shard-group-size {args.shard_group_size} does not divide --world-size {args.world_size}; "
+            f"accepted: a divisor of {args.world_size} ({_divisors(args.world_size)})"
+        )
     if args.batch_size < 1:
         raise UsageError(f"--batch-size {args.batch_size} must be at least 1")
     try:
@@ -81,9 +107,22 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         args.bucketing = parse_bucketing_strategy(args.bucketing, flag="--bucketing")
     except ValueError as e:
         raise UsageError(str(e)) from None
+    # auto: a topology gives each process group its network; the default network (the one
+    # bucket sizing and the report's header use) is the group parameters are sharded over's.
+    args.topology = None
     if args.network == "auto":
-        args.network = default_network(args.world_size)
+        args.topology = NodeTopology("nvlink", "infiniband", args.gpus_per_node)
+        args.network = args.topology.network_of_ranks(range(args.shard_group_size or args.world_size)).name
     return args
+
+
+def _divisors(n: int, shown: int = 12) -> str:
+    """The divisors of ``n``, the first and last few of them when there are many."""
+    divisors = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    divisors = sorted({*divisors, *(n // d for d in divisors)})
+    if len(divisors) <= shown:
+        return ", ".join(map(str, divisors))
+    return f"{', '.join(map(str, divisors[: shown // 2]))}, ..., {', '.join(map(str, divisors[-shown // 2 :]))}"
 
 
 class _Heartbeat:
@@ -108,6 +147,10 @@ class _Heartbeat:
         self._thread.join()
 
 
+def _topology_words(topology: NodeTopology) -> str:
+    return f"{topology.intra_node.name} inside a node of {topology.gpus_per_node}, {topology.inter_node.name} across nodes"
+
+
 def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -118,12 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     from thunder_overlap.config import OverlapConfig
     from thunder_overlap.report.policies import compare_policies
     from thunder_overlap.report.report import report
-    from thunder_overlap.report.thunder_baseline import thunder_fsdp_baseline
+    from thunder_overlap.report.thunder_baseline import fake_process_group, thunder_fsdp_baseline
 
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = _parse(argv)
-        cost_model = CostModel.named(args.device_profile, args.network)
+        cost_model = CostModel.named(args.device_profile, args.network, topology=args.topology)
         spec = model_recipe(args.model, args.n_layer)
         seq_len = args.seq_len or spec.block_size
         if not 1 <= seq_len <= spec.block_size:
@@ -137,23 +180,34 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device("meta"):
         model = spec.build().to(_DTYPES[args.dtype])
     layers = args.n_layer or "all"
-    _progress(f"tracing forward and backward at world size {args.world_size}, {args.sharding} (about 5 s per layer, {layers} layers)")
-    with _Heartbeat("tracing"):
-        jm = trace_model(
-            model,
-            world_size=args.world_size,
-            sharding=args.sharding,
-            bucketing=args.bucketing,
-            idx_shape=(args.batch_size, seq_len),
-            config=OverlapConfig(cost_model=cost_model),
-        )
-        traced = time.perf_counter()
-        _progress(f"traced in {traced - start:.1f} s; tracing the same model with Thunder's own FSDP, the baseline")
-        thunder_fsdp = thunder_fsdp_baseline(jm)
-    baseline_traced = time.perf_counter()
-    _progress(f"traced in {baseline_traced - traced:.1f} s; simulating with {args.device_profile} / {args.network}")
-    result = report(jm, cost_model=cost_model, thunder_fsdp=thunder_fsdp)
-    _progress(f"analysed in {time.perf_counter() - baseline_traced:.2f} s")
+    hybrid = f", hybrid: {args.world_size // args.shard_group_size} replicas of {args.shard_group_size}" if args.shard_group_size else ""
+    _progress(
+        f"tracing forward and backward at world size {args.world_size}{hybrid}, {args.sharding} (about 5 s per layer, {layers} layers)"
+    )
+    networks = args.network if args.topology is None else _topology_words(args.topology)
+    # One fake group for tracing and simulating: the topology reads each group's ranks.
+    with fake_process_group(args.world_size):
+        with _Heartbeat("tracing"):
+            jm = trace_model(
+                model,
+                world_size=args.world_size,
+                sharding=args.sharding,
+                bucketing=args.bucketing,
+                idx_shape=(args.batch_size, seq_len),
+                config=OverlapConfig(cost_model=cost_model),
+                shard_group_size=args.shard_group_size,
+            )
+            traced = time.perf_counter()
+            _progress(f"traced in {traced - start:.1f} s; tracing the same model with Thunder's own FSDP, the baseline")
+            thunder_fsdp = thunder_fsdp_baseline(jm)
+        baseline_traced = time.perf_counter()
+        _progress(f"traced in {baseline_traced - traced:.1f} s; simulating with {args.device_profile} / {networks}")
+        result = report(jm, cost_model=cost_model, thunder_fsdp=thunder_fsdp)
+        _progress(f"analysed in {time.perf_counter() - baseline_traced:.2f} s")
+        comparison = None
+        if args.compare_policies:
+            config = OverlapConfig(cost_model=cost_model)
+            comparison = compare_policies(jm, cost_model=cost_model, config=config, thunder_fsdp=thunder_fsdp)
 
     print(result)
     if args.bucketing is BucketingStrategy.AUTO:
@@ -168,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     result.to_json(out / "report.json")
     result.to_chrome_trace(out / "report.trace.json")
     written = ["report.json", "report.trace.json"]
-    if args.compare_policies:
-        config = OverlapConfig(cost_model=cost_model)
-        comparison = compare_policies(jm, cost_model=cost_model, config=config, thunder_fsdp=thunder_fsdp)
+    if comparison is not None:
         print(comparison)
         comparison.to_json(out / "policies.json")
         written.append("policies.json")

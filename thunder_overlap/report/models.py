@@ -9,12 +9,13 @@ model: :func:`~thunder_overlap.report.thunder_baseline.thunder_fsdp_baseline` of
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-__all__ = ["BUILTIN_MODELS", "ModelRecipe", "UnknownModelError", "litgpt_recipe", "model_recipe", "trace_model"]
+__all__ = ["BUILTIN_MODELS", "ModelRecipe", "UnknownModelError", "hybrid_mesh", "litgpt_recipe", "model_recipe", "trace_model"]
 
 LITGPT_HINT = "litgpt config names (such as 'Llama-2-7b-hf') need litgpt: pip install litgpt==0.5.13"
 
@@ -88,17 +89,49 @@ def model_recipe(name: str, n_layer: int | None = None) -> ModelRecipe:
     return litgpt_recipe(name, n_layer=n_layer)
 
 
-def trace_model(model: nn.Module, *, world_size: int, sharding: str, bucketing: str, idx_shape: tuple[int, int], config=None):
+def hybrid_mesh(world_size: int, shard_group_size: int):
+    """The 2-D device mesh (replicate, shard) of hybrid sharding on the live process group:
+    ``world_size // shard_group_size`` replicas of shard groups of ``shard_group_size``
+    consecutive ranks (a node's GPUs when it is the node size), FSDP2's order."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if shard_group_size < 1 or world_size % shard_group_size:
+        raise ValueError(f"shard group size {shard_group_size} does not divide the world size {world_size}")
+    # Thunder traces on "meta"; the mesh's device type only places checkpoint DTensors.
+    return init_device_mesh("cpu", (world_size // shard_group_size, shard_group_size), mesh_dim_names=("replicate", "shard"))
+
+
+def trace_model(
+    model: nn.Module,
+    *,
+    world_size: int,
+    sharding: str,
+    bucketing: str,
+    idx_shape: tuple[int, int],
+    config=None,
+    shard_group_size: int | None = None,
+):
     """Traces ``model`` (on meta) with thunder_overlap's FSDP on a fake group of ``world_size``
     and ``config`` (an OverlapConfig; give it the report's cost model, as the meta device has no
-    profile of its own); returns the jitted module, whose last traces the report reads."""
+    profile of its own); returns the jitted module, whose last traces the report reads.
+
+    Runs in the live default group when there is one of ``world_size`` ranks (keep it alive
+    while simulating with a cost model that has a topology: it reads each group's ranks), else
+    in a fake group of its own. ``shard_group_size``: hybrid sharding on the (replicate, shard)
+    mesh of :func:`hybrid_mesh`; None shards over the whole world."""
     import thunder
+    import torch.distributed as dist
 
     import thunder_overlap
-    from thunder_overlap.report.thunder_baseline import fake_process_group
+    from thunder_overlap.report.thunder_baseline import _math_attention, fake_process_group
 
-    with fake_process_group(world_size):
-        jm = thunder_overlap.fsdp(model, device="meta", sharding_strategy=sharding, bucketing_strategy=bucketing, config=config)
+    if dist.is_initialized() and dist.get_world_size() != world_size:
+        raise ValueError(f"the live default process group has {dist.get_world_size()} ranks, not {world_size}")
+    with nullcontext() if dist.is_initialized() else fake_process_group(world_size), _math_attention():
+        mesh = hybrid_mesh(world_size, shard_group_size) if shard_group_size is not None else None
+        jm = thunder_overlap.fsdp(
+            model, device="meta", sharding_strategy=sharding, bucketing_strategy=bucketing, config=config, device_mesh=mesh
+        )
         idx = torch.zeros(idx_shape, dtype=torch.long, device="meta")
         thunder.compile_data(jm).get_computation_and_inputs(idx)
         return jm

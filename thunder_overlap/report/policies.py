@@ -152,5 +152,5 @@ def compare_policies(
             results.append(PolicyResult(policy, pass_name, report, scheduled.summary))
     rows = (BASELINE, *policies)
     results.sort(key=lambda r: (r.pass_name != "forward", rows.index(r.policy)))
-    world_size = next((c.process_group.size() for r in results for c in r.report.annotated.collectives if c.process_group is not None), 1)
-    return PolicyComparison(tuple(results), cost_model.device.name, cost_model.network.name, world_size)
+    # The ranks of the job: the baseline's (under hybrid sharding Thunder's FSDP takes the whole world).
+    return PolicyComparison(tuple(results), cost_model.device.name, cost_model.network.name, thunder_fsdp.world_size)

@@ -17,7 +17,7 @@ with one :class:`CostModel` and estimates their memory:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import thunder
@@ -32,6 +32,7 @@ from thunder_overlap.report.thunder_baseline import THUNDER_LABEL, ThunderFSDPTr
 __all__ = [
     "BASELINE",
     "LEGEND",
+    "GroupNetwork",
     "ORDERS",
     "OVERLAP",
     "UNSCHEDULED",
@@ -57,14 +58,16 @@ _SHORT_KINDS = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}
 
 LEGEND = f"""\
 {BASELINE}: the traces Thunder's own FSDP produces for this model: one collective per parameter
-  (its bucketing does nothing), and ZeRO3 run as ZeRO2 (no re-gather in backward).
+  (its bucketing does nothing), and ZeRO3 run as ZeRO2 (no re-gather in backward). Thunder has no
+  hybrid sharding: for a 2-D device mesh (replicate, shard) it shards over the whole world.
 {UNSCHEDULED}: thunder_overlap's traces before its scheduling pass (ZeRO3 re-gathers, buckets), in
   Thunder's order.
 hideable: collectives that some compute op neither feeds nor depends on: the most any order can hide.
 hidden: collectives whose whole run the compute stream spends computing, not waiting: the compute
   between issue and wait covers their estimated time (thunder_overlap.analysis.overlap).
 exposed ms: time the compute stream stands still waiting for communication.
-predicted ms: the pass simulated on one compute stream and one communication stream per group.
+predicted ms: the pass simulated on one compute stream and one communication stream per group,
+  each on its group's network (process groups: which network each group's collectives use).
 bound ms: max(compute, busiest communication stream): no order of these ops can be faster.
 A collective's duration is its latency (latency x (ranks - 1) on a ring, x log2(ranks) on a tree)
   plus bytes / bandwidth. Each launch pays the latency; a coalesced launch of several tensors is one
@@ -124,6 +127,40 @@ class OrderReport:
             "peak_bytes",
         )
         return {k: getattr(self, k) for k in keys}
+
+
+@dataclass(frozen=True)
+class GroupNetwork:
+    """One process group of the report's traces and the network its collectives are costed on."""
+
+    ranks: int
+    # Where its ranks lie ("in 1 node", "across 128 nodes"); empty without a node topology.
+    placement: str
+    kinds: tuple[str, ...]  # its collectives' kinds (all_gather, reduce_scatter, all_reduce)
+    network: str
+    orders: tuple[str, ...]  # the report's orders whose traces use it
+
+    def __str__(self) -> str:
+        where = f" {self.placement}" if self.placement else ""
+        only = "" if OVERLAP in self.orders else f" [{', '.join(self.orders)}]"
+        return f"{self.ranks} ranks{where} ({', '.join(self.kinds)}): {self.network}{only}"
+
+
+def group_networks(reports: list[OrderReport], cost_model: CostModel) -> tuple[GroupNetwork, ...]:
+    """The process groups of ``reports``' collectives, one entry per (size, placement, network),
+    in order of first use."""
+    found: dict[tuple, tuple[list[str], list[str]]] = {}
+    for r in reports:
+        for c, timing in zip(r.annotated.collectives, r.simulation.collectives, strict=True):
+            group = c.process_group
+            placement = cost_model.topology.placement(group) if cost_model.topology and group is not None else ""
+            key = (group.size() if group is not None else 1, placement, cost_model.network_for(c).name)
+            kinds, orders = found.setdefault(key, ([], []))
+            if timing.kind not in kinds:
+                kinds.append(timing.kind)
+            if r.order not in orders:
+                orders.append(r.order)
+    return tuple(GroupNetwork(*key[:2], tuple(kinds), key[2], tuple(orders)) for key, (kinds, orders) in found.items())
 
 
 @dataclass(frozen=True)
@@ -191,6 +228,8 @@ class Report:
     world_size: int
     # Why this device profile and network (printed after them); empty when a cost model was given.
     profile_reason: str = ""
+    # Each process group and the network its collectives were costed on.
+    groups: tuple[GroupNetwork, ...] = ()
 
     def __getitem__(self, name: str) -> PassReport:
         for p in self.passes:
@@ -207,7 +246,10 @@ class Report:
             f"{'predicted ms':>12} {'bound ms':>9} {'peak MiB':>10}"
         )
         why = f" ({self.profile_reason})" if self.profile_reason else ""
-        lines = [f"world size {self.world_size}, device {self.device}, network {self.network}{why}", head, "-" * len(head)]
+        lines = [f"world size {self.world_size}, device {self.device}, network {self.network}{why}"]
+        if self.groups:
+            lines.append(f"process groups: {'; '.join(str(g) for g in self.groups)}")
+        lines += [head, "-" * len(head)]
         for p in self.passes:
             for r in p.orders:
                 lines.append(
@@ -232,6 +274,7 @@ class Report:
             "network": self.network,
             "world_size": self.world_size,
             "profile_reason": self.profile_reason,
+            "groups": [asdict(g) for g in self.groups],
             "step_ms": {order: self.step_ms(order) for order in ORDERS},
             "passes": {
                 p.name: {
@@ -306,8 +349,11 @@ def unscheduled_trace(history: list[TraceCtx]) -> TraceCtx:
     raise ValueError("every trace in the history comes from thunder_overlap's scheduler; no baseline to compare with")
 
 
-def report_traces(forward: PassTraces, backward: PassTraces | None, cost_model: CostModel, profile_reason: str = "") -> Report:
-    """A report from the forward and backward execution traces in the three orders."""
+def report_traces(
+    forward: PassTraces, backward: PassTraces | None, cost_model: CostModel, profile_reason: str = "", world_size: int | None = None
+) -> Report:
+    """A report from the forward and backward execution traces in the three orders; its world
+    size is ``world_size``, or the size of the first process group of thunder_overlap's traces."""
     passes = []
     forward_memory: dict[str, MemoryEstimate] = {}
     for name, traces in (("forward", forward), ("backward", backward)):
@@ -320,8 +366,11 @@ def report_traces(forward: PassTraces, backward: PassTraces | None, cost_model: 
                 forward_memory[order] = r.memory
             reports.append(r)
         passes.append(PassReport(name, *reports))
-    world_size = next((c.process_group.size() for p in passes for c in p.overlap.annotated.collectives if c.process_group is not None), 1)
-    return Report(tuple(passes), cost_model.device.name, cost_model.network.name, world_size, profile_reason)
+    if world_size is None:
+        groups = (c.process_group for p in passes for c in p.overlap.annotated.collectives if c.process_group is not None)
+        world_size = next((g.size() for g in groups), 1)
+    groups = group_networks([p.order(order) for order in (OVERLAP, UNSCHEDULED, BASELINE) for p in passes], cost_model)
+    return Report(tuple(passes), cost_model.device.name, cost_model.network.name, world_size, profile_reason, groups)
 
 
 def report(
@@ -366,5 +415,5 @@ def report(
         PassTraces(thunder_fsdp.backward, unscheduled_trace(backward), backward[-1]) if backward else None,
         cost_model,
         reason,
+        world_size=thunder_fsdp.world_size,
     )
-

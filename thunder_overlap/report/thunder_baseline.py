@@ -11,7 +11,8 @@ prediction and the policy table all take their Thunder rows from it.
 rebuilds the module on the meta device with its unsharded parameter shapes, and the call's
 inputs from the shapes the module's prologue checks. :func:`thunder_fsdp_baseline` is what the
 report and the policy comparison call: that, or the module's own traces when thunder_overlap
-did not schedule it.
+did not schedule it. Under hybrid sharding the baseline is Thunder's FSDP over the whole world,
+the one way Thunder runs that job.
 """
 
 from __future__ import annotations
@@ -176,7 +177,16 @@ def thunder_fsdp_traces_of(jm) -> ThunderFSDPTraces | None:
         return None
     args, kwargs = _inputs_of(prologues[-1])
     sharding = ShardingStrategy(transform.sharding_strategy.name.lower())
-    return trace_thunder_fsdp(_meta_twin(jm._model), world_size=transform.world_size, sharding=sharding, args=args, kwargs=kwargs)
+    return trace_thunder_fsdp(_meta_twin(jm._model), world_size=_world_size_of(jm, transform), sharding=sharding, args=args, kwargs=kwargs)
+
+
+def _world_size_of(jm, transform: FSDPTransform) -> int:
+    """The ranks ``jm`` runs on: its FSDP group's, or under hybrid sharding the whole mesh's
+    (Thunder 0.2.6 has no hybrid sharding: its baseline shards over every rank)."""
+    from thunder_overlap.transforms import ReplicaReduceTransform
+
+    hybrid = ReplicaReduceTransform.of(jm)
+    return hybrid.device_mesh.size() if hybrid is not None else transform.world_size
 
 
 def thunder_fsdp_baseline(jm) -> ThunderFSDPTraces:
@@ -193,6 +203,6 @@ def thunder_fsdp_baseline(jm) -> ThunderFSDPTraces:
     if not forward:
         raise ValueError("the module has not been run or traced yet: call it once (or trace it) first")
     transform = _fsdp_transform(jm)
-    world_size = transform.world_size if transform is not None else 1
+    world_size = _world_size_of(jm, transform) if transform is not None else 1
     sharding = ShardingStrategy(transform.sharding_strategy.name.lower()) if transform is not None else ShardingStrategy.ZERO2
     return ThunderFSDPTraces(forward[-1], backward[-1] if backward else None, world_size, sharding)
