@@ -14,7 +14,8 @@ import torch.nn as nn
 import thunder_overlap
 from thunder_overlap import BucketingTransform, CostModel, OverlapConfig, OverlapScheduleTransform
 from thunder_overlap.analysis.blocks import find_blocks, largest_block_bytes, parse_block_types, unsharded_bytes
-from thunder_overlap.bucketing.auto_plan import AutoBucketCaps, plan_auto_buckets, saturating_bytes
+from thunder_overlap.analysis.network import network_profile
+from thunder_overlap.bucketing.auto_plan import AutoBucketCaps, Replicas, plan_auto_buckets, saturating_bytes
 from thunder_overlap.bucketing.plan import BucketEnd, bucket_owner
 from thunder_overlap.tools.tiny_models import Block, TinyGPT, TinyGPTConfig
 
@@ -68,6 +69,30 @@ def test_latency_dominated_gives_buckets_of_several_blocks_and_bandwidth_dominat
     assert {b.ended for b in bandwidth_bound.buckets} >= {BucketEnd.SATURATED, BucketEnd.COPY}
     assert all(b.latency_share <= SHARE for b in bandwidth_bound.buckets if matrices & set(b.parameters))
     assert len(latency_bound.buckets) < len(bandwidth_bound.buckets)
+
+
+def test_hybrid_sharding_grows_buckets_until_the_all_reduce_across_replicas_saturates():
+    # The shard group's link saturates with buckets below a block; the replicas' all-reduce of
+    # one shard (1/8 of a bucket) over 16 ranks of 1 ms latency does not: the plan grows to the cap.
+    model = TinyGPT(MODEL)
+    block = largest_block_bytes(model)
+    caps = AutoBucketCaps(prefetch_bytes=3 * block)
+    _, shard_only = _plan(BANDWIDTH_DOMINATED, caps)
+    slow_replicas = Replicas(16, network_profile("custom:1000:100"))
+    _, hybrid = plan_auto_buckets(
+        _shards(model),
+        bucket_owner(model, "auto"),
+        world_size=WORLD_SIZE,
+        cost_model=BANDWIDTH_DOMINATED,
+        latency_share=SHARE,
+        caps=caps,
+        replicas=slow_replicas,
+    )
+    assert max(b.unsharded_bytes for b in shard_only.buckets) < block
+    assert hybrid.target_bytes == WORLD_SIZE * saturating_bytes(BANDWIDTH_DOMINATED, 16, SHARE, slow_replicas.network)
+    assert hybrid.target_bytes > 3 * block
+    assert max(_blocks_per_bucket(hybrid)) == 3
+    assert len(hybrid.buckets) < len(shard_only.buckets)
 
 
 def test_buckets_grow_with_latency_and_stay_contiguous_in_first_use_order():

@@ -64,6 +64,7 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
             options.bucket_cap_bytes,
             config=options.config,
             block_types=options.block_types,
+            replicate_group=options.replicate_group,
         )
         transforms.append(bucketing)
         plan_digest, largest_bucket_bytes = bucketing.plan_digest, bucketing.largest_bucket_bytes

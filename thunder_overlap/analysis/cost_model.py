@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from thunder.core import dtypes
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
@@ -317,9 +318,13 @@ class CostModel:
     def network_for(self, collective: Collective) -> NetworkProfile:
         """The network ``collective`` runs on: its group's under ``topology``, else ``network``
         (also for a collective of no known group)."""
-        if self.topology is None or collective.process_group is None:
+        return self.network_of_group(collective.process_group)
+
+    def network_of_group(self, group: dist.ProcessGroup | None) -> NetworkProfile:
+        """The network ``group`` talks over: its own under ``topology``, else ``network``."""
+        if self.topology is None or group is None:
             return self.network
-        return self.topology.network_of(collective.process_group)
+        return self.topology.network_of(group)
 
     @property
     def is_measured(self) -> bool:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap.analysis.cost_model import CostModel, NetworkProfile
 from thunder_overlap.bucketing.plan import (
     BucketEnd,
     BucketPlan,
@@ -53,7 +53,7 @@ from thunder_overlap.bucketing.plan import (
 )
 from thunder_overlap.options import BucketingStrategy
 
-__all__ = ["AutoBucketCaps", "plan_auto_buckets", "saturating_bytes"]
+__all__ = ["AutoBucketCaps", "Replicas", "plan_auto_buckets", "saturating_bytes"]
 
 
 @dataclass(frozen=True)
@@ -78,19 +78,31 @@ class AutoBucketCaps:
         return min(present, key=lambda c: c[0]) if present else (None, None)
 
 
-def saturating_bytes(cost_model: CostModel, world_size: int, latency_share: float) -> int:
-    """The smallest unsharded size whose all-gather spends at most ``latency_share`` of its time
-    on latency that no concurrent launch hides (:meth:`CostModel.unhidden_latency_ms`): with
-    launches in progress at once, ``latency - transfer <= share / (1 - share) x transfer``; one
-    at a time, ``transfer >= latency x (1 - share) / share``. 0 on one rank (no latency)."""
-    latency_ms = cost_model.latency_ms(world_size)
+@dataclass(frozen=True)
+class Replicas:
+    """Hybrid sharding's replicas: each bucket's reduced shard is all-reduced over ``count``
+    ranks on ``network`` (the replicate group's)."""
+
+    count: int
+    network: NetworkProfile
+
+
+def saturating_bytes(cost_model: CostModel, world_size: int, latency_share: float, network: NetworkProfile | None = None) -> int:
+    """The smallest unsharded size whose all-gather over ``world_size`` ranks on ``network``
+    (default: the cost model's) spends at most ``latency_share`` of its time on latency that no
+    concurrent launch hides (:meth:`CostModel.unhidden_latency_ms`): with launches in progress at
+    once, ``latency - transfer <= share / (1 - share) x transfer``; one at a time, ``transfer >=
+    latency x (1 - share) / share``. 0 on one rank (no latency). An all-reduce's two ring passes
+    scale both terms alike, so the same size saturates an all-reduce of it."""
+    network = network or cost_model.network
+    latency_ms = cost_model.latency_ms(world_size, network)
     if latency_ms == 0 or world_size <= 1:
         return 0
     # transfer_ms is linear in bytes; measure its slope on a large size for precision.
-    ms_per_byte = cost_model.transfer_ms(1 << 30, world_size) / (1 << 30)
+    ms_per_byte = cost_model.transfer_ms(1 << 30, world_size, network) / (1 << 30)
     # Latency hidden per ms of transfer: none one at a time; with concurrent launches, the next
     # launch's latency passes during this one's transfer.
-    hidden_per_transfer = 0 if cost_model.network.concurrent_launches == 1 else 1
+    hidden_per_transfer = 0 if network.concurrent_launches == 1 else 1
     transfer_ms = latency_ms / (hidden_per_transfer + latency_share / (1 - latency_share))
     return int(transfer_ms / ms_per_byte) + 1
 
@@ -111,10 +123,16 @@ def plan_auto_buckets(
     cost_model: CostModel,
     latency_share: float,
     caps: AutoBucketCaps = AutoBucketCaps(),
+    replicas: Replicas | None = None,
 ) -> tuple[list[BucketPlan], BucketPlanSummary]:
     """Buckets for ``shards`` (name and sharded parameter, in first-use order, each tensor once)
     and why each was formed. ``owners`` maps a parameter to its block (or its module outside
-    blocks), as :func:`~thunder_overlap.bucketing.plan.bucket_owner` gives for ``"auto"``."""
+    blocks), as :func:`~thunder_overlap.bucketing.plan.bucket_owner` gives for ``"auto"``.
+
+    Under hybrid sharding (``replicas``), a bucket must also saturate its all-reduce across the
+    replicas, which moves one shard (1 / ``world_size`` of the bucket) over the replicate group's
+    network: across nodes that usually asks for far larger buckets than the shard group does, and
+    the caps decide."""
     streams: dict[tuple[torch.dtype, bool], list[_Parameter]] = {}
     for name, shard in shards:
         if name not in owners:
@@ -122,9 +140,14 @@ def plan_auto_buckets(
         parameter = _Parameter(name, shard, owners[name], unsharded_bytes_of(shard, world_size))
         streams.setdefault((shard.dtype, shard.requires_grad), []).append(parameter)
     target = saturating_bytes(cost_model, world_size, latency_share)
+    # Latency one bucket saves by merging: its all-gather's, and its all-reduce's two passes.
+    merge_saves_ms = cost_model.latency_ms(world_size)
+    if replicas is not None:
+        target = max(target, world_size * saturating_bytes(cost_model, replicas.count, latency_share, replicas.network))
+        merge_saves_ms += 2 * cost_model.latency_ms(replicas.count, replicas.network)
     cap, cap_source = caps.binding()
-    # Bytes whose merging copy costs as much as one launch's latency.
-    copy_break_even = _copy_break_even_bytes(cost_model, world_size)
+    # Bytes whose merging copy costs as much as the latency it saves.
+    copy_break_even = _copy_break_even_bytes(cost_model, merge_saves_ms)
 
     planned: list[tuple[int, BucketPlan, BucketEnd]] = []
     position = {name: i for i, (name, _) in enumerate(shards)}
@@ -154,11 +177,10 @@ def plan_auto_buckets(
 COPY_BYTES_PER_BYTE = 2
 
 
-def _copy_break_even_bytes(cost_model: CostModel, world_size: int) -> float:
-    """Bytes a merge may add to a bucket's copies before they cost more than the launch saved
-    (a whole latency: with concurrent launches a merge saves at most that, so this errs toward
-    merging)."""
-    latency_ms = cost_model.latency_ms(world_size)
+def _copy_break_even_bytes(cost_model: CostModel, latency_ms: float) -> float:
+    """Bytes a merge may add to a bucket's copies before they cost more than the ``latency_ms``
+    the launches it saves paid (whole latencies: with concurrent launches a merge saves at most
+    that, so this errs toward merging)."""
     ms_per_byte = cost_model.copy_ms(1 << 30) / (1 << 30)
     return latency_ms / (COPY_BYTES_PER_BYTE * ms_per_byte) if ms_per_byte > 0 else float("inf")
 

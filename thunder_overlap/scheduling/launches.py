@@ -108,8 +108,9 @@ def plan_launches(annotated: AnnotatedTrace, order: list[int], cost_model: CostM
     timings = simulate(annotated, order, cost_model).collectives
     groups: list[LaunchGroup] = []
     for run in runs:
-        ranks = annotated.collectives[run[0]].process_group.size()
-        latency = cost_model.latency_ms(ranks)
+        first_collective = annotated.collectives[run[0]]
+        # A run shares kind and group: one network (its group's, under a node topology).
+        latency = cost_model.latency_ms(first_collective.process_group.size(), cost_model.network_for(first_collective))
         members = [run[0]]
         for c in run[1:]:
             first = timings[members[0]]

@@ -44,7 +44,7 @@ from thunder_overlap.analysis.classify import parameter_names_of_inputs
 from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.analysis.memory_estimate import estimate_memory
 from thunder_overlap.analysis.pool_slots import SlotPlan
-from thunder_overlap.bucketing.auto_plan import AutoBucketCaps, plan_auto_buckets
+from thunder_overlap.bucketing.auto_plan import AutoBucketCaps, Replicas, plan_auto_buckets
 from thunder_overlap.bucketing.buffers import BucketBuffers, BufferPool, register_bucket
 from thunder_overlap.bucketing.plan import (
     BucketPlan,
@@ -97,6 +97,8 @@ class BucketingTransform(Transform):
             :func:`~thunder_overlap.analysis.cost_model.default_network`), prefetch limit, memory
             slack and ``auto_bucket_latency_share`` size ``"auto"`` buckets.
         block_types: the module classes that form blocks (None: detected).
+        replicate_group: hybrid sharding's group across replicas, whose all-reduce of each
+            bucket's shard ``"auto"`` buckets must saturate too; None for plain FSDP.
 
     After ``transform_module``, ``summaries["plan"]`` is the :class:`BucketPlanSummary`; after
     each compile, ``summaries["forward"]``, ``["backward"]`` (or ``["backward (no_sync)"]``) are
@@ -114,6 +116,7 @@ class BucketingTransform(Transform):
         *,
         config: OverlapConfig | None = None,
         block_types: BlockTypes | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.strategy = parse_bucketing_strategy(strategy)
         if not self.strategy.has_buckets:
@@ -122,6 +125,7 @@ class BucketingTransform(Transform):
         self.cap_bytes = cap_bytes
         self.config = config if config is not None else OverlapConfig()
         self.block_types = block_types
+        self.replicate_group = replicate_group
         self.buckets: dict[int, BucketBuffers] = {}
         self.pool = BufferPool()
         self.summaries: dict[str, BucketingSummary | BucketPlanSummary] = {}
@@ -215,6 +219,7 @@ class BucketingTransform(Transform):
                 cost_model=cost_model,
                 latency_share=self.config.auto_bucket_latency_share,
                 caps=caps,
+                replicas=self._replicas(cost_model),
             )
             self.summaries["plan"] = summary
             return plans
@@ -224,6 +229,11 @@ class BucketingTransform(Transform):
             planned, owners, strategy=self.strategy, world_size=world_size, cost_model=cost_model, cap=cap
         )
         return [plan for plan, _ in planned]
+
+    def _replicas(self, cost_model: CostModel) -> Replicas | None:
+        if self.replicate_group is None:
+            return None
+        return Replicas(self.replicate_group.size(), cost_model.network_of_group(self.replicate_group))
 
     def _auto_caps(self, model, shards: list[tuple[str, torch.Tensor]], owners: dict[str, str]) -> AutoBucketCaps:
         # The schedule's limits, resolved as OverlapScheduleTransform resolves them, with the
