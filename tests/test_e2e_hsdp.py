@@ -62,9 +62,10 @@ def _hsdp(seed: int, sharding: str, bucketing: str):
     return thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy=sharding, bucketing_strategy=bucketing, device_mesh=mesh)
 
 
-def _micro_batch_loss(model, rank: int, micro: int) -> torch.Tensor:
+def _micro_batch_loss(model, rank: int, micro: int, seq_len: int | None = None) -> torch.Tensor:
     idx, targets = global_batch(_setup("zero2", "none"), WORLD_SIZE, micro)
     rows = slice(2 * rank, 2 * rank + 2)
+    idx, targets = idx[:, :seq_len], targets[:, :seq_len]
     logits = model(idx[rows])
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[rows].reshape(-1))
 
@@ -82,6 +83,18 @@ def _no_sync_and_checkpoint(rank: int, directory: str) -> dict:
     result["grads_none_under_no_sync"] = all(p.grad is None for p in model.parameters())
     _micro_batch_loss(model, rank, 1).backward()
     result["accumulated_grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    # A new sequence length retraces; the gradients still average over the whole world. Then
+    # Thunder's state dict round trip keeps the live shards.
+    model = _hsdp(0, "zero3", "none")
+    _micro_batch_loss(model, rank, 0).backward()
+    model.zero_grad(set_to_none=True)
+    _micro_batch_loss(model, rank, 0, seq_len=8).backward()
+    result["retraced_grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    pointers = [p.data_ptr() for p in model.parameters()]
+    model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
+    result["load_state_dict_kept_shards"] = pointers == [p.data_ptr() for p in model.parameters()]
+    result["halved_original_state_dict"] = {k: v.clone() for k, v in model.original_state_dict().items()}
 
     full = StateDictOptions(full_state_dict=True)
     model = _hsdp(0, "zero3", "block")
@@ -198,9 +211,10 @@ def test_no_sync_skips_both_reductions_and_the_next_backward_sends_the_sum(sessi
             torch.testing.assert_close(grad[:rows], full, rtol=1e-5, atol=1e-6, msg=f"{name} on rank {rank}")
 
 
-def _micro_batch_loss_full(model, micro: int) -> torch.Tensor:
+def _micro_batch_loss_full(model, micro: int, seq_len: int | None = None) -> torch.Tensor:
     # The mean over every rank's rows: what the ranks' gradients average to.
     idx, targets = global_batch(_setup("zero2", "none"), WORLD_SIZE, micro)
+    idx, targets = idx[:, :seq_len], targets[:, :seq_len]
     logits = model(idx)
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
@@ -228,3 +242,21 @@ def test_a_checkpoint_saved_under_hsdp_loads_into_another_hsdp_configuration_and
     for name, value in plain.state_dict().items():
         if name in saved_model:
             assert torch.equal(value, saved_model[name]), name
+
+
+def test_a_retrace_for_a_new_sequence_length_and_a_state_dict_round_trip_work_under_hsdp(session):
+    _, _, per_rank = session
+    torch.manual_seed(0)
+    model = TinyGPT(MODEL)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _micro_batch_loss_full(model, 0, seq_len=8).backward()
+    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for rank, (_, extra) in enumerate(per_rank):
+        shard_rank, shard_size = rank % (WORLD_SIZE // REPLICAS), WORLD_SIZE // REPLICAS
+        assert set(extra["retraced_grads"]) == set(expected)
+        for name, grad in extra["retraced_grads"].items():
+            full, rows = shard_of(expected[name], shard_rank, shard_size)
+            torch.testing.assert_close(grad[:rows], full, rtol=1e-5, atol=1e-6, msg=f"{name} on rank {rank}")
+        assert extra["load_state_dict_kept_shards"]
+        for name, value in extra["halved_original_state_dict"].items():
+            torch.testing.assert_close(value, initial[name] * 0.5, msg=f"{name} on rank {rank}")
