@@ -20,10 +20,15 @@ Variants:
   every call, gathered into a new buffer and copied out parameter by parameter (Thunder's
   ``pack``/``unpack`` bucketing up to 0.2.3, which concatenated on every call);
 - ``<strategy>:allocate_every_iteration``: one copy-in and one copy-out per bucket into buffers
-  taken from the allocator on every call (PyTorch FSDP2's way).
+  taken from the allocator on every call (PyTorch FSDP2's way);
+- ``<strategy>:sends_gradients``: thunder_overlap's buckets as they run on NCCL: unpadded
+  gradients are reduce-scattered where they are (one launch per bucket), with no lay-out and no
+  pool buffer. gloo runs such a launch one reduce-scatter after another, so over gloo buckets lay
+  their gradients out unless told otherwise, as here.
 
 The variants swap only the runtime of the buckets (the class of each
-:class:`~thunder_overlap.bucketing.buffers.BucketBuffers`); traces and schedule are the same.
+:class:`~thunder_overlap.bucketing.buffers.BucketBuffers`, or its layout); traces and schedule
+are the same.
 
     python benchmarks/bucket_memory.py --n-layer 8 --sharding zero3 --shape parameters \
         --out benchmarks/measured/bucket_memory/zero3_parameters.md
@@ -34,6 +39,7 @@ It ends with the issue's target: block and layer peak at most none's plus one bl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -54,9 +60,11 @@ from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 VARIANTS = (
     "none",
     "layer",
+    "layer:sends_gradients",
     "layer:concat_every_call",
     "layer:allocate_every_iteration",
     "block",
+    "block:sends_gradients",
     "block:concat_every_call",
     "block:allocate_every_iteration",
 )
@@ -156,8 +164,10 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
     strategy, _, runtime = variant.partition(":")
     torch.manual_seed(0)
     jm = thunder_overlap.fsdp(TinyGPT(model), device="cpu", sharding_strategy=sharding, bucketing_strategy=strategy)
-    if runtime:
-        for bucket in thunder_overlap.BucketingTransform.of(jm).buckets.values():
+    for bucket in thunder_overlap.BucketingTransform.of(jm).buckets.values() if runtime else ():
+        if runtime == "sends_gradients":
+            bucket.layout = dataclasses.replace(bucket.layout, sends_unpadded_gradients=True)
+        else:
             bucket.__class__ = RUNTIMES[runtime]
     optimizer = torch.optim.SGD([p for p in jm.parameters() if p.requires_grad], lr=0.01)
     g = torch.Generator().manual_seed(rank)
@@ -231,7 +241,7 @@ def main() -> None:
     for variant in args.variants:
         r = results[variant] = run_local_ranks(_measure, 2, (variant, args.sharding, model, args.shape, args.steps))[0]
         # The estimate and the pool are thunder_overlap's runtime's; the reimplementations use neither.
-        ours = ":" not in variant
+        ours = variant.partition(":")[2] in ("", "sends_gradients")
         predicted = f"{r.predicted_peak_mib:.2f}" if ours else "-"
         pool = f"{r.pool_mib:.2f} ({r.pool_buffers})" if ours else "-"
         lines.append(
@@ -241,7 +251,7 @@ def main() -> None:
         print(lines[-1], flush=True)
     if "none" in results:
         lines.append("")
-        for variant in ("layer", "block"):
+        for variant in ("layer", "layer:sends_gradients", "block", "block:sends_gradients"):
             if variant in results:
                 r, none = results[variant], results["none"]
                 # One transformer block's unsharded buffer: the block strategy's largest bucket.

@@ -23,7 +23,13 @@ WORLD_SIZE = 2
 MODEL = TinyGPTConfig(n_layer=2)
 # Auto buckets (sized by the CPU's gloo cost model: wte, the first block, the second block with
 # the final norm) once, with ZeRO3, whose backward re-gathers them too.
-CASES = [(sharding, bucketing) for sharding in ("zero2", "zero3") for bucketing in ("layer", "block")] + [("zero3", "auto")]
+# ":sends_gradients" runs the buckets' reduce-scatters as on NCCL (unpadded gradients sent where
+# they are, no lay-out), which gloo otherwise does not.
+SENDS_GRADIENTS = ":sends_gradients"
+CASES = [(sharding, bucketing) for sharding in ("zero2", "zero3") for bucketing in ("layer", "block")] + [
+    ("zero3", "auto"),
+    ("zero3", "block" + SENDS_GRADIENTS),
+]
 
 
 # --- planning -----------------------------------------------------------------------------------
@@ -69,7 +75,10 @@ class _Runs(dict):
 
     def __missing__(self, case: tuple[str, str]):
         sharding, bucketing = case
-        setup = TrainSetup(sharding=sharding, bucketing=bucketing, model=MODEL, steps=3, measure_memory=False)
+        strategy, sends = bucketing.removesuffix(SENDS_GRADIENTS), bucketing.endswith(SENDS_GRADIENTS)
+        setup = TrainSetup(
+            sharding=sharding, bucketing=strategy, model=MODEL, steps=3, measure_memory=False, send_gradients_where_they_are=sends
+        )
         ranks = run_local_ranks(train_rank, WORLD_SIZE, (setup,))
         self[case] = (ranks, *train_reference(setup, WORLD_SIZE))
         return self[case]
@@ -143,7 +152,7 @@ def test_auto_buckets_on_two_gloo_ranks_follow_the_cost_model(runs):
 
 
 @pytest.mark.parametrize(("sharding", "bucketing"), CASES)
-def test_steady_state_step_allocates_nothing_and_copies_once_per_bucket(runs, sharding, bucketing):
+def test_steady_state_step_allocates_nothing_and_copies_at_most_once_per_bucket_and_direction(runs, sharding, bucketing):
     census = runs[sharding, bucketing][0][0].bucket_census
     assert census.allocations_after_last_step == census.allocations_after_first_step
     assert census.bucket_allocations == 0
@@ -151,10 +160,15 @@ def test_steady_state_step_allocates_nothing_and_copies_once_per_bucket(runs, sh
     # Copy-out after a gather: one per multi-parameter bucket and gather (single ones are views).
     gathers_per_bucket = 2 if sharding == "zero3" else 1
     assert copies.pop("split_with_sizes_copy") == census.multi_parameter_buckets * gathers_per_bucket
-    # Copy-in before a reduce-scatter, padding included: one per bucket.
-    assert copies.pop("_chunk_cat") == census.reduce_scatters
-    # Whatever is left is the process group's own copy inside each reduce-scatter.
-    assert copies == ({"copy_": census.reduce_scatters} if census.backend_copies_per_reduce_scatter else {})
+    # Copy-in before a reduce-scatter: one per bucket that lays its gradients out (over gloo all
+    # of several tensors; as on NCCL, only the odd-sized embedding's, which needs padding); the
+    # others send each gradient where it is.
+    if bucketing.endswith(SENDS_GRADIENTS):
+        assert census.laid_out_buckets == 1
+    assert copies.pop("_chunk_cat") == census.laid_out_buckets
+    # Whatever is left is the process group's own copy inside each reduce_scatter_tensor.
+    backend_copies = census.backend_copies_per_reduce_scatter * census.reduce_scatter_calls
+    assert copies == ({"copy_": backend_copies} if backend_copies else {})
     assert census.pads == 0
     assert census.grads_are_bucket_views
 
@@ -165,6 +179,7 @@ def deep_runs():
     deep = TinyGPTConfig(n_layer=6)
     setups = {s: TrainSetup(sharding=s, bucketing="block", model=deep, steps=2, measure_memory=False) for s in ("zero2", "zero3")}
     setups["zero3, one block ahead"] = replace(setups["zero3"], config=OverlapConfig(prefetch_blocks=1.0))
+    setups["zero3, gradients sent"] = replace(setups["zero3"], send_gradients_where_they_are=True)
     return {s: run_local_ranks(train_rank, WORLD_SIZE, (setup,))[0].bucket_census for s, setup in setups.items()}
 
 
@@ -190,7 +205,17 @@ def test_zero3_pool_holds_only_what_is_alive_at_once(deep_runs):
     assert deep_runs["zero3, one block ahead"].pool_buffers[block_numel] < deep_runs["zero3"].pool_buffers[block_numel]
 
 
-@pytest.mark.parametrize("name", ["zero2", "zero3", "zero3, one block ahead"])
+def test_sending_gradients_where_they_are_frees_the_reduce_scatter_buffers(deep_runs):
+    # As on NCCL: the blocks' gradients need no padding, so their reduce-scatters read them where
+    # they are and take no pool buffer; only the odd-sized embedding still lays its gradient out.
+    block_numel = max(deep_runs["zero3"].bucket_numels)
+    sent, laid_out = deep_runs["zero3, gradients sent"], deep_runs["zero3"]
+    reduce_scatter_users = {use for slot in sent.pool_users for use in slot if use.endswith("reduce-scatter")}
+    assert reduce_scatter_users == {"wte reduce-scatter"}
+    assert sent.pool_buffers[block_numel] < laid_out.pool_buffers[block_numel]
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3", "zero3, one block ahead", "zero3, gradients sent"])
 def test_slot_plan_from_the_final_traces_is_the_pool_the_steps_grew(deep_runs, name):
     # Planned from the live intervals of the final traces alone, the pool must be the
     # one the runtime grew over two steps: the same buffers, each serving the same uses in the
@@ -286,19 +311,21 @@ def test_state_dicts_round_trip_through_the_bucket_buffers(sessions):
 def _no_sync_session(rank: int, world_size: int) -> dict:
     """Two optimizer steps of three micro-batches, on two identical bucketed ZeRO3 models: one
     synchronises every backward, the other runs the first two micro-batches under no_sync (Thunder's
-    ``ThunderModule.no_sync`` and ``skip_data_parallel_grad_sync``), counting reduce-scatters."""
+    ``ThunderModule.no_sync`` and ``skip_data_parallel_grad_sync``), counting the buckets that reduce-scatter."""
     import thunder
     import torch.distributed as dist
 
     import thunder_overlap
     from thunder_overlap.transforms import BucketingTransform
 
+    # (gradient shard storage, address written) per reduce_scatter_tensor: a bucket that sends
+    # its gradients where they are makes one call per gradient, each into its own slot.
     sent = []
     reduce_scatter = dist.reduce_scatter_tensor
 
-    def counted(*args, **kwargs):
-        sent.append(1)
-        return reduce_scatter(*args, **kwargs)
+    def counted(output, *args, **kwargs):
+        sent.append((output.untyped_storage().data_ptr(), output.data_ptr()))
+        return reduce_scatter(output, *args, **kwargs)
 
     dist.reduce_scatter_tensor = counted
     result: dict = {"grads": {}, "sent_per_micro_batch": {}, "grads_none_under_no_sync": []}
@@ -316,7 +343,10 @@ def _no_sync_session(rank: int, world_size: int) -> dict:
                 before = len(sent)
                 with context():
                     _loss(jm, *_batch(step, micro + 10 * rank)).backward()
-                sent_per_micro_batch.append(len(sent) - before)
+                written = sent[before:]
+                assert len(set(written)) == len(written), "a gradient shard slot was reduced into twice"
+                # Buckets that sent: the gradient shards written.
+                sent_per_micro_batch.append(len({storage for storage, _ in written}))
                 if mode == "no_sync" and step == 0 and micro < 2:
                     result["grads_none_under_no_sync"].append(all(p.grad is None for p in jm.parameters()))
             grads.append({n: p.grad.clone() for n, p in jm.named_parameters() if p.requires_grad})

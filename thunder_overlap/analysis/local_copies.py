@@ -20,10 +20,13 @@ What each bucket operator copies (``U`` is the bucket's unsharded bytes, ``G`` i
 - ``bucket_reduce_scatter``: ``G + U`` for the ``_chunk_cat`` that lays the gradients out (and
   pads them), plus ``2 U`` for the in-place pre-average when it divides; a bucket of one
   gradient that needs no padding skips the lay-out: ``2 G`` for its pre-average in place, nothing
-  without one. Gradients summed under
-  no_sync add ``2 U`` once, on the step after; not counted.
+  without one. A bucket that sends its gradients where they are (NCCL, no padding: see
+  ``BucketLayout.sends_gradients``) only averages the received shard, ``2 U / world_size``, done
+  at the wait but counted here (the wait cannot tell). Gradients summed under no_sync add
+  ``2 U`` once, on the step after; not counted.
 - ``bucket_reduce_scatter_wait``: nothing; the reduce-scatter wrote the gradient shard in place.
-- ``coalesced_bucket_reduce_scatter``: each member bucket's lay-out and pre-average, as alone.
+- ``coalesced_bucket_reduce_scatter``: each member bucket's lay-out and pre-average (or shard
+  average), as alone.
 - ``coalesced_wait`` of a ``coalesced_bucket_all_gather``: each member bucket's copy-out, as
   alone (``2 U`` for a bucket of several tensors). The wait names no bucket, so these bytes come
   from the issue (:data:`WAIT_COPY_BYTES`, keyed by the issue's name).
@@ -80,12 +83,24 @@ def _laid_out_bytes(bsym: BoundSymbol, gradient_bytes: int) -> int:
     return groups[0].size() * _bytes(futures[0])
 
 
+def _sends_gradients(bucket_id: object, grads: list[TensorProxy]) -> bool:
+    """Whether a live bucket sends these gradients where they are (see ``BucketLayout``)."""
+    from thunder_overlap.bucketing.buffers import bucket_layout
+
+    layout = bucket_layout(bucket_id) if isinstance(bucket_id, int) else None
+    return layout is not None and layout.sends_gradients([math.prod(int(s) for s in g.shape) for g in grads])
+
+
 def reduce_scatter_copy_in(bsym: BoundSymbol) -> int:
-    """``_chunk_cat`` of the gradients into the laid-out input, and the pre-average in place."""
+    """``_chunk_cat`` of the gradients into the laid-out input and the pre-average in place; a
+    bucket that sends its gradients where they are only averages the received shard."""
     grads = _tensors(bsym.flat_args)
     gradients = sum(_bytes(t) for t in grads)
     laid_out = _laid_out_bytes(bsym, gradients)
     divides = bsym.args[-1] is not None
+    if _sends_gradients(bsym.args[0], grads):
+        shard = sum(_bytes(f) for f in _futures(bsym.flat_outs))
+        return 2 * shard if divides else 0
     if len(grads) == 1 and laid_out == gradients:
         # One unpadded gradient is sent as it is, pre-averaged in place when it divides.
         return 2 * gradients if divides else 0
@@ -101,12 +116,15 @@ def accumulate_copy(bsym: BoundSymbol) -> int:
 
 def coalesced_reduce_scatter_copy_in(bsym: BoundSymbol) -> int:
     """Each bucket of a coalesced launch lays out and pre-averages as when launched alone
-    (padding not counted: the operator names buckets, not their padded sizes)."""
-    _, members, grads = bsym.args[:3]
+    (padding not counted: the operator names buckets, not their padded sizes), or, sending its
+    gradients where they are, averages its received shard."""
+    group, members, grads = bsym.args[:3]
     total = 0
-    for (_, divisor, _), member_grads in zip(members, grads, strict=True):
+    for (bucket_id, divisor, _), member_grads in zip(members, grads, strict=True):
         gradients = sum(_bytes(t) for t in member_grads)
-        if len(member_grads) == 1:
+        if _sends_gradients(bucket_id, member_grads):
+            total += 2 * gradients // group.size() if divisor is not None else 0
+        elif len(member_grads) == 1:
             total += 2 * gradients if divisor is not None else 0
         else:
             total += 2 * gradients + (2 * gradients if divisor is not None else 0)

@@ -13,8 +13,9 @@ the forward's estimate to the backward's makes tensors saved for backward keep t
 sharing and persistence across the two traces.
 
 Bucketed collectives run on the bucket pool's buffers (:mod:`thunder_overlap.analysis.pool_slots`):
-an all-gather's output, the copy-out its wait lays the parameters out into, and the laid-out
-gradients of a reduce-scatter (which hold the buffer, not the gradients, until the future dies).
+an all-gather's output, the copy-out its wait lays the parameters out into, and a padded bucket's
+laid-out gradients (which hold the buffer, not the gradients, until the reduce-scatter's future
+dies); an unpadded bucket's reduce-scatter holds the gradients themselves, as a plain one does.
 The estimate records each such buffer's live interval on the step's timeline, plans the pool's
 slots from them and counts the plan as persistent, for the whole step, as the pool holds it.
 
@@ -515,12 +516,20 @@ def _bucket_pool_op(name: str, bsym: BoundSymbol, books: _Books, buckets: Bucket
 
 
 def _reduce_scatter_input(layout: BucketLayout, grads, books: _Books) -> list[int]:
-    """What a bucketed reduce-scatter sends, held by its future: the one gradient as it is, or a
-    pool buffer the gradients are laid out into (they are then free to go)."""
+    """What a bucketed reduce-scatter sends, held by its future: the gradients where they are
+    (a dense copy of a strided one), or, when they need padding, a pool buffer they are laid out
+    into (they are then free to go)."""
     grads = [g for g in grads if isinstance(g, TensorProxy)]
-    if layout.sends_as_is([math.prod(int(s) for s in g.shape) for g in grads]):
-        return [books.storage_of[g.name] for g in grads if g.name in books.storage_of]
-    return [books.new_pool_storage(layout, "reduce-scatter")]
+    if not layout.sends_gradients([math.prod(int(s) for s in g.shape) for g in grads]):
+        return [books.new_pool_storage(layout, "reduce-scatter")]
+    held = []
+    for g in grads:
+        if g.name not in books.storage_of:
+            continue
+        strides = books.strides.get(g.name)
+        dense = strides is None or _is_contiguous(tuple(int(s) for s in g.shape), strides)
+        held.append(books.storage_of[g.name] if dense else books.new_storage(g))
+    return held
 
 
 # Collectives that work in place on their (first) input: hybrid sharding's all-reduces of a

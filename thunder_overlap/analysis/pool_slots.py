@@ -2,8 +2,9 @@
 
 A bucketed collective runs on flat buffers from one pool (:class:`~thunder_overlap.bucketing.buffers.BufferPool`):
 an all-gather output from its issue until its future dies, the parameter-major copy-out from the
-wait until the last view of a parameter dies, and a reduce-scatter's laid-out gradients from the
-issue until the future dies. The pool hands a buffer out again once it is idle, to any use of
+wait until the last view of a parameter dies, and a padded bucket's laid-out gradients from the
+reduce-scatter's issue until its future dies (on NCCL a bucket that needs no padding sends its
+gradients where they are, with no pool buffer). The pool hands a buffer out again once it is idle, to any use of
 the same size and dtype, and never frees one; so it holds, per (numel, dtype), as many buffers as
 the schedule has intervals of that size alive at once.
 
@@ -34,6 +35,10 @@ class BucketLayout:
     itemsize: int
     tensors: int
     world_size: int
+    # Whether several gradients that need no padding are reduce-scattered where they are (NCCL
+    # runs a coalesced launch of reduce-scatters as one; gloo runs them one after another, each
+    # paying its latency, so there they are laid out into one buffer). One always is.
+    sends_unpadded_gradients: bool = False
 
     @property
     def copies_out(self) -> bool:
@@ -41,10 +46,13 @@ class BucketLayout:
         with one tensor, or one rank, the parameters are views of the gather output."""
         return self.tensors > 1 and self.world_size > 1
 
-    def sends_as_is(self, gradient_numels: list[int]) -> bool:
-        """Whether the reduce-scatter sends the gradient itself, with no laid-out buffer: one
-        gradient that needs no padding."""
-        return self.tensors == 1 and gradient_numels == [self.unsharded_numel]
+    def sends_gradients(self, gradient_numels: list[int]) -> bool:
+        """Whether the reduce-scatter reads the gradients where they are (one collective per
+        gradient, in one launch) rather than from a pool buffer they are laid out into: when no
+        gradient needs padding (they add up to the unsharded buffer) and they are one, or the
+        backend runs a launch of several as one."""
+        unpadded = sum(gradient_numels) == self.unsharded_numel
+        return unpadded and (self.tensors == 1 or self.sends_unpadded_gradients)
 
     @property
     def nbytes(self) -> int:

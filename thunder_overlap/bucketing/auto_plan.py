@@ -22,9 +22,9 @@ contiguous buckets:
   block that fits under the cap alone is not split across buckets to fill one;
 - small parameters (norms, biases, embeddings) merge with their neighbours, and a small remainder
   at the end merges into the bucket before it;
-- merging costs copies: a bucket of several tensors is copied out of the gathered buffer and its
-  gradients laid out into one (about ``COPY_BYTES_PER_BYTE`` bytes moved per byte, at memory
-  bandwidth), which a one-tensor bucket skips. A parameter joins an unsaturated bucket only where
+- merging costs copies: a bucket of several tensors is copied out of the gathered buffer (and its
+  gradients laid out into one where they need padding): about ``COPY_BYTES_PER_BYTE`` bytes
+  moved per byte, at memory bandwidth, which a one-tensor bucket skips. A parameter joins an unsaturated bucket only where
   the launch latency it saves exceeds the copy time it adds, so on a fast network a parameter
   that saturates the link on its own goes alone, as it would without buckets.
 
@@ -172,8 +172,9 @@ def plan_auto_buckets(
 
 
 # Bytes moved per byte of a bucket holding several tensors, per collective: the all-gather's
-# copy-out reads and writes it (2), as the reduce-scatter's lay-out does (2, per
-# analysis/local_copies.py): about 2 per collective.
+# copy-out reads and writes it (2, per analysis/local_copies.py). The reduce-scatter's lay-out
+# does the same only where the gradients need padding (others are sent where they are), so 2
+# for every collective errs toward fewer merges.
 COPY_BYTES_PER_BYTE = 2
 
 

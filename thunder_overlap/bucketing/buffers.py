@@ -9,8 +9,11 @@ Each bucket (see :mod:`thunder_overlap.bucketing.plan`) owns, for the life of th
   still aliases the first, which is what accumulation and ``zero_grad(set_to_none=False)`` do.
 
 Unsharded buffers come from a :class:`BufferPool` shared by the module's buckets: all-gather
-outputs, the parameter-major layout they are copied out into, and the reduce-scatter inputs into
-which one ``_chunk_cat`` lays out (and pads) a bucket's gradients. A buffer is handed out again
+outputs, the parameter-major layout they are copied out into, and, for a bucket whose gradients
+need padding or a backend that runs coalesced reduce-scatters one by one (gloo), the
+reduce-scatter input into which one ``_chunk_cat`` lays them out. Otherwise (NCCL, no padding)
+a bucket reduce-scatters each gradient where it is, straight into its slot of the gradient shard,
+all in one launch: no copy-in and no pool buffer. A buffer is handed out again
 only when no tensor of its storage is alive anymore. ZeRO2 keeps every gathered bucket alive
 until backward, so the pool holds one buffer per bucket; ZeRO3 frees each after its last use,
 so the pool holds no more than were alive at once. After the first step nothing is allocated.
@@ -41,6 +44,17 @@ from thunder_overlap.analysis.pool_slots import BucketLayout, PoolSlot, describe
 from thunder_overlap.bucketing.plan import BucketPlan
 
 __all__ = ["BucketBuffers", "BufferPool", "PendingCollective", "PoolSlot", "bucket_layout", "lookup_bucket", "register_bucket"]
+
+
+def runs_coalesced_reduce_scatters_as_one(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether a coalesced launch of several reduce-scatters costs about one launch on ``group``.
+
+    NCCL groups them into one kernel. gloo runs them one after another (12 small ones took 8x
+    the time of one reduce-scatter of their total on two CPU ranks), so gloo buckets keep laying
+    their gradients out. The fake backend stands for NCCL: it is what predictions trace on.
+    """
+    backend = dist.get_backend(group)
+    return backend == "fake" or (device.type == "cuda" and "nccl" in backend)
 
 
 def _storage_users(t: torch.Tensor) -> int:
@@ -112,12 +126,18 @@ class PendingCollective:
     """What a bucketed collective's start returns and its wait consumes."""
 
     # None between prepare and launch, and for members of a coalesced launch (its manager waits).
-    work: dist.Work | None
+    work: dist.Work | dist.distributed_c10d._CoalescingManager | None
     result: torch.Tensor
     # A view of the collective's input while it runs, so that its pool buffer stays busy.
     source: torch.Tensor | None = None
     # Storage users of result and source just before the launch (see settle).
     users_at_launch: tuple[int, int | None] | None = None
+    # A reduce-scatter that reads the gradients where they are: (piece of result, gradient) per
+    # tensor, sent as one launch; source is then None.
+    sends: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # Divides the result in place once complete (the average of a reduce-scatter that sends the
+    # gradients themselves, which are the backward's tensors and not ours to change).
+    divide_by: float | None = None
 
     def mark_launch(self) -> None:
         """Records how many tensors use the buffers before the backend takes its own views."""
@@ -167,6 +187,7 @@ class BucketBuffers:
             itemsize=flat_shard.element_size(),
             tensors=len(plan.slots),
             world_size=self.world_size,
+            sends_unpadded_gradients=runs_coalesced_reduce_scatters_as_one(process_group, flat_shard.device),
         )
         self._grad_shards: list[_Reusable] = []
         self.allocations = 0
@@ -260,25 +281,29 @@ class BucketBuffers:
         self.allocations += 1
         return buffer.view(-1)
 
-    def _lay_out(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Copies (and pads) every gradient of the bucket into a pool buffer with one
-        ``_chunk_cat``: row r of its (world_size, shard_numel) view is what rank r receives."""
+    def _check_gradient_count(self, grads: list[torch.Tensor]) -> None:
         if len(grads) != len(self.plan.slots):
             raise RuntimeError(
                 f"thunder_overlap bucketing: bucket {self.plan.label!r} expects {len(self.plan.slots)} gradients, got {len(grads)}"
             )
+
+    def _lay_out(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Copies (and pads) every gradient of the bucket into a pool buffer with one
+        ``_chunk_cat``: row r of its (world_size, shard_numel) view is what rank r receives."""
+        self._check_gradient_count(grads)
         flat = self.flat_shard
         laid_out = self.pool.acquire(self.world_size * self.plan.shard_numel, flat.dtype, flat.device, f"{self.plan.label} reduce-scatter")
         torch._chunk_cat(grads, dim=0, num_chunks=self.world_size, out=laid_out.view(self.world_size, self.plan.shard_numel))
         return laid_out
 
-    def _is_laid_out(self, grads: list[torch.Tensor]) -> bool:
-        """True for a bucket's one gradient that needs no padding, with nothing summed under no_sync."""
+    def _sends_gradients(self, grads: list[torch.Tensor]) -> bool:
+        """True when the gradients are sent where they are: the backend runs their launch as one,
+        none is padded, nothing is summed under no_sync, and they have the bucket's dtype (the
+        memory estimator decides from the layout and the numels)."""
         return (
-            self.layout.sends_as_is([g.numel() for g in grads])
+            self.layout.sends_gradients([g.numel() for g in grads])
             and self.unsynced_grads is None
-            and grads[0].is_contiguous()
-            and grads[0].dtype == self.flat_shard.dtype
+            and all(g.dtype == self.flat_shard.dtype for g in grads)
         )
 
     def start_reduce_scatter(self, grads: list[torch.Tensor], divisor: float | None) -> PendingCollective:
@@ -287,28 +312,44 @@ class BucketBuffers:
         return pending
 
     def prepare_reduce_scatter(self, grads: list[torch.Tensor], divisor: float | None) -> PendingCollective:
-        """Everything before the launch: lays the gradients out (adding those summed under
-        no_sync), pre-averages and takes a free gradient shard to reduce into."""
-        if self._is_laid_out(grads):
-            # One unpadded gradient already is the rank-major input: send it as it is, pre-averaged
-            # in place (it is the backward's own intermediate, read by nothing else), instead of a
-            # _chunk_cat into a pool buffer and a divide there.
-            reduce_input = grads[0].view(-1)
-            if divisor is not None:
-                reduce_input.div_(divisor)
-        else:
-            reduce_input = self._lay_out(grads)
-            if self.unsynced_grads is not None:
-                reduce_input.add_(self.unsynced_grads)
-                self.unsynced_grads = None
-            if divisor is not None:
-                reduce_input.div_(divisor)
-        return PendingCollective(None, self._free_grad_shard(), source=reduce_input)
+        """Everything before the launch: takes a free gradient shard to reduce into and, for a
+        padded bucket, lays the gradients out (adding those summed under no_sync) and pre-averages.
 
-    def launch_reduce_scatter(self, pending: PendingCollective, *, async_op: bool) -> dist.Work | None:
-        """Issues the prepared reduce-scatter; inside a ``_coalescing_manager`` it only joins that launch."""
+        Gradients that need no padding are sent where they are, each into its slot of the
+        gradient shard, and the shard is averaged once complete: no copy and no pool buffer (the
+        backward frees each gradient once the collective is done with it, as without buckets).
+        """
+        self._check_gradient_count(grads)
+        shard = self._free_grad_shard()
+        if self._sends_gradients(grads):
+            pieces = [shard[s.offset : s.offset + s.numel] for s in self.plan.slots]
+            # A gradient can come strided (a transposed matmul's); a collective needs it dense.
+            sends = [(piece, g.contiguous().view(-1)) for piece, g in zip(pieces, grads, strict=True)]
+            return PendingCollective(None, shard, sends=sends, divide_by=divisor)
+        reduce_input = self._lay_out(grads)
+        if self.unsynced_grads is not None:
+            reduce_input.add_(self.unsynced_grads)
+            self.unsynced_grads = None
+        if divisor is not None:
+            reduce_input.div_(divisor)
+        return PendingCollective(None, shard, source=reduce_input)
+
+    def launch_reduce_scatter(
+        self, pending: PendingCollective, *, async_op: bool
+    ) -> dist.Work | dist.distributed_c10d._CoalescingManager | None:
+        """Issues the prepared reduce-scatter; inside a ``_coalescing_manager`` it only joins that
+        launch (``async_op=False``). Gradients sent where they are go out as one launch of their own."""
         pending.mark_launch()
-        return dist.reduce_scatter_tensor(pending.result, pending.source, group=self.process_group, async_op=async_op)
+        group = self.process_group
+        if pending.sends is None:
+            return dist.reduce_scatter_tensor(pending.result, pending.source, group=group, async_op=async_op)
+        if len(pending.sends) == 1 or not async_op:
+            works = [dist.reduce_scatter_tensor(piece, g, group=group, async_op=async_op) for piece, g in pending.sends]
+            return works[0] if len(works) == 1 else None
+        with dist._coalescing_manager(group, async_ops=True) as manager:
+            for piece, g in pending.sends:
+                dist.reduce_scatter_tensor(piece, g, group=group)
+        return manager
 
     def finish_reduce_scatter(self, pending: PendingCollective, slots: tuple[int, ...]) -> list[torch.Tensor]:
         pending.work.wait()
@@ -316,7 +357,12 @@ class BucketBuffers:
         return self.reduced_views(pending, slots)
 
     def reduced_views(self, pending: PendingCollective, slots: tuple[int, ...]) -> list[torch.Tensor]:
-        """The gradient shards of ``slots`` from a finished reduce-scatter (views, no copy)."""
+        """The gradient shards of ``slots`` from a finished reduce-scatter (views, no copy),
+        averaged in place if the reduce-scatter sent the gradients themselves."""
+        pending.sends = None  # the backward may free the gradients now
+        if pending.divide_by is not None:
+            pending.result.div_(pending.divide_by)
+            pending.divide_by = None
         return self._slot_views(pending.result, slots)
 
     def _slot_views(self, flat: torch.Tensor, slots: tuple[int, ...]) -> list[torch.Tensor]:

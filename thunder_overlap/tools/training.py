@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -64,6 +65,9 @@ class TrainSetup:
     replicas: int = 1
     optimizer: str = "sgd"  # or "adamw"
     adamw_eps: float = 1e-8
+    # Buckets reduce-scatter unpadded gradients where they are, as they do on NCCL, whatever the
+    # backend (over gloo this runs that path for real; see BucketLayout.sends_unpadded_gradients).
+    send_gradients_where_they_are: bool = False
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLEMENTATIONS:
@@ -88,6 +92,12 @@ class BucketCensus:
     frozen_buckets: int
     # Buckets of more than one parameter (only those need a copy-out after gathering).
     multi_parameter_buckets: int
+    # Trainable buckets that lay their gradients out for the reduce-scatter: those with a
+    # parameter Thunder padded, and those of several tensors where the backend runs coalesced
+    # reduce-scatters one by one (gloo). The others send their gradients where they are.
+    laid_out_buckets: int
+    # reduce_scatter_tensor calls per step: one per laid-out bucket, one per gradient of the others.
+    reduce_scatter_calls: int
     # Copy ops that read or wrote a bucket buffer, by aten op name.
     bucket_copies: dict[str, int]
     # Copies the process group makes inside one reduce_scatter_tensor of its own (gloo reduces
@@ -208,6 +218,7 @@ def collective_groups(trace) -> list[tuple[str, tuple[int, ...], int]]:
 def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
     """Trains on this rank's slice of each global batch; call inside an initialised process group."""
     model = _build_model(setup)
+    unsharded_numels = {name: p.numel() for name, p in model.named_parameters()}
     device = torch.device("cpu")
     if setup.impl == "thunder_overlap":
         mesh = None
@@ -234,6 +245,9 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
 
     rows = slice(rank * setup.micro_batch, (rank + 1) * setup.micro_batch)
     bucketing = BucketingTransform.of(jm) if setup.impl == "thunder_overlap" else None
+    if setup.send_gradients_where_they_are and bucketing is not None:
+        for bucket in bucketing.buckets.values():
+            bucket.layout = dataclasses.replace(bucket.layout, sends_unpadded_gradients=True)
     census, allocations_after_first_step = OpCensus(), None
     losses, step_ms, first_grads = [], [], {}
     for step in range(setup.steps):
@@ -253,7 +267,7 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
             allocations_after_first_step = bucketing.allocations
     bucket_census = None
     if census.records:
-        bucket_census = _bucket_census(jm, bucketing, census, allocations_after_first_step)
+        bucket_census = _bucket_census(jm, bucketing, census, allocations_after_first_step, unsharded_numels)
 
     shards = {name: p.detach().clone() for name, p in jm.named_parameters()}
     peak = None
@@ -293,7 +307,9 @@ def _backend_copies_per_reduce_scatter(group) -> int:
     return len(census.copies)
 
 
-def _bucket_census(jm, bucketing: BucketingTransform, census: OpCensus, allocations_after_first_step: int) -> BucketCensus:
+def _bucket_census(
+    jm, bucketing: BucketingTransform, census: OpCensus, allocations_after_first_step: int, unsharded_numels: dict[str, int]
+) -> BucketCensus:
     storages = bucketing.buffer_storages()
     copies: dict[str, int] = {}
     for record in census.touching(storages):
@@ -302,6 +318,10 @@ def _bucket_census(jm, bucketing: BucketingTransform, census: OpCensus, allocati
     grad_shards = {g.untyped_storage().data_ptr() for b in bucketing.buckets.values() for g in b.grad_shards}
     grads = [p.grad for p in jm.parameters() if p.requires_grad]
     planned = bucketing.slot_plan(jm)
+    trainable = [b for b in bucketing.buckets.values() if b.plan.requires_grad]
+    # Padded: a gradient (the parameter's unsharded size) smaller than its slot's share of the gather.
+    padded = {b.plan.label for b in trainable if any(unsharded_numels[s.name] < b.world_size * s.numel for s in b.plan.slots)}
+    laid_out = [b for b in trainable if b.plan.label in padded or (b.layout.tensors > 1 and not b.layout.sends_unpadded_gradients)]
     return BucketCensus(
         forward_all_gathers=bucketing.summaries["forward"].all_gathers,
         backward_all_gathers=bucketing.summaries["backward"].all_gathers,
@@ -309,6 +329,8 @@ def _bucket_census(jm, bucketing: BucketingTransform, census: OpCensus, allocati
         buckets=len(bucketing.plans),
         frozen_buckets=sum(not p.requires_grad for p in bucketing.plans),
         multi_parameter_buckets=sum(len(p.slots) > 1 for p in bucketing.plans),
+        laid_out_buckets=len(laid_out),
+        reduce_scatter_calls=len(laid_out) + sum(b.layout.tensors for b in trainable if b not in laid_out),
         bucket_copies=copies,
         backend_copies_per_reduce_scatter=_backend_copies_per_reduce_scatter(bucketing.process_group),
         bucket_allocations=sum(bool(r.outputs & storages) and r.allocated_bytes > 0 for r in census.records),
