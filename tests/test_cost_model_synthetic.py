@@ -241,7 +241,8 @@ def test_a_coalesced_bucket_reduce_scatter_costs_each_members_lay_out():
     two_grads_bytes = (32 + 4) * 4
     assert local_copy_bytes(bsym) == 4 * two_grads_bytes
     averaged = SimpleNamespace(sym=bsym.sym, args=(None, ((1, 2.0, (0,)),), [[grad(16, 8)]]))
-    assert local_copy_bytes(averaged) == 2 * 128 * 4  # one out-of-place pre-average
+    # One gradient is sent as it is and the received shard averaged (the whole of it on one rank).
+    assert local_copy_bytes(averaged) == 2 * 128 * 4
 
 
 def test_a_coalesced_bucket_all_gather_wait_costs_each_members_copy_out():

@@ -165,6 +165,8 @@ def test_steady_state_step_allocates_nothing_and_copies_at_most_once_per_bucket_
     # others send each gradient where it is.
     if bucketing.endswith(SENDS_GRADIENTS):
         assert census.laid_out_buckets == 1
+    else:  # over gloo every bucket here lays out: several tensors, or the padded embedding
+        assert census.laid_out_buckets == census.reduce_scatters
     assert copies.pop("_chunk_cat") == census.laid_out_buckets
     # Whatever is left is the process group's own copy inside each reduce_scatter_tensor.
     backend_copies = census.backend_copies_per_reduce_scatter * census.reduce_scatter_calls

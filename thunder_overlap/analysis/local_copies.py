@@ -18,12 +18,11 @@ What each bucket operator copies (``U`` is the bucket's unsharded bytes, ``G`` i
 - ``bucket_all_gather_wait``: ``2 U``, the ``split_with_sizes_copy`` from the rank-major gather
   output to the parameter-major layout; nothing when the bucket holds one tensor (views suffice).
 - ``bucket_reduce_scatter``: ``G + U`` for the ``_chunk_cat`` that lays the gradients out (and
-  pads them), plus ``2 U`` for the in-place pre-average when it divides; a bucket of one
-  gradient that needs no padding skips the lay-out: ``2 G`` for its pre-average in place, nothing
-  without one. A bucket that sends its gradients where they are (NCCL, no padding: see
+  pads them), plus ``2 U`` for the in-place pre-average when it divides. A bucket that sends its
+  gradients where they are (one that needs no padding, of one gradient or on NCCL: see
   ``BucketLayout.sends_gradients``) only averages the received shard, ``2 U / world_size``, done
-  at the wait but counted here (the wait cannot tell). Gradients summed under no_sync add
-  ``2 U`` once, on the step after; not counted.
+  at the wait but counted here (the wait cannot tell), nothing without a divisor. Gradients
+  summed under no_sync add ``2 U`` once, on the step after; not counted.
 - ``bucket_reduce_scatter_wait``: nothing; the reduce-scatter wrote the gradient shard in place.
 - ``coalesced_bucket_reduce_scatter``: each member bucket's lay-out and pre-average (or shard
   average), as alone.
@@ -98,12 +97,10 @@ def reduce_scatter_copy_in(bsym: BoundSymbol) -> int:
     gradients = sum(_bytes(t) for t in grads)
     laid_out = _laid_out_bytes(bsym, gradients)
     divides = bsym.args[-1] is not None
-    if _sends_gradients(bsym.args[0], grads):
+    # A bucket not alive (a synthetic trace) is taken to send one unpadded gradient as it is.
+    if _sends_gradients(bsym.args[0], grads) or (len(grads) == 1 and laid_out == gradients):
         shard = sum(_bytes(f) for f in _futures(bsym.flat_outs))
         return 2 * shard if divides else 0
-    if len(grads) == 1 and laid_out == gradients:
-        # One unpadded gradient is sent as it is, pre-averaged in place when it divides.
-        return 2 * gradients if divides else 0
     return gradients + laid_out + (2 * laid_out if divides else 0)
 
 
@@ -122,10 +119,9 @@ def coalesced_reduce_scatter_copy_in(bsym: BoundSymbol) -> int:
     total = 0
     for (bucket_id, divisor, _), member_grads in zip(members, grads, strict=True):
         gradients = sum(_bytes(t) for t in member_grads)
-        if _sends_gradients(bucket_id, member_grads):
-            total += 2 * gradients // group.size() if divisor is not None else 0
-        elif len(member_grads) == 1:
-            total += 2 * gradients if divisor is not None else 0
+        if _sends_gradients(bucket_id, member_grads) or len(member_grads) == 1:
+            world_size = 1 if group is None else group.size()
+            total += 2 * gradients // world_size if divisor is not None else 0
         else:
             total += 2 * gradients + (2 * gradients if divisor is not None else 0)
     return total

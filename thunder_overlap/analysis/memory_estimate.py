@@ -13,9 +13,10 @@ the forward's estimate to the backward's makes tensors saved for backward keep t
 sharing and persistence across the two traces.
 
 Bucketed collectives run on the bucket pool's buffers (:mod:`thunder_overlap.analysis.pool_slots`):
-an all-gather's output, the copy-out its wait lays the parameters out into, and a padded bucket's
-laid-out gradients (which hold the buffer, not the gradients, until the reduce-scatter's future
-dies); an unpadded bucket's reduce-scatter holds the gradients themselves, as a plain one does.
+an all-gather's output, the copy-out its wait lays the parameters out into, and the laid-out
+gradients of a reduce-scatter (which hold the buffer, not the gradients, until the future dies).
+A bucket that sends its gradients where they are (``BucketLayout.sends_gradients``) takes no
+buffer: its reduce-scatter holds the gradients themselves, as a plain one does.
 The estimate records each such buffer's live interval on the step's timeline, plans the pool's
 slots from them and counts the plan as persistent, for the whole step, as the pool holds it.
 
@@ -517,8 +518,8 @@ def _bucket_pool_op(name: str, bsym: BoundSymbol, books: _Books, buckets: Bucket
 
 def _reduce_scatter_input(layout: BucketLayout, grads, books: _Books) -> list[int]:
     """What a bucketed reduce-scatter sends, held by its future: the gradients where they are
-    (a dense copy of a strided one), or, when they need padding, a pool buffer they are laid out
-    into (they are then free to go)."""
+    (a dense copy of a strided one) when the layout says so, or else a pool buffer they are laid
+    out into (they are then free to go)."""
     grads = [g for g in grads if isinstance(g, TensorProxy)]
     if not layout.sends_gradients([math.prod(int(s) for s in g.shape) for g in grads]):
         return [books.new_pool_storage(layout, "reduce-scatter")]

@@ -2,10 +2,10 @@
 
 A bucketed collective runs on flat buffers from one pool (:class:`~thunder_overlap.bucketing.buffers.BufferPool`):
 an all-gather output from its issue until its future dies, the parameter-major copy-out from the
-wait until the last view of a parameter dies, and a padded bucket's laid-out gradients from the
-reduce-scatter's issue until its future dies (on NCCL a bucket that needs no padding sends its
-gradients where they are, with no pool buffer). The pool hands a buffer out again once it is idle, to any use of
-the same size and dtype, and never frees one; so it holds, per (numel, dtype), as many buffers as
+wait until the last view of a parameter dies, and a reduce-scatter's laid-out gradients from the
+issue until the future dies (unless the bucket sends its gradients where they are:
+:meth:`BucketLayout.sends_gradients`). The pool hands a buffer out again once it is idle, to any
+use of the same size and dtype, and never frees one; so it holds, per (numel, dtype), as many buffers as
 the schedule has intervals of that size alive at once.
 
 :func:`plan_slots` colours the intervals the way the pool reuses (in order of start, the first

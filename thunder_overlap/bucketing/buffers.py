@@ -343,13 +343,15 @@ class BucketBuffers:
         group = self.process_group
         if pending.sends is None:
             return dist.reduce_scatter_tensor(pending.result, pending.source, group=group, async_op=async_op)
-        if len(pending.sends) == 1 or not async_op:
-            works = [dist.reduce_scatter_tensor(piece, g, group=group, async_op=async_op) for piece, g in pending.sends]
-            return works[0] if len(works) == 1 else None
-        with dist._coalescing_manager(group, async_ops=True) as manager:
-            for piece, g in pending.sends:
-                dist.reduce_scatter_tensor(piece, g, group=group)
-        return manager
+        if async_op and len(pending.sends) > 1:
+            with dist._coalescing_manager(group, async_ops=True) as manager:
+                for piece, g in pending.sends:
+                    dist.reduce_scatter_tensor(piece, g, group=group)
+            return manager
+        work = None
+        for piece, g in pending.sends:  # one alone, or members of the caller's launch
+            work = dist.reduce_scatter_tensor(piece, g, group=group, async_op=async_op)
+        return work
 
     def finish_reduce_scatter(self, pending: PendingCollective, slots: tuple[int, ...]) -> list[torch.Tensor]:
         pending.work.wait()
