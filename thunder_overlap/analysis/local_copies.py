@@ -82,12 +82,15 @@ def _laid_out_bytes(bsym: BoundSymbol, gradient_bytes: int) -> int:
     return groups[0].size() * _bytes(futures[0])
 
 
-def _sends_gradients(bucket_id: object, grads: list[TensorProxy]) -> bool:
-    """Whether a live bucket sends these gradients where they are (see ``BucketLayout``)."""
+def _sends_gradients(bucket_id: object, grads: list[TensorProxy], *, unpadded: bool) -> bool:
+    """Whether the bucket sends these gradients where they are (``BucketLayout.sends_gradients``).
+    A bucket not alive (a synthetic trace) is taken to send one gradient as it is if ``unpadded``."""
     from thunder_overlap.bucketing.buffers import bucket_layout
 
     layout = bucket_layout(bucket_id) if isinstance(bucket_id, int) else None
-    return layout is not None and layout.sends_gradients([math.prod(int(s) for s in g.shape) for g in grads])
+    if layout is None:
+        return len(grads) == 1 and unpadded
+    return layout.sends_gradients([math.prod(int(s) for s in g.shape) for g in grads])
 
 
 def reduce_scatter_copy_in(bsym: BoundSymbol) -> int:
@@ -97,8 +100,7 @@ def reduce_scatter_copy_in(bsym: BoundSymbol) -> int:
     gradients = sum(_bytes(t) for t in grads)
     laid_out = _laid_out_bytes(bsym, gradients)
     divides = bsym.args[-1] is not None
-    # A bucket not alive (a synthetic trace) is taken to send one unpadded gradient as it is.
-    if _sends_gradients(bsym.args[0], grads) or (len(grads) == 1 and laid_out == gradients):
+    if _sends_gradients(bsym.args[0], grads, unpadded=laid_out == gradients):
         shard = sum(_bytes(f) for f in _futures(bsym.flat_outs))
         return 2 * shard if divides else 0
     return gradients + laid_out + (2 * laid_out if divides else 0)
@@ -119,7 +121,7 @@ def coalesced_reduce_scatter_copy_in(bsym: BoundSymbol) -> int:
     total = 0
     for (bucket_id, divisor, _), member_grads in zip(members, grads, strict=True):
         gradients = sum(_bytes(t) for t in member_grads)
-        if _sends_gradients(bucket_id, member_grads) or len(member_grads) == 1:
+        if _sends_gradients(bucket_id, member_grads, unpadded=True):  # padding unknown here
             world_size = 1 if group is None else group.size()
             total += 2 * gradients // world_size if divisor is not None else 0
         else:

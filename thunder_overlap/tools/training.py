@@ -319,9 +319,8 @@ def _bucket_census(
     grads = [p.grad for p in jm.parameters() if p.requires_grad]
     planned = bucketing.slot_plan(jm)
     trainable = [b for b in bucketing.buckets.values() if b.plan.requires_grad]
-    # Padded: a gradient (the parameter's unsharded size) smaller than its slot's share of the gather.
-    padded = {b.plan.label for b in trainable if any(unsharded_numels[s.name] < b.world_size * s.numel for s in b.plan.slots)}
-    laid_out = [b for b in trainable if b.plan.label in padded or (b.layout.tensors > 1 and not b.layout.sends_unpadded_gradients)]
+    # The gradients have the parameters' unsharded sizes (Thunder pads only the gathered shards).
+    laid_out = [b for b in trainable if not b.layout.sends_gradients([unsharded_numels[s.name] for s in b.plan.slots])]
     return BucketCensus(
         forward_all_gathers=bucketing.summaries["forward"].all_gathers,
         backward_all_gathers=bucketing.summaries["backward"].all_gathers,
