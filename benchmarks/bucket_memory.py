@@ -31,7 +31,7 @@ The variants swap only the runtime of the buckets (the class of each
 are the same.
 
     python benchmarks/bucket_memory.py --n-layer 8 --sharding zero3 --shape parameters \
-        --out benchmarks/measured/bucket_memory/zero3_parameters.md
+        --out benchmarks/measured/bucket_memory/zero3_parameters.md   # and zero3_parameters.json
 
 It ends with the issue's target: block and layer peak at most none's plus one block buffer.
 """
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -224,7 +225,7 @@ def main() -> None:
     parser.add_argument("--shape", default="activations", choices=sorted(SHAPES), help="what dominates the peak (see the docstring)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps before the counted one (the first is warm-up)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--out", type=Path, default=None, help="also write the markdown table here")
+    parser.add_argument("--out", type=Path, default=None, help="also write the markdown table here, and the raw results beside it (.json)")
     args = parser.parse_args()
     model = TinyGPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, block_size=64)
     sequences, length = SHAPES[args.shape]
@@ -266,6 +267,8 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("\n".join(lines) + "\n")
+        raw = {"args": {k: str(v) for k, v in vars(args).items()}, "results": [dataclasses.asdict(r) for r in results.values()]}
+        args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -168,9 +168,12 @@ def test_steady_state_step_allocates_nothing_and_copies_at_most_once_per_bucket_
     else:  # over gloo every bucket here lays out: several tensors, or the padded embedding
         assert census.laid_out_buckets == census.reduce_scatters
     assert copies.pop("_chunk_cat") == census.laid_out_buckets
-    # Whatever is left is the process group's own copy inside each reduce_scatter_tensor.
-    backend_copies = census.backend_copies_per_reduce_scatter * census.reduce_scatter_calls
-    assert copies == ({"copy_": backend_copies} if backend_copies else {})
+    # Whatever is left: the row a bucket all-reduced in place copies out (gloo), and the process
+    # group's own copy inside each reduce_scatter_tensor.
+    row_copies = census.reduced_in_place + census.backend_copies_per_reduce_scatter * census.reduce_scatter_calls
+    assert copies == ({"copy_": row_copies} if row_copies else {})
+    if not bucketing.endswith(SENDS_GRADIENTS):  # over gloo, none of them reduce-scatters a copy
+        assert census.reduced_in_place == census.laid_out_buckets
     assert census.pads == 0
     assert census.grads_are_bucket_views
 
@@ -215,6 +218,31 @@ def test_sending_gradients_where_they_are_frees_the_reduce_scatter_buffers(deep_
     reduce_scatter_users = {use for slot in sent.pool_users for use in slot if use.endswith("reduce-scatter")}
     assert reduce_scatter_users == {"wte reduce-scatter"}
     assert sent.pool_buffers[block_numel] < laid_out.pool_buffers[block_numel]
+
+
+def _pool_reuse_after_in_place_all_reduces(rank: int, world_size: int, rounds: int) -> int:
+    """Allocations of a pool whose one buffer is all-reduced in place, waited on, settled and
+    dropped, ``rounds`` times over: the bucket path of a laid-out reduce-scatter over gloo."""
+    import torch.distributed as dist
+
+    from thunder_overlap.bucketing.buffers import BufferPool, PendingCollective, _all_reduce_in_place
+
+    pool = BufferPool()
+    for _ in range(rounds):
+        buffer = pool.acquire(1 << 16, torch.float32, torch.device("cpu"), "reduce-scatter")
+        pending = PendingCollective(None, buffer, source=buffer)
+        pending.mark_launch()
+        pending.work = _all_reduce_in_place(buffer, dist.group.WORLD)
+        pending.work.wait()
+        pending.settle()
+        del buffer, pending
+    return pool.allocations
+
+
+def test_a_buffer_all_reduced_in_place_is_idle_once_settled():
+    # gloo's all-reduce work holds the tensor it is handed until its worker thread lets go,
+    # sometimes after wait returns; settle must see that hold, or the pool grows by chance.
+    assert run_local_ranks(_pool_reuse_after_in_place_all_reduces, WORLD_SIZE, (200,)) == [1, 1]
 
 
 @pytest.mark.parametrize("name", ["zero2", "zero3", "zero3, one block ahead", "zero3, gradients sent"])
@@ -315,21 +343,22 @@ def _no_sync_session(rank: int, world_size: int) -> dict:
     synchronises every backward, the other runs the first two micro-batches under no_sync (Thunder's
     ``ThunderModule.no_sync`` and ``skip_data_parallel_grad_sync``), counting the buckets that reduce-scatter."""
     import thunder
-    import torch.distributed as dist
 
     import thunder_overlap
+    from thunder_overlap.bucketing.buffers import BucketBuffers
     from thunder_overlap.transforms import BucketingTransform
 
-    # (gradient shard storage, address written) per reduce_scatter_tensor: a bucket that sends
-    # its gradients where they are makes one call per gradient, each into its own slot.
+    # (gradient shard storage, address written) per reduce-scatter launched: a bucket that sends
+    # its gradients where they are writes each into its own slot, the others the whole shard.
     sent = []
-    reduce_scatter = dist.reduce_scatter_tensor
+    launch_reduce_scatter = BucketBuffers.launch_reduce_scatter
 
-    def counted(output, *args, **kwargs):
-        sent.append((output.untyped_storage().data_ptr(), output.data_ptr()))
-        return reduce_scatter(output, *args, **kwargs)
+    def counted(bucket, pending, **kwargs):
+        written = [piece for piece, _ in pending.sends] if pending.sends is not None else [pending.result]
+        sent.extend((t.untyped_storage().data_ptr(), t.data_ptr()) for t in written)
+        return launch_reduce_scatter(bucket, pending, **kwargs)
 
-    dist.reduce_scatter_tensor = counted
+    BucketBuffers.launch_reduce_scatter = counted
     result: dict = {"grads": {}, "sent_per_micro_batch": {}, "grads_none_under_no_sync": []}
     for mode in ("sync", "no_sync"):
         torch.manual_seed(0)

@@ -225,7 +225,7 @@ class _Books:
         self.coalesced_gathers: dict[str, list[tuple[BucketLayout, int, int]]] = {}
         self.now = 0  # the bound symbol being walked, on the step's timeline
 
-    def new_storage(self, proxy: TensorProxy | FutureTensorProxy, persistent: bool = False, nbytes: int | None = None) -> int:
+    def new_storage(self, proxy: TensorProxy | FutureTensorProxy | None, persistent: bool = False, nbytes: int | None = None) -> int:
         if nbytes is None:
             # From the shape: FSDP's sharded proxies keep the unsharded ``numel``.
             nbytes = math.prod(int(s) for s in proxy.shape) * proxy.dtype.bytes
@@ -508,7 +508,8 @@ def _bucket_pool_op(name: str, bsym: BoundSymbol, books: _Books, buckets: Bucket
         layouts = [buckets(bucket_id) for bucket_id, _, _ in bsym.args[1]]
         if None in layouts:
             return None
-        return [s for layout, grads in zip(layouts, bsym.args[2], strict=True) for s in _reduce_scatter_input(layout, grads, books)]
+        members = zip(layouts, bsym.args[2], strict=True)
+        return [s for layout, grads in members for s in _reduce_scatter_input(layout, grads, books, coalesced=True)]
     if name == "bucket_accumulate_grads" and (layout := buckets(bsym.args[0])) is not None:
         # The lay-out is summed into the kept gradients at once: busy for this op only.
         storage = books.new_pool_storage(layout, "no_sync lay-out")
@@ -516,14 +517,18 @@ def _bucket_pool_op(name: str, bsym: BoundSymbol, books: _Books, buckets: Bucket
     return None
 
 
-def _reduce_scatter_input(layout: BucketLayout, grads, books: _Books) -> list[int]:
+def _reduce_scatter_input(layout: BucketLayout, grads, books: _Books, *, coalesced: bool = False) -> list[int]:
     """What a bucketed reduce-scatter sends, held by its future: the gradients where they are
     (a dense copy of a strided one) when the layout says so, or else a pool buffer they are laid
-    out into (they are then free to go)."""
+    out into (they are then free to go); and, where the backend copies a reduce-scatter's input,
+    that copy (a lone laid-out bucket avoids it: it all-reduces its own buffer in place)."""
     grads = [g for g in grads if isinstance(g, TensorProxy)]
-    if not layout.sends_gradients([math.prod(int(s) for s in g.shape) for g in grads]):
-        return [books.new_pool_storage(layout, "reduce-scatter")]
+    sends = layout.sends_gradients([math.prod(int(s) for s in g.shape) for g in grads])
     held = []
+    if layout.reduce_scatter_copies_input and (sends or coalesced):
+        held.append(books.new_storage(None, nbytes=layout.nbytes))
+    if not sends:
+        return [*held, books.new_pool_storage(layout, "reduce-scatter")]
     for g in grads:
         if g.name not in books.storage_of:
             continue

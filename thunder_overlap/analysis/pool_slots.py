@@ -39,6 +39,9 @@ class BucketLayout:
     # runs a coalesced launch of reduce-scatters as one; gloo runs them one after another, each
     # paying its latency, so there they are laid out into one buffer). One always is.
     sends_unpadded_gradients: bool = False
+    # Whether the backend copies a reduce-scatter's whole input into a buffer of its own, which
+    # its Work holds until the wait: gloo does (measured with LiveMemoryTracker), NCCL does not.
+    reduce_scatter_copies_input: bool = False
 
     @property
     def copies_out(self) -> bool:

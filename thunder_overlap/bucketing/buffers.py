@@ -62,6 +62,17 @@ def _storage_users(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
+def _all_reduce_in_place(tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    """An async all-reduce of ``tensor`` whose release :meth:`PendingCollective.settle` can see.
+
+    gloo's all-reduce work keeps the very tensor it is handed until its worker thread lets go,
+    which may be after ``wait`` returns; a handle to a tensor the caller holds adds no storage
+    user, so the buffer would turn idle by that thread's timing. Handed a view of its own, the
+    work's hold is one storage user, released when the work is.
+    """
+    return dist.all_reduce(tensor.view(-1), group=group, async_op=True)
+
+
 class _Reusable:
     """A buffer and the number of storage users it has when nothing outside holds a view."""
 
@@ -138,6 +149,9 @@ class PendingCollective:
     # Divides the result in place once complete (the average of a reduce-scatter that sends the
     # gradients themselves, which are the backward's tensors and not ours to change).
     divide_by: float | None = None
+    # A laid-out input all-reduced in place (see launch_reduce_scatter): the wait copies this
+    # rank's row of source into result.
+    row_of_source: int | None = None
 
     def mark_launch(self) -> None:
         """Records how many tensors use the buffers before the backend takes its own views."""
@@ -188,6 +202,7 @@ class BucketBuffers:
             tensors=len(plan.slots),
             world_size=self.world_size,
             sends_unpadded_gradients=runs_coalesced_reduce_scatters_as_one(process_group, flat_shard.device),
+            reduce_scatter_copies_input=dist.get_backend(process_group) == "gloo",
         )
         self._grad_shards: list[_Reusable] = []
         self.allocations = 0
@@ -341,6 +356,13 @@ class BucketBuffers:
         launch (``async_op=False``). Gradients sent where they are go out as one launch of their own."""
         pending.mark_launch()
         group = self.process_group
+        if pending.sends is None and async_op and self.layout.reduce_scatter_copies_input:
+            # gloo's reduce-scatter all-reduces a copy of its whole input, held until the wait,
+            # then copies out this rank's row. The laid-out buffer is ours to overwrite: the same
+            # all-reduce runs on it in place, with no copy. (In a coalesced launch every member
+            # must be a reduce-scatter, so there gloo keeps its copy.)
+            pending.row_of_source = group.rank()
+            return _all_reduce_in_place(pending.source, group)
         if pending.sends is None:
             return dist.reduce_scatter_tensor(pending.result, pending.source, group=group, async_op=async_op)
         if async_op and len(pending.sends) > 1:
@@ -362,6 +384,9 @@ class BucketBuffers:
         """The gradient shards of ``slots`` from a finished reduce-scatter (views, no copy),
         averaged in place if the reduce-scatter sent the gradients themselves."""
         pending.sends = None  # the backward may free the gradients now
+        if pending.row_of_source is not None:
+            pending.result.copy_(pending.source.view(self.world_size, -1)[pending.row_of_source])
+            pending.row_of_source = None
         if pending.divide_by is not None:
             pending.result.div_(pending.divide_by)
             pending.divide_by = None
@@ -380,7 +405,7 @@ class BucketBuffers:
         flat.div_(divisor)
         pending = PendingCollective(None, flat)
         pending.mark_launch()
-        pending.work = dist.all_reduce(flat, group=group, async_op=True)
+        pending.work = _all_reduce_in_place(flat, group)
         return pending
 
     def finish_all_reduce(self, pending: PendingCollective, slots: tuple[int, ...]) -> list[torch.Tensor]:

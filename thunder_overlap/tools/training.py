@@ -21,6 +21,7 @@ from thunder.core.proxies import FutureTensorProxy
 
 from thunder_overlap.analysis.classify import NodeKind, classify_trace
 from thunder_overlap.api import fsdp as overlap_fsdp
+from thunder_overlap.bucketing.buffers import lookup_bucket
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import BucketingStrategy, ShardingStrategy, parse_bucketing_strategy, parse_sharding_strategy
 from thunder_overlap.report.schedule_view import ScheduleStats, schedule_picture, schedule_stats
@@ -96,7 +97,10 @@ class BucketCensus:
     # parameter Thunder padded, and those of several tensors where the backend runs coalesced
     # reduce-scatters one by one (gloo). The others send their gradients where they are.
     laid_out_buckets: int
-    # reduce_scatter_tensor calls per step: one per laid-out bucket, one per gradient of the others.
+    # Laid-out buckets that all-reduce their own buffer in place and copy their row out (where
+    # the backend's reduce-scatter would copy its input: gloo), outside coalesced launches.
+    reduced_in_place: int
+    # reduce_scatter_tensor calls per step: one per other laid-out bucket, one per gradient of the rest.
     reduce_scatter_calls: int
     # Copy ops that read or wrote a bucket buffer, by aten op name.
     bucket_copies: dict[str, int]
@@ -267,7 +271,8 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
             allocations_after_first_step = bucketing.allocations
     bucket_census = None
     if census.records:
-        bucket_census = _bucket_census(jm, bucketing, census, allocations_after_first_step, unsharded_numels)
+        backward = thunder.last_backward_traces(jm)[-1]
+        bucket_census = _bucket_census(jm, bucketing, census, allocations_after_first_step, unsharded_numels, backward)
 
     shards = {name: p.detach().clone() for name, p in jm.named_parameters()}
     peak = None
@@ -308,7 +313,12 @@ def _backend_copies_per_reduce_scatter(group) -> int:
 
 
 def _bucket_census(
-    jm, bucketing: BucketingTransform, census: OpCensus, allocations_after_first_step: int, unsharded_numels: dict[str, int]
+    jm,
+    bucketing: BucketingTransform,
+    census: OpCensus,
+    allocations_after_first_step: int,
+    unsharded_numels: dict[str, int],
+    backward,
 ) -> BucketCensus:
     storages = bucketing.buffer_storages()
     copies: dict[str, int] = {}
@@ -321,6 +331,13 @@ def _bucket_census(
     trainable = [b for b in bucketing.buckets.values() if b.plan.requires_grad]
     # The gradients have the parameters' unsharded sizes (Thunder pads only the gathered shards).
     laid_out = [b for b in trainable if not b.layout.sends_gradients([unsharded_numels[s.name] for s in b.plan.slots])]
+    in_coalesced_launch = {
+        id(lookup_bucket(bucket_id))
+        for bsym in backward.bound_symbols
+        if bsym.sym.name == "coalesced_bucket_reduce_scatter"
+        for bucket_id, _, _ in bsym.args[1]
+    }
+    in_place = [b for b in laid_out if b.layout.reduce_scatter_copies_input and id(b) not in in_coalesced_launch]
     return BucketCensus(
         forward_all_gathers=bucketing.summaries["forward"].all_gathers,
         backward_all_gathers=bucketing.summaries["backward"].all_gathers,
@@ -329,7 +346,8 @@ def _bucket_census(
         frozen_buckets=sum(not p.requires_grad for p in bucketing.plans),
         multi_parameter_buckets=sum(len(p.slots) > 1 for p in bucketing.plans),
         laid_out_buckets=len(laid_out),
-        reduce_scatter_calls=len(laid_out) + sum(b.layout.tensors for b in trainable if b not in laid_out),
+        reduced_in_place=len(in_place),
+        reduce_scatter_calls=len(laid_out) - len(in_place) + sum(b.layout.tensors for b in trainable if b not in laid_out),
         bucket_copies=copies,
         backend_copies_per_reduce_scatter=_backend_copies_per_reduce_scatter(bucketing.process_group),
         bucket_allocations=sum(bool(r.outputs & storages) and r.allocated_bytes > 0 for r in census.records),
