@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from thunder.core.proxies import FutureTensorProxy
 
 from thunder_overlap.analysis.classify import NodeKind, classify_trace
+from thunder_overlap.analysis.memory_estimate import estimate_memory
 from thunder_overlap.api import fsdp as overlap_fsdp
 from thunder_overlap.bucketing.buffers import lookup_bucket
 from thunder_overlap.config import OverlapConfig
@@ -131,7 +132,11 @@ class RankResult:
     rank: int
     losses: list[float]
     step_ms: list[float]
+    # Peak live bytes of one more forward and backward (LiveMemoryTracker: what the step
+    # allocates or writes, the bucket pool and the backend's copies), and the memory estimator's
+    # prediction of it from the final traces (persistent inputs left out, as the tracker does).
     peak_step_bytes: int | None
+    predicted_peak_step_bytes: int | None
     forward_picture: str
     backward_picture: str
     forward_stats: ScheduleStats
@@ -275,21 +280,27 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
         bucket_census = _bucket_census(jm, bucketing, census, allocations_after_first_step, unsharded_numels, backward)
 
     shards = {name: p.detach().clone() for name, p in jm.named_parameters()}
-    peak = None
+    peak = predicted_peak = None
+    forward, backward = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
     if setup.measure_memory:
         idx, targets = global_batch(setup, world_size, setup.steps)
         optimizer.zero_grad(set_to_none=True)
         with LiveMemoryTracker() as tracker:
+            for buffer in bucketing.pool.buffers if bucketing is not None else ():
+                tracker.track(buffer)  # held all along, as the estimate counts it
             _loss(jm(idx[rows]), targets[rows]).backward()
         peak = tracker.peak_bytes
         optimizer.zero_grad(set_to_none=True)
+        forward_memory = estimate_memory(forward)
+        backward_memory = estimate_memory(backward, after=forward_memory)
+        predicted_peak = max(forward_memory.peak_beyond_inputs_bytes, backward_memory.peak_beyond_inputs_bytes)
 
-    forward, backward = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
     return RankResult(
         rank=rank,
         losses=losses,
         step_ms=step_ms,
         peak_step_bytes=peak,
+        predicted_peak_step_bytes=predicted_peak,
         forward_picture=schedule_picture(forward),
         backward_picture=schedule_picture(backward),
         forward_stats=schedule_stats(forward),
