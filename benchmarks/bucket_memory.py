@@ -167,7 +167,7 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
     jm = thunder_overlap.fsdp(TinyGPT(model), device="cpu", sharding_strategy=sharding, bucketing_strategy=strategy)
     for bucket in thunder_overlap.BucketingTransform.of(jm).buckets.values() if runtime else ():
         if runtime == "sends_gradients":
-            bucket.layout = dataclasses.replace(bucket.layout, sends_unpadded_gradients=True)
+            bucket.layout = dataclasses.replace(bucket.layout, launches_coalesced_as_one=True)
         else:
             bucket.__class__ = RUNTIMES[runtime]
     optimizer = torch.optim.SGD([p for p in jm.parameters() if p.requires_grad], lr=0.01)

@@ -23,12 +23,12 @@ WORLD_SIZE = 2
 MODEL = TinyGPTConfig(n_layer=2)
 # Auto buckets (sized by the CPU's gloo cost model: wte, the first block, the second block with
 # the final norm) once, with ZeRO3, whose backward re-gathers them too.
-# ":sends_gradients" runs the buckets' reduce-scatters as on NCCL (unpadded gradients sent where
-# they are, no lay-out), which gloo otherwise does not.
-SENDS_GRADIENTS = ":sends_gradients"
+# ":as_on_nccl" runs the buckets as on NCCL (parameters gathered in place, no copy-out; unpadded
+# gradients sent where they are, no lay-out), which gloo otherwise does not.
+AS_ON_NCCL = ":as_on_nccl"
 CASES = [(sharding, bucketing) for sharding in ("zero2", "zero3") for bucketing in ("layer", "block")] + [
     ("zero3", "auto"),
-    ("zero3", "block" + SENDS_GRADIENTS),
+    ("zero3", "block" + AS_ON_NCCL),
 ]
 
 
@@ -75,10 +75,8 @@ class _Runs(dict):
 
     def __missing__(self, case: tuple[str, str]):
         sharding, bucketing = case
-        strategy, sends = bucketing.removesuffix(SENDS_GRADIENTS), bucketing.endswith(SENDS_GRADIENTS)
-        setup = TrainSetup(
-            sharding=sharding, bucketing=strategy, model=MODEL, steps=3, measure_memory=False, send_gradients_where_they_are=sends
-        )
+        strategy, as_on_nccl = bucketing.removesuffix(AS_ON_NCCL), bucketing.endswith(AS_ON_NCCL)
+        setup = TrainSetup(sharding=sharding, bucketing=strategy, model=MODEL, steps=3, measure_memory=False, buckets_as_on_nccl=as_on_nccl)
         ranks = run_local_ranks(train_rank, WORLD_SIZE, (setup,))
         self[case] = (ranks, *train_reference(setup, WORLD_SIZE))
         return self[case]
@@ -157,13 +155,15 @@ def test_steady_state_step_allocates_nothing_and_copies_at_most_once_per_bucket_
     assert census.allocations_after_last_step == census.allocations_after_first_step
     assert census.bucket_allocations == 0
     copies = dict(census.bucket_copies)
-    # Copy-out after a gather: one per multi-parameter bucket and gather (single ones are views).
+    # Copy-out after a gather: one per multi-parameter bucket and gather (single ones are views);
+    # as on NCCL none, each parameter is gathered into its place.
     gathers_per_bucket = 2 if sharding == "zero3" else 1
-    assert copies.pop("split_with_sizes_copy") == census.multi_parameter_buckets * gathers_per_bucket
+    copied_out = 0 if bucketing.endswith(AS_ON_NCCL) else census.multi_parameter_buckets * gathers_per_bucket
+    assert copies.pop("split_with_sizes_copy", 0) == copied_out
     # Copy-in before a reduce-scatter: one per bucket that lays its gradients out (over gloo all
     # of several tensors; as on NCCL, only the odd-sized embedding's, which needs padding); the
     # others send each gradient where it is.
-    if bucketing.endswith(SENDS_GRADIENTS):
+    if bucketing.endswith(AS_ON_NCCL):
         assert census.laid_out_buckets == 1
     else:  # over gloo every bucket here lays out: several tensors, or the padded embedding
         assert census.laid_out_buckets == census.reduce_scatters
@@ -172,7 +172,7 @@ def test_steady_state_step_allocates_nothing_and_copies_at_most_once_per_bucket_
     # group's own copy inside each reduce_scatter_tensor.
     row_copies = census.reduced_in_place + census.backend_copies_per_reduce_scatter * census.reduce_scatter_calls
     assert copies == ({"copy_": row_copies} if row_copies else {})
-    if not bucketing.endswith(SENDS_GRADIENTS):  # over gloo, none of them reduce-scatters a copy
+    if not bucketing.endswith(AS_ON_NCCL):  # over gloo, none of them reduce-scatters a copy
         assert census.reduced_in_place == census.laid_out_buckets
     assert census.pads == 0
     assert census.grads_are_bucket_views
@@ -183,8 +183,8 @@ def deep_runs():
     """Block buckets on a model deeper than the prefetch window (2 blocks)."""
     deep = TinyGPTConfig(n_layer=6)
     setups = {s: TrainSetup(sharding=s, bucketing="block", model=deep, steps=2, measure_memory=False) for s in ("zero2", "zero3")}
-    setups["zero3, one block ahead"] = replace(setups["zero3"], config=OverlapConfig(prefetch_blocks=1.0))
-    setups["zero3, gradients sent"] = replace(setups["zero3"], send_gradients_where_they_are=True)
+    setups["zero3, two blocks ahead"] = replace(setups["zero3"], config=OverlapConfig(prefetch_blocks=2.0))
+    setups["zero3, as on NCCL"] = replace(setups["zero3"], buckets_as_on_nccl=True)
     return {s: run_local_ranks(train_rank, WORLD_SIZE, (setup,))[0].bucket_census for s, setup in setups.items()}
 
 
@@ -204,20 +204,25 @@ def test_zero3_pool_holds_only_what_is_alive_at_once(deep_runs):
     assert deep_runs["zero2"].pool_buffers[block_numel] >= n_blocks
     # ZeRO3 frees a block after its last use; buffers are reused as the window moves. Busy at
     # once: the all-gathers ahead and the reduce-scatters not yet waited on (each limited to
-    # prefetch_blocks of bytes), the block in use and the one being copied out.
-    for name, prefetch_blocks in (("zero3", 2), ("zero3, one block ahead", 1)):
-        assert deep_runs[name].pool_buffers[block_numel] <= 2 * prefetch_blocks + 2, name
-    assert deep_runs["zero3, one block ahead"].pool_buffers[block_numel] < deep_runs["zero3"].pool_buffers[block_numel]
+    # the prefetch depth of bytes: one bucket by default), the block in use and the one being
+    # copied out.
+    for name, depth in (("zero3", 1), ("zero3, two blocks ahead", 2)):
+        assert deep_runs[name].pool_buffers[block_numel] <= 2 * depth + 2, name
+    assert deep_runs["zero3"].pool_buffers[block_numel] < deep_runs["zero3, two blocks ahead"].pool_buffers[block_numel]
 
 
-def test_sending_gradients_where_they_are_frees_the_reduce_scatter_buffers(deep_runs):
-    # As on NCCL: the blocks' gradients need no padding, so their reduce-scatters read them where
-    # they are and take no pool buffer; only the odd-sized embedding still lays its gradient out.
+def test_buckets_as_on_nccl_need_no_copy_out_or_reduce_scatter_buffers(deep_runs):
+    # As on NCCL: each parameter is gathered into its place, so no block needs a copy-out buffer;
+    # the blocks' gradients need no padding, so their reduce-scatters read them where they are
+    # and take no pool buffer; only the odd-sized embedding still lays its gradient out.
     block_numel = max(deep_runs["zero3"].bucket_numels)
-    sent, laid_out = deep_runs["zero3, gradients sent"], deep_runs["zero3"]
-    reduce_scatter_users = {use for slot in sent.pool_users for use in slot if use.endswith("reduce-scatter")}
-    assert reduce_scatter_users == {"wte reduce-scatter"}
-    assert sent.pool_buffers[block_numel] < laid_out.pool_buffers[block_numel]
+    nccl, gloo = deep_runs["zero3, as on NCCL"], deep_runs["zero3"]
+    uses = {use for slot in nccl.pool_users for use in slot}
+    assert {use for use in uses if use.endswith("reduce-scatter")} == {"wte reduce-scatter"}
+    assert not {use for use in uses if use.endswith("copy-out")}
+    # In the forward, the block in use and the one arriving; nothing else is a block buffer.
+    assert nccl.pool_buffers[block_numel] == 2
+    assert nccl.pool_buffers[block_numel] < gloo.pool_buffers[block_numel]
 
 
 def _pool_reuse_after_in_place_all_reduces(rank: int, world_size: int, rounds: int) -> int:
@@ -245,7 +250,7 @@ def test_a_buffer_all_reduced_in_place_is_idle_once_settled():
     assert run_local_ranks(_pool_reuse_after_in_place_all_reduces, WORLD_SIZE, (200,)) == [1, 1]
 
 
-@pytest.mark.parametrize("name", ["zero2", "zero3", "zero3, one block ahead", "zero3, gradients sent"])
+@pytest.mark.parametrize("name", ["zero2", "zero3", "zero3, two blocks ahead", "zero3, as on NCCL"])
 def test_slot_plan_from_the_final_traces_is_the_pool_the_steps_grew(deep_runs, name):
     # Planned from the live intervals of the final traces alone, the pool must be the
     # one the runtime grew over two steps: the same buffers, each serving the same uses in the

@@ -44,7 +44,7 @@ class OverlapConfig:
 
     The all-gather limits bound what is *in flight*: issued but not yet used. A limit of
     ``None`` means no limit of that kind. With every all-gather limit ``None`` the byte limit is
-    derived from the model as ``prefetch_blocks`` times the unsharded bytes of its largest
+    derived from the model as :meth:`prefetch_depth` times the unsharded bytes of its largest
     transformer block (see :func:`thunder_overlap.blocks.find_blocks`), or of its largest bucket
     where that is larger.
     """
@@ -56,12 +56,9 @@ class OverlapConfig:
     # Most all-gather output bytes in flight at once.
     max_in_flight_allgather_bytes: int | None = None
     # Default byte limit in units of the largest block (or of the largest bucket, where auto
-    # buckets hold several blocks): 2 keeps the next two units arriving while the current one
-    # computes (FSDP2 keeps about one block, Thunder <= 0.2.3 kept 3 ops). Two, not one, so that
-    # a launch is queued while the one before it still moves: backends that run collectives
-    # concurrently (gloo's worker threads) then hide one's latency behind the other's transfer.
-    prefetch_blocks: float = 2.0
-    # Most reduce-scatter input bytes in flight; None: prefetch_blocks x the largest block (or bucket).
+    # buckets hold several blocks). None: by what the schedule gathers (see prefetch_depth).
+    prefetch_blocks: float | None = None
+    # Most reduce-scatter input bytes in flight; None: prefetch_depth x the largest block (or bucket).
     # Waiting on a reduce-scatter frees its unsharded gradient, so this bounds gradient memory.
     max_in_flight_reduce_scatter_bytes: int | None = None
     # All-gathers in flight when no limit is set and the model has no repeated blocks to size
@@ -121,10 +118,11 @@ class OverlapConfig:
         _check_number("max_in_flight_reduce_scatter_bytes", self.max_in_flight_reduce_scatter_bytes, int)
         _check_number("fallback_in_flight_allgathers", self.fallback_in_flight_allgathers, int, optional=False)
         _check_number("chained_wait_compute_ops", self.chained_wait_compute_ops, int, allow_zero=True, optional=False)
-        if isinstance(self.prefetch_blocks, bool) or not isinstance(self.prefetch_blocks, (int, float)):
-            raise TypeError(f"OverlapConfig.prefetch_blocks must be a number, got {self.prefetch_blocks!r}")
-        if self.prefetch_blocks <= 0:
-            raise ValueError(f"OverlapConfig.prefetch_blocks must be positive, got {self.prefetch_blocks!r}")
+        if self.prefetch_blocks is not None:
+            if isinstance(self.prefetch_blocks, bool) or not isinstance(self.prefetch_blocks, (int, float)):
+                raise TypeError(f"OverlapConfig.prefetch_blocks must be a number or None, got {self.prefetch_blocks!r}")
+            if self.prefetch_blocks <= 0:
+                raise ValueError(f"OverlapConfig.prefetch_blocks must be positive or None (the default), got {self.prefetch_blocks!r}")
         _check_number("max_prefetch_compute_ops", self.max_prefetch_compute_ops, int, allow_zero=True)
         _check_number("prefetch_time_margin", self.prefetch_time_margin, (int, float))
         _check_number("memory_slack_bytes", self.memory_slack_bytes, int, allow_zero=True, optional=False)
@@ -148,14 +146,31 @@ class OverlapConfig:
         """Whether schedules under this configuration may coalesce launches."""
         return self.coalesce and self.policy not in ("stock", "just_in_time")
 
-    def limits(self, largest_block_bytes: int | None) -> ScheduleLimits:
+    def prefetch_depth(self, *, runs_buckets: bool) -> float:
+        """``prefetch_blocks``, or its default: units in flight beyond the one computing.
+
+        Per-parameter all-gathers: 2, the next two units arriving while the current one computes
+        (Thunder <= 0.2.3 kept 3 ops), so that a launch is queued while the one before it still
+        moves: backends that run collectives concurrently (gloo's worker threads) then hide one's
+        latency behind the other's transfer. Their memory is held only while in flight.
+        Buckets: 1, the next bucket (as FSDP2 prefetches the next module). A gathered bucket is a
+        pool buffer, and the pool keeps as many as were ever busy at once for the whole step, so
+        each bucket more ahead costs its bytes at the step's peak, wherever that is; so does each
+        reduce-scatter more in flight where the gradients are laid out (gloo, padding).
+        """
+        if self.prefetch_blocks is not None:
+            return float(self.prefetch_blocks)
+        return 1.0 if runs_buckets else 2.0
+
+    def limits(self, largest_block_bytes: int | None, *, runs_buckets: bool = False) -> ScheduleLimits:
         """Resolves the limits the policy applies, given the model's largest block size (None
-        when the model has no repeated blocks)."""
+        when the model has no repeated blocks) and whether the schedule's collectives move buckets."""
         if self.policy in ("greedy", "stock"):
             return ScheduleLimits()
         if self.policy == "just_in_time":
             return JUST_IN_TIME_LIMITS
-        block_limit = int(self.prefetch_blocks * largest_block_bytes) if largest_block_bytes else None
+        depth = self.prefetch_depth(runs_buckets=runs_buckets)
+        block_limit = int(depth * largest_block_bytes) if largest_block_bytes else None
         allgather_bytes = self.max_in_flight_allgather_bytes
         allgathers = self.max_in_flight_allgathers
         if allgather_bytes is None and allgathers is None:

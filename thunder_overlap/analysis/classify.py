@@ -64,6 +64,9 @@ _COMMENT_IDS = {prims.PrimIDs.COMMENT}
 # Names of the operators of coalesced launches (transforms/executor.py): the issue operators take
 # (group, one entry per member, inputs...), and one ``coalesced_wait`` completes them all.
 COALESCED_PREFIX = "coalesced_"
+# The bucketed collectives' issue operators (transforms/executor.py), also the suffixes of their
+# coalesced launches.
+BUCKET_COLLECTIVES = ("bucket_all_gather", "bucket_reduce_scatter")
 
 
 @dataclass
@@ -126,6 +129,12 @@ class AnnotatedTrace:
         """True for the trace's inputs: names no node computes (only the header unpacks them)."""
         p = self.producer.get(name)
         return p is None or self.nodes[p].kind is NodeKind.HEADER
+
+    @property
+    def runs_buckets(self) -> bool:
+        """Whether its all-gathers or reduce-scatters move buckets (on the bucket pool's buffers,
+        which are held for the whole step) rather than one parameter each."""
+        return any(self.nodes[c.start].name.endswith(BUCKET_COLLECTIVES) for c in self.collectives)
 
 
 def _proxy_names(values) -> tuple[str, ...]:

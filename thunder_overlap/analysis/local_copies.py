@@ -16,7 +16,8 @@ What each bucket operator copies (``U`` is the bucket's unsharded bytes, ``G`` i
 
 - ``bucket_all_gather``: nothing; the flat shard it sends is the parameters' storage.
 - ``bucket_all_gather_wait``: ``2 U``, the ``split_with_sizes_copy`` from the rank-major gather
-  output to the parameter-major layout; nothing when the bucket holds one tensor (views suffice).
+  output to the parameter-major layout; nothing when the bucket holds one tensor (views suffice)
+  or gathers each parameter in place (on NCCL: ``BucketLayout.copies_out``).
 - ``bucket_reduce_scatter``: ``G + U`` for the ``_chunk_cat`` that lays the gradients out (and
   pads them), plus ``2 U`` for the in-place pre-average when it divides. A bucket that sends its
   gradients where they are (one that needs no padding, of one gradient or on NCCL: see
@@ -27,7 +28,7 @@ What each bucket operator copies (``U`` is the bucket's unsharded bytes, ``G`` i
 - ``coalesced_bucket_reduce_scatter``: each member bucket's lay-out and pre-average (or shard
   average), as alone.
 - ``coalesced_wait`` of a ``coalesced_bucket_all_gather``: each member bucket's copy-out, as
-  alone (``2 U`` for a bucket of several tensors). The wait names no bucket, so these bytes come
+  alone (``2 U`` for a bucket of several tensors that copies out). The wait names no bucket, so these bytes come
   from the issue (:data:`WAIT_COPY_BYTES`, keyed by the issue's name).
 - ``bucket_accumulate_grads`` (no_sync): the ``_chunk_cat`` (``G + U``) and the sum into the kept
   gradients (``3 U``), with ``U`` taken as ``G``: this operator has no process group to pad by.
@@ -64,8 +65,19 @@ def no_copy(bsym: BoundSymbol) -> int:
     return 0
 
 
+def _layout(bucket_id: object):
+    """The live bucket's layout; None for a bucket not alive (a synthetic trace)."""
+    from thunder_overlap.bucketing.buffers import bucket_layout
+
+    return bucket_layout(bucket_id) if isinstance(bucket_id, int) else None
+
+
 def all_gather_copy_out(bsym: BoundSymbol) -> int:
-    """Reads and writes each gathered bucket once, unless its one output is the whole of it."""
+    """Reads and writes each gathered bucket once, unless its one output is the whole of it or
+    the bucket gathers in place."""
+    layout = _layout(bsym.args[1])
+    if layout is not None and not layout.copies_out:
+        return 0
     (gathered,) = _futures(bsym.flat_args)
     outputs = _tensors(bsym.flat_outs)
     if len(outputs) == 1 and _bytes(outputs[0]) == _bytes(gathered):
@@ -85,9 +97,7 @@ def _laid_out_bytes(bsym: BoundSymbol, gradient_bytes: int) -> int:
 def _sends_gradients(bucket_id: object, grads: list[TensorProxy], *, unpadded: bool) -> bool:
     """Whether the bucket sends these gradients where they are (``BucketLayout.sends_gradients``).
     A bucket not alive (a synthetic trace) is taken to send one gradient as it is if ``unpadded``."""
-    from thunder_overlap.bucketing.buffers import bucket_layout
-
-    layout = bucket_layout(bucket_id) if isinstance(bucket_id, int) else None
+    layout = _layout(bucket_id)
     if layout is None:
         return len(grads) == 1 and unpadded
     return layout.sends_gradients([math.prod(int(s) for s in g.shape) for g in grads])
@@ -130,13 +140,18 @@ def coalesced_reduce_scatter_copy_in(bsym: BoundSymbol) -> int:
 
 
 def coalesced_all_gather_copy_out(issue: BoundSymbol) -> int:
-    """The copy-out of every member bucket of several tensors, from the coalesced issue: a
-    member's gathered ranks are ``world_size`` times its flat shard (the shards it sends)."""
-    group, _, shards = issue.args[:3]
+    """The copy-out of every member bucket of several tensors that copies out, from the coalesced
+    issue: a member's gathered ranks are ``world_size`` times its flat shard (the shards it sends)."""
+    group, members, shards = issue.args[:3]
     world_size = group.size()
     if world_size <= 1:
         return 0
-    return sum(2 * world_size * sum(_bytes(s) for s in member) for member in shards if len(member) > 1)
+    total = 0
+    for (bucket_id, _, _), member in zip(members, shards, strict=True):
+        layout = _layout(bucket_id)
+        if len(member) > 1 and (layout is None or layout.copies_out):
+            total += 2 * world_size * sum(_bytes(s) for s in member)
+    return total
 
 
 # Copies a wait makes that only its collective's issue can count, by the issue's name.

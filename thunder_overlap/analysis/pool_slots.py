@@ -1,12 +1,14 @@
 """The bucket pool's slot plan: which unsharded buffers a schedule needs, from its live intervals.
 
 A bucketed collective runs on flat buffers from one pool (:class:`~thunder_overlap.bucketing.buffers.BufferPool`):
-an all-gather output from its issue until its future dies, the parameter-major copy-out from the
-wait until the last view of a parameter dies, and a reduce-scatter's laid-out gradients from the
-issue until the future dies (unless the bucket sends its gradients where they are:
-:meth:`BucketLayout.sends_gradients`). The pool hands a buffer out again once it is idle, to any
-use of the same size and dtype, and never frees one; so it holds, per (numel, dtype), as many buffers as
-the schedule has intervals of that size alive at once.
+an all-gather output from its issue until its future dies (until the last view of a parameter
+dies, where the parameters are views of it: :attr:`BucketLayout.copies_out`), the
+parameter-major copy-out from the wait until the last view of a parameter dies, and a
+reduce-scatter's laid-out gradients from the issue until the future dies (unless the bucket
+sends its gradients where they are: :meth:`BucketLayout.sends_gradients`). The pool hands a
+buffer out again once it is idle, to any use of the same size and dtype, and never frees one;
+so it holds, per (numel, dtype), as many buffers as the schedule has intervals of that size
+alive at once.
 
 :func:`plan_slots` colours the intervals the way the pool reuses (in order of start, the first
 idle buffer of the same size): on intervals this is optimal, so the plan has exactly the maximum
@@ -35,19 +37,30 @@ class BucketLayout:
     itemsize: int
     tensors: int
     world_size: int
-    # Whether several gradients that need no padding are reduce-scattered where they are (NCCL
-    # runs a coalesced launch of reduce-scatters as one; gloo runs them one after another, each
-    # paying its latency, so there they are laid out into one buffer). One always is.
-    sends_unpadded_gradients: bool = False
+    # Whether the backend runs a coalesced launch of several collectives as one (NCCL's group
+    # calls; gloo runs them one after another, each paying its latency). Then a bucket of
+    # several tensors gathers each parameter straight into its place in the buffer (no
+    # copy-out) and reduce-scatters each unpadded gradient where it is (no lay-out); otherwise
+    # it gathers rank-major and copies out, and lays its gradients out into one buffer.
+    launches_coalesced_as_one: bool = False
     # Whether the backend copies a reduce-scatter's whole input into a buffer of its own, which
     # its Work holds until the wait: gloo does (measured with LiveMemoryTracker), NCCL does not.
     reduce_scatter_copies_input: bool = False
 
     @property
     def copies_out(self) -> bool:
-        """Whether the wait lays the gather out parameter by parameter into a second buffer:
-        with one tensor, or one rank, the parameters are views of the gather output."""
-        return self.tensors > 1 and self.world_size > 1
+        """Whether the wait lays the gather out parameter by parameter into a second buffer.
+        With one tensor, or one rank, the parameters are views of the gather output; where a
+        coalesced launch runs as one, each parameter is gathered into its place (see
+        :attr:`gathers_in_place`)."""
+        return self.tensors > 1 and self.world_size > 1 and not self.launches_coalesced_as_one
+
+    @property
+    def gathers_in_place(self) -> bool:
+        """Whether the all-gather is one coalesced launch of an all-gather per parameter, each
+        into the parameter's own place in the buffer: the buffer is then parameter-major as it
+        arrives, with no copy-out and no second buffer."""
+        return self.tensors > 1 and self.world_size > 1 and self.launches_coalesced_as_one
 
     def sends_gradients(self, gradient_numels: list[int]) -> bool:
         """Whether the reduce-scatter reads the gradients where they are (one collective per
@@ -55,7 +68,7 @@ class BucketLayout:
         gradient needs padding (they add up to the unsharded buffer) and they are one, or the
         backend runs a launch of several as one."""
         unpadded = sum(gradient_numels) == self.unsharded_numel
-        return unpadded and (self.tensors == 1 or self.sends_unpadded_gradients)
+        return unpadded and (self.tensors == 1 or self.launches_coalesced_as_one)
 
     @property
     def nbytes(self) -> int:

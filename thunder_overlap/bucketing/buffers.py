@@ -8,12 +8,15 @@ Each bucket (see :mod:`thunder_overlap.bucketing.plan`) owns, for the life of th
   keeps the tensor it is given when ``.grad`` is None). A second one is used only while ``.grad``
   still aliases the first, which is what accumulation and ``zero_grad(set_to_none=False)`` do.
 
-Unsharded buffers come from a :class:`BufferPool` shared by the module's buckets: all-gather
-outputs, the parameter-major layout they are copied out into, and, for a bucket whose gradients
-need padding or a backend that runs coalesced reduce-scatters one by one (gloo), the
-reduce-scatter input into which one ``_chunk_cat`` lays them out. Otherwise (NCCL, no padding)
-a bucket reduce-scatters each gradient where it is, straight into its slot of the gradient shard,
-all in one launch: no copy-in and no pool buffer. A buffer is handed out again
+Unsharded buffers come from a :class:`BufferPool` shared by the module's buckets. Where the
+backend runs a coalesced launch as one (NCCL: ``BucketLayout.launches_coalesced_as_one``), a
+bucket gathers each parameter straight into its place in one buffer, whose views are the
+parameters, and reduce-scatters each unpadded gradient where it is, straight into its slot of
+the gradient shard: one launch each way, no copy and no buffer but the gathered one. gloo runs
+such a launch one collective after another, each paying its latency, so there a bucket gathers
+its flat shard rank-major into one buffer and copies it out parameter by parameter into a
+second, and lays its gradients out into a third with one ``_chunk_cat`` (so does a bucket whose
+gradients need padding, on any backend). A buffer is handed out again
 only when no tensor of its storage is alive anymore. ZeRO2 keeps every gathered bucket alive
 until backward, so the pool holds one buffer per bucket; ZeRO3 frees each after its last use,
 so the pool holds no more than were alive at once. After the first step nothing is allocated.
@@ -46,12 +49,13 @@ from thunder_overlap.bucketing.plan import BucketPlan
 __all__ = ["BucketBuffers", "BufferPool", "PendingCollective", "PoolSlot", "bucket_layout", "lookup_bucket", "register_bucket"]
 
 
-def runs_coalesced_reduce_scatters_as_one(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether a coalesced launch of several reduce-scatters costs about one launch on ``group``.
+def runs_coalesced_launches_as_one(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether a coalesced launch of several collectives costs about one launch on ``group``.
 
-    NCCL groups them into one kernel. gloo runs them one after another (12 small ones took 8x
-    the time of one reduce-scatter of their total on two CPU ranks), so gloo buckets keep laying
-    their gradients out. The fake backend stands for NCCL: it is what predictions trace on.
+    NCCL groups them into one kernel. gloo runs them one after another (12 small reduce-scatters
+    took 8x the time of one of their total on two CPU ranks), so gloo buckets keep gathering
+    rank-major and laying their gradients out. The fake backend stands for NCCL: it is what
+    predictions trace on.
     """
     backend = dist.get_backend(group)
     return backend == "fake" or (device.type == "cuda" and "nccl" in backend)
@@ -201,9 +205,12 @@ class BucketBuffers:
             itemsize=flat_shard.element_size(),
             tensors=len(plan.slots),
             world_size=self.world_size,
-            sends_unpadded_gradients=runs_coalesced_reduce_scatters_as_one(process_group, flat_shard.device),
+            launches_coalesced_as_one=runs_coalesced_launches_as_one(process_group, flat_shard.device),
             reduce_scatter_copies_input=dist.get_backend(process_group) == "gloo",
         )
+        # Each parameter's shard, made once: views taken during a step would be aten ops on the
+        # parameters' storage in every step (memory trackers would count it as new).
+        self._shard_pieces = [flat_shard[s.offset : s.offset + s.numel] for s in plan.slots]
         self._grad_shards: list[_Reusable] = []
         self.allocations = 0
         # Gradients summed under no_sync, laid out like a reduce-scatter input; the next
@@ -253,10 +260,27 @@ class BucketBuffers:
         )
         return PendingCollective(None, out)
 
-    def launch_all_gather(self, pending: PendingCollective, *, async_op: bool) -> dist.Work | None:
-        """Issues the prepared all-gather; inside a ``_coalescing_manager`` it only joins that launch."""
+    def launch_all_gather(
+        self, pending: PendingCollective, *, async_op: bool
+    ) -> dist.Work | dist.distributed_c10d._CoalescingManager | None:
+        """Issues the prepared all-gather; inside a ``_coalescing_manager`` it only joins that
+        launch (``async_op=False``). Gathered in place, it is one all-gather per parameter into
+        the parameter's own place, one launch of its own when async."""
         pending.mark_launch()
-        return dist.all_gather_into_tensor(pending.result, self.flat_shard, group=self.process_group, async_op=async_op)
+        group = self.process_group
+        if not self.layout.gathers_in_place:
+            return dist.all_gather_into_tensor(pending.result, self.flat_shard, group=group, async_op=async_op)
+        world = self.world_size
+        places = [pending.result[world * s.offset : world * (s.offset + s.numel)] for s in self.plan.slots]
+        if async_op:
+            with dist._coalescing_manager(group, async_ops=True) as manager:
+                for place, shard in zip(places, self._shard_pieces, strict=True):
+                    dist.all_gather_into_tensor(place, shard, group=group)
+            return manager
+        work = None
+        for place, shard in zip(places, self._shard_pieces, strict=True):
+            work = dist.all_gather_into_tensor(place, shard, group=group, async_op=async_op)
+        return work
 
     def finish_all_gather(self, pending: PendingCollective, slots: tuple[int, ...]) -> list[torch.Tensor]:
         """Waits, then lays the gathered ranks out parameter by parameter (:meth:`copy_out`)."""
@@ -265,11 +289,12 @@ class BucketBuffers:
         return self.copy_out(pending.result, slots)
 
     def copy_out(self, gathered: torch.Tensor, slots: tuple[int, ...]) -> list[torch.Tensor]:
-        """The unsharded parameters of ``slots`` from a finished gather, with one copy.
+        """The unsharded parameters of ``slots`` from a finished gather, with at most one copy.
 
-        The gather output is rank-major (every rank's whole flat shard in turn); an unsharded
-        parameter needs its rows from every rank next to each other. With one slot, or one
-        rank, the two layouts coincide and views suffice.
+        A rank-major gather output (every rank's whole flat shard in turn) is copied out, since
+        an unsharded parameter needs its rows from every rank next to each other. With one slot,
+        or one rank, the two layouts coincide, and a gather in place is parameter-major already:
+        views suffice.
         """
         world, plan = self.world_size, self.plan
         unsharded = gathered

@@ -70,7 +70,7 @@ def schedule_trace(
         if issue_order is not None and IssueOrder.of_schedule(annotated, order) != issue_order:
             raise ValueError("the stock policy keeps Thunder's order, which does not follow the given issue order")
         return ScheduledTrace(apply_order(annotated, order, provenance=provenance), annotated, order, None)
-    limits = config.limits(largest_block_bytes)
+    limits = config.limits(largest_block_bytes, runs_buckets=annotated.runs_buckets)
     estimates = _CostModelOnDemand(annotated, cost_model)
     # Prefetching stretches by time only with a given cost model; coalescing falls back to the default.
     stretches = limits.prefetch_time_margin is not None and cost_model is not None

@@ -67,9 +67,10 @@ class TrainSetup:
     replicas: int = 1
     optimizer: str = "sgd"  # or "adamw"
     adamw_eps: float = 1e-8
-    # Buckets reduce-scatter unpadded gradients where they are, as they do on NCCL, whatever the
-    # backend (over gloo this runs that path for real; see BucketLayout.sends_unpadded_gradients).
-    send_gradients_where_they_are: bool = False
+    # Buckets run as they do on NCCL whatever the backend: parameters gathered in place and
+    # unpadded gradients reduce-scattered where they are, each a coalesced launch (over gloo this
+    # runs those paths for real, one collective after another; see BucketLayout.launches_coalesced_as_one).
+    buckets_as_on_nccl: bool = False
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLEMENTATIONS:
@@ -254,9 +255,9 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
 
     rows = slice(rank * setup.micro_batch, (rank + 1) * setup.micro_batch)
     bucketing = BucketingTransform.of(jm) if setup.impl == "thunder_overlap" else None
-    if setup.send_gradients_where_they_are and bucketing is not None:
+    if setup.buckets_as_on_nccl and bucketing is not None:
         for bucket in bucketing.buckets.values():
-            bucket.layout = dataclasses.replace(bucket.layout, sends_unpadded_gradients=True)
+            bucket.layout = dataclasses.replace(bucket.layout, launches_coalesced_as_one=True)
     census, allocations_after_first_step = OpCensus(), None
     losses, step_ms, first_grads = [], [], {}
     for step in range(setup.steps):
