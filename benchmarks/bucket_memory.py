@@ -21,10 +21,11 @@ Variants:
   ``pack``/``unpack`` bucketing up to 0.2.3, which concatenated on every call);
 - ``<strategy>:allocate_every_iteration``: one copy-in and one copy-out per bucket into buffers
   taken from the allocator on every call (PyTorch FSDP2's way);
-- ``<strategy>:sends_gradients``: thunder_overlap's buckets as they run on NCCL: unpadded
-  gradients are reduce-scattered where they are (one launch per bucket), with no lay-out and no
-  pool buffer. gloo runs such a launch one reduce-scatter after another, so over gloo buckets lay
-  their gradients out unless told otherwise, as here.
+- ``<strategy>:as_on_nccl``: thunder_overlap's buckets as they run on NCCL, where a coalesced
+  launch runs as one: each parameter is gathered straight into its place (no copy-out buffer) and
+  unpadded gradients are reduce-scattered where they are (no lay-out, no pool buffer), one launch
+  per bucket each way. gloo runs such a launch one collective after another, so over gloo
+  buckets gather rank-major, copy out and lay their gradients out unless told otherwise, as here.
 
 The variants swap only the runtime of the buckets (the class of each
 :class:`~thunder_overlap.bucketing.buffers.BucketBuffers`, or its layout); traces and schedule
@@ -61,11 +62,11 @@ from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 VARIANTS = (
     "none",
     "layer",
-    "layer:sends_gradients",
+    "layer:as_on_nccl",
     "layer:concat_every_call",
     "layer:allocate_every_iteration",
     "block",
-    "block:sends_gradients",
+    "block:as_on_nccl",
     "block:concat_every_call",
     "block:allocate_every_iteration",
 )
@@ -166,7 +167,7 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
     torch.manual_seed(0)
     jm = thunder_overlap.fsdp(TinyGPT(model), device="cpu", sharding_strategy=sharding, bucketing_strategy=strategy)
     for bucket in thunder_overlap.BucketingTransform.of(jm).buckets.values() if runtime else ():
-        if runtime == "sends_gradients":
+        if runtime == "as_on_nccl":
             bucket.layout = dataclasses.replace(bucket.layout, launches_coalesced_as_one=True)
         else:
             bucket.__class__ = RUNTIMES[runtime]
@@ -242,7 +243,7 @@ def main() -> None:
     for variant in args.variants:
         r = results[variant] = run_local_ranks(_measure, 2, (variant, args.sharding, model, args.shape, args.steps))[0]
         # The estimate and the pool are thunder_overlap's runtime's; the reimplementations use neither.
-        ours = variant.partition(":")[2] in ("", "sends_gradients")
+        ours = variant.partition(":")[2] in ("", "as_on_nccl")
         predicted = f"{r.predicted_peak_mib:.2f}" if ours else "-"
         pool = f"{r.pool_mib:.2f} ({r.pool_buffers})" if ours else "-"
         lines.append(
@@ -252,7 +253,7 @@ def main() -> None:
         print(lines[-1], flush=True)
     if "none" in results:
         lines.append("")
-        for variant in ("layer", "layer:sends_gradients", "block", "block:sends_gradients"):
+        for variant in ("layer", "layer:as_on_nccl", "block", "block:as_on_nccl"):
             if variant in results:
                 r, none = results[variant], results["none"]
                 # One transformer block's unsharded buffer: the block strategy's largest bucket.

@@ -62,7 +62,8 @@ def test_benchmark_writes_sane_json(tmp_path, impl):
 
 
 def test_bad_options_name_the_value_and_the_accepted_ones():
-    with pytest.raises(ValueError, match=r"--impl='deepspeed'.*thunder_overlap, thunder_overlap_uncoalesced, thunder, fsdp2"):
+    accepted = "thunder_overlap, thunder_overlap_uncoalesced, thunder_overlap_two_ahead, thunder, fsdp2"
+    with pytest.raises(ValueError, match=rf"--impl='deepspeed'.*{accepted}"):
         BenchmarkConfig(impl="deepspeed")
     with pytest.raises(ValueError, match=r"unknown network 'slow'.*custom:<latency_us>"):
         BenchmarkConfig(network="slow")
@@ -78,17 +79,24 @@ def test_benchmark_schedules_thunder_overlap_for_the_named_link():
 
     from fsdp_bench.impls import overlap_config
 
-    config = overlap_config(BenchmarkConfig(network="custom:1000:0.05"), torch.device("cpu"), coalesce=False)
+    config = overlap_config(BenchmarkConfig(network="custom:1000:0.05"), torch.device("cpu"), "thunder_overlap_uncoalesced")
     assert (config.cost_model.network.latency_s, config.cost_model.network.bus_bandwidth) == (1e-3, 0.05e9)
     assert config.cost_model.device.name == "cpu" and not config.coalesce
+    assert overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_two_ahead").bucket_eager_prefetch_blocks is None
     assert overlap_config(BenchmarkConfig(), torch.device("cpu")).cost_model is None
     # The testbed names its link to every run that traces thunder_overlap, and to no other.
     from slow_link import TestbedConfig
 
     testbed = TestbedConfig(rate_mbit=400, link_latency_us=1000)
-    labels = ("thunder", "compute_only", "comm_only@auto", "thunder_overlap_uncoalesced@none")
+    labels = ("thunder", "compute_only", "comm_only@auto", "thunder_overlap_uncoalesced@none", "thunder_overlap_two_ahead@block")
     named = {label: "--network" in testbed.benchmark_args(label, Path("run.json")) for label in labels}
-    assert named == {"thunder": False, "compute_only": False, "comm_only@auto": True, "thunder_overlap_uncoalesced@none": True}
+    assert named == {
+        "thunder": False,
+        "compute_only": False,
+        "comm_only@auto": True,
+        "thunder_overlap_uncoalesced@none": True,
+        "thunder_overlap_two_ahead@block": True,
+    }
     assert testbed.network == "custom:1000:0.05:ring:2"  # gloo runs two launches at once
     with pytest.raises(ValueError, match=r"--link-latency-us=-1.0 .*accepted are a latency >= 0"):
         TestbedConfig(link_latency_us=-1.0)

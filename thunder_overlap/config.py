@@ -44,7 +44,7 @@ class OverlapConfig:
 
     The all-gather limits bound what is *in flight*: issued but not yet used. A limit of
     ``None`` means no limit of that kind. With every all-gather limit ``None`` the byte limit is
-    derived from the model as :meth:`prefetch_depth` times the unsharded bytes of its largest
+    derived from the model as ``prefetch_blocks`` times the unsharded bytes of its largest
     transformer block (see :func:`thunder_overlap.blocks.find_blocks`), or of its largest bucket
     where that is larger.
     """
@@ -56,9 +56,24 @@ class OverlapConfig:
     # Most all-gather output bytes in flight at once.
     max_in_flight_allgather_bytes: int | None = None
     # Default byte limit in units of the largest block (or of the largest bucket, where auto
-    # buckets hold several blocks). None: by what the schedule gathers (see prefetch_depth).
-    prefetch_blocks: float | None = None
-    # Most reduce-scatter input bytes in flight; None: prefetch_depth x the largest block (or bucket).
+    # buckets hold several blocks): 2 keeps the next two units arriving while the current one
+    # computes (FSDP2 keeps about one block, Thunder <= 0.2.3 kept 3 ops). Two, not one, so that
+    # a launch is queued while the one before it still moves: backends that run collectives
+    # concurrently (gloo's worker threads) then hide one's latency behind the other's transfer.
+    prefetch_blocks: float = 2.0
+    # Buckets: units in flight up to which a bucket's all-gather goes out as early as the prefetch
+    # distance allows; beyond it (up to prefetch_blocks) only at the latest moment the compute
+    # before its first use still hides it (prefetch_time_margin, by the cost model), so never
+    # without time estimates. A gathered bucket is a pool buffer, and the pool keeps as many as
+    # were ever busy at once for the whole step: each bucket more ahead costs its bytes at the
+    # step's peak, wherever that is, where per-parameter all-gathers hold memory only in flight.
+    # One: the next bucket, as FSDP2 prefetches the next module. (Reduce-scatters keep
+    # prefetch_blocks: on NCCL a bucket's reduce-scatter holds its gradients, as per-parameter
+    # ones do, and no pool buffer; capping them at one bucket made the demo's predicted step at
+    # 64 GPUs 3% slower, 7.67 -> 7.90 ms, for at most half a block of ZeRO3 peak.) None: buckets are prefetched
+    # like per-parameter all-gathers.
+    bucket_eager_prefetch_blocks: float | None = 1.0
+    # Most reduce-scatter input bytes in flight; None: prefetch_blocks x the largest block (or bucket).
     # Waiting on a reduce-scatter frees its unsharded gradient, so this bounds gradient memory.
     max_in_flight_reduce_scatter_bytes: int | None = None
     # All-gathers in flight when no limit is set and the model has no repeated blocks to size
@@ -118,11 +133,11 @@ class OverlapConfig:
         _check_number("max_in_flight_reduce_scatter_bytes", self.max_in_flight_reduce_scatter_bytes, int)
         _check_number("fallback_in_flight_allgathers", self.fallback_in_flight_allgathers, int, optional=False)
         _check_number("chained_wait_compute_ops", self.chained_wait_compute_ops, int, allow_zero=True, optional=False)
-        if self.prefetch_blocks is not None:
-            if isinstance(self.prefetch_blocks, bool) or not isinstance(self.prefetch_blocks, (int, float)):
-                raise TypeError(f"OverlapConfig.prefetch_blocks must be a number or None, got {self.prefetch_blocks!r}")
-            if self.prefetch_blocks <= 0:
-                raise ValueError(f"OverlapConfig.prefetch_blocks must be positive or None (the default), got {self.prefetch_blocks!r}")
+        if isinstance(self.prefetch_blocks, bool) or not isinstance(self.prefetch_blocks, (int, float)):
+            raise TypeError(f"OverlapConfig.prefetch_blocks must be a number, got {self.prefetch_blocks!r}")
+        if self.prefetch_blocks <= 0:
+            raise ValueError(f"OverlapConfig.prefetch_blocks must be positive, got {self.prefetch_blocks!r}")
+        _check_number("bucket_eager_prefetch_blocks", self.bucket_eager_prefetch_blocks, (int, float))
         _check_number("max_prefetch_compute_ops", self.max_prefetch_compute_ops, int, allow_zero=True)
         _check_number("prefetch_time_margin", self.prefetch_time_margin, (int, float))
         _check_number("memory_slack_bytes", self.memory_slack_bytes, int, allow_zero=True, optional=False)
@@ -146,22 +161,6 @@ class OverlapConfig:
         """Whether schedules under this configuration may coalesce launches."""
         return self.coalesce and self.policy not in ("stock", "just_in_time")
 
-    def prefetch_depth(self, *, runs_buckets: bool) -> float:
-        """``prefetch_blocks``, or its default: units in flight beyond the one computing.
-
-        Per-parameter all-gathers: 2, the next two units arriving while the current one computes
-        (Thunder <= 0.2.3 kept 3 ops), so that a launch is queued while the one before it still
-        moves: backends that run collectives concurrently (gloo's worker threads) then hide one's
-        latency behind the other's transfer. Their memory is held only while in flight.
-        Buckets: 1, the next bucket (as FSDP2 prefetches the next module). A gathered bucket is a
-        pool buffer, and the pool keeps as many as were ever busy at once for the whole step, so
-        each bucket more ahead costs its bytes at the step's peak, wherever that is; so does each
-        reduce-scatter more in flight where the gradients are laid out (gloo, padding).
-        """
-        if self.prefetch_blocks is not None:
-            return float(self.prefetch_blocks)
-        return 1.0 if runs_buckets else 2.0
-
     def limits(self, largest_block_bytes: int | None, *, runs_buckets: bool = False) -> ScheduleLimits:
         """Resolves the limits the policy applies, given the model's largest block size (None
         when the model has no repeated blocks) and whether the schedule's collectives move buckets."""
@@ -169,12 +168,15 @@ class OverlapConfig:
             return ScheduleLimits()
         if self.policy == "just_in_time":
             return JUST_IN_TIME_LIMITS
-        depth = self.prefetch_depth(runs_buckets=runs_buckets)
-        block_limit = int(depth * largest_block_bytes) if largest_block_bytes else None
+        block_limit = int(self.prefetch_blocks * largest_block_bytes) if largest_block_bytes else None
+        eager_limit = None
+        if runs_buckets and self.bucket_eager_prefetch_blocks is not None and block_limit is not None:
+            eager_limit = min(block_limit, int(self.bucket_eager_prefetch_blocks * largest_block_bytes))
         allgather_bytes = self.max_in_flight_allgather_bytes
         allgathers = self.max_in_flight_allgathers
+        early_allgather_bytes = None
         if allgather_bytes is None and allgathers is None:
-            allgather_bytes = block_limit
+            allgather_bytes, early_allgather_bytes = block_limit, eager_limit
             if block_limit is None:
                 allgathers = self.fallback_in_flight_allgathers
         reduce_scatter_bytes = self.max_in_flight_reduce_scatter_bytes
@@ -183,6 +185,7 @@ class OverlapConfig:
         limits = ScheduleLimits(
             max_allgathers=allgathers,
             max_allgather_bytes=allgather_bytes,
+            early_allgather_bytes=early_allgather_bytes,
             max_reduce_scatter_bytes=reduce_scatter_bytes,
             chained_wait_compute_ops=self.chained_wait_compute_ops,
         )
@@ -213,6 +216,10 @@ class ScheduleLimits:
 
     max_allgathers: int | None = None
     max_allgather_bytes: int | None = None
+    # All-gather bytes in flight up to which one more goes out as early as the distance allows;
+    # beyond them (within max_allgather_bytes) only once issuing later would leave too little
+    # compute to hide it (PrefetchDistance.hides_only_if_issued_now). None: as early as allowed.
+    early_allgather_bytes: int | None = None
     max_reduce_scatter_bytes: int | None = None
     # Most reduce-scatters in flight (0: wait right after issuing).
     max_reduce_scatters: int | None = None

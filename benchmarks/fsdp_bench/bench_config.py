@@ -13,6 +13,7 @@ from thunder_overlap.options import BucketingStrategy, ShardingStrategy
 
 __all__ = [
     "BenchmarkConfig",
+    "OVERLAP_OPTIONS",
     "TRAINING_IMPLS",
     "CALIBRATION_IMPLS",
     "IMPLS",
@@ -22,10 +23,18 @@ __all__ = [
     "parse_args",
 ]
 
-# What is being compared: thunder_overlap, the same with every collective launched on its own
-# (OverlapConfig(coalesce=False): what coalescing saves), Thunder's own FSDP, PyTorch FSDP2 (eager,
+# thunder_overlap and its variants, each the OverlapConfig options it sets over the defaults.
+OVERLAP_OPTIONS: dict[str, dict[str, object]] = {
+    "thunder_overlap": {},
+    # Every collective launched on its own: what coalesced launches save.
+    "thunder_overlap_uncoalesced": {"coalesce": False},
+    # Buckets prefetched as eagerly as per-parameter all-gathers (two ahead), as before the
+    # pool's buffers were counted: what the second bucket in flight buys.
+    "thunder_overlap_two_ahead": {"bucket_eager_prefetch_blocks": None},
+}
+# What is being compared: thunder_overlap's variants, Thunder's own FSDP, PyTorch FSDP2 (eager,
 # and with each block torch.compile'd).
-TRAINING_IMPLS = ("thunder_overlap", "thunder_overlap_uncoalesced", "thunder", "fsdp2", "fsdp2_compile")
+TRAINING_IMPLS = (*OVERLAP_OPTIONS, "thunder", "fsdp2", "fsdp2_compile")
 # Calibration runs of the slow-link testbed: the same per-rank compute with no communication,
 # thunder_overlap's collectives with no compute, and both at once with no dependencies between
 # them (see fsdp_bench.impls).

@@ -5,6 +5,9 @@ Training implementations (same model, data, optimizer and initialisation scheme)
 - ``thunder_overlap``: :func:`thunder_overlap.fsdp` (scheduled for ``--network`` when given).
 - ``thunder_overlap_uncoalesced``: the same with every collective launched on its own
   (``OverlapConfig(coalesce=False)``), to measure what coalesced launches save.
+- ``thunder_overlap_two_ahead``: the same with buckets prefetched two ahead, as eagerly as
+  per-parameter all-gathers (``OverlapConfig(bucket_eager_prefetch_blocks=None)``), to measure
+  what the second bucket in flight buys.
 - ``thunder``: Thunder's own ``thunder.distributed.fsdp(thunder.jit(model))``.
 - ``fsdp2``: PyTorch ``fully_shard`` on every transformer block, then on the root (eager);
   ZeRO3 is ``reshard_after_forward=True``, ZeRO2 ``False``.
@@ -42,7 +45,7 @@ from thunder_overlap.analysis.blocks import find_blocks
 from thunder_overlap.analysis.cost_model import CostModel, network_profile
 from thunder_overlap.options import parse_bucketing_strategy, parse_sharding_strategy
 
-from fsdp_bench.bench_config import BenchmarkConfig
+from fsdp_bench.bench_config import OVERLAP_OPTIONS, BenchmarkConfig
 from fsdp_bench.bench_models import loss_fn, materialize
 from fsdp_bench.comm_replay import CommReplay
 from fsdp_bench.distributed import RunContext
@@ -107,22 +110,23 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=_LEARNING_RATE, weight_decay=_WEIGHT_DECAY, betas=_BETAS)
 
 
-def overlap_config(cfg: BenchmarkConfig, device: torch.device, *, coalesce: bool = True) -> thunder_overlap.OverlapConfig:
-    """thunder_overlap's options for ``cfg``: its default cost model for ``device``, over
-    ``cfg.network`` when one is given (the testbed names its link, which no default knows)."""
+def overlap_config(cfg: BenchmarkConfig, device: torch.device, impl: str = "thunder_overlap") -> thunder_overlap.OverlapConfig:
+    """The options of thunder_overlap variant ``impl`` (``OVERLAP_OPTIONS``) for ``cfg``: its
+    default cost model for ``device``, over ``cfg.network`` when one is given (the testbed names
+    its link, which no default knows)."""
     cost_model = None
     if cfg.network is not None:
         cost_model = CostModel(CostModel.for_device(device, 1).device, network_profile(cfg.network))
-    return thunder_overlap.OverlapConfig(cost_model=cost_model, coalesce=coalesce)
+    return thunder_overlap.OverlapConfig(cost_model=cost_model, **OVERLAP_OPTIONS[impl])
 
 
-def _thunder_overlap(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, *, coalesce: bool = True) -> nn.Module:
+def _thunder_overlap(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, impl: str = "thunder_overlap") -> nn.Module:
     return thunder_overlap.fsdp(
         model,
         device=ctx.device,
         sharding_strategy=cfg.shard_mode,
         bucketing_strategy=cfg.bucketing_mode,
-        config=overlap_config(cfg, ctx.device, coalesce=coalesce),
+        config=overlap_config(cfg, ctx.device, impl),
     )
 
 
@@ -161,8 +165,7 @@ def _compute_only(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext) -> nn
 
 
 _SHARDERS: dict[str, Callable[[nn.Module, BenchmarkConfig, RunContext], nn.Module]] = {
-    "thunder_overlap": _thunder_overlap,
-    "thunder_overlap_uncoalesced": lambda m, cfg, ctx: _thunder_overlap(m, cfg, ctx, coalesce=False),
+    **{impl: lambda m, cfg, ctx, impl=impl: _thunder_overlap(m, cfg, ctx, impl) for impl in OVERLAP_OPTIONS},
     "thunder": _thunder,
     "fsdp2": lambda m, cfg, ctx: _fsdp2(m, cfg, ctx, compile_blocks=False),
     "fsdp2_compile": lambda m, cfg, ctx: _fsdp2(m, cfg, ctx, compile_blocks=True),

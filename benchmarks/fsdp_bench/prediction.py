@@ -43,6 +43,7 @@ from thunder_overlap.analysis.simulator import simulate
 from thunder_overlap.options import parse_sharding_strategy
 from thunder_overlap.report.models import trace_model
 
+from fsdp_bench.bench_config import OVERLAP_OPTIONS
 from fsdp_bench.bench_models import build_model, math_sdpa
 
 __all__ = ["GLOO_CONCURRENT_LAUNCHES", "LinkFit", "TestbedSetting", "fit_link", "fit_overlap_slowdown", "predict_testbed_step_ms"]
@@ -136,7 +137,7 @@ def _annotated(
         jm = _thunder_traces(model, world_size, shard_mode, idx_shape)
     else:
         cost_model = CostModel(device_profile("cpu"), network_profile(network or "gloo-loopback"))
-        config = OverlapConfig(cost_model=cost_model, coalesce=impl != "thunder_overlap_uncoalesced")
+        config = OverlapConfig(cost_model=cost_model, **OVERLAP_OPTIONS[impl])
         jm = trace_model(model, world_size=world_size, sharding=shard_mode, bucketing=bucketing, idx_shape=idx_shape, config=config)
     return tuple(classify_trace(t) for t in (thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]))
 
@@ -222,7 +223,7 @@ def fit_overlap_slowdown(compute_ms: float, comm_ms: float, concurrent_ms: float
 def predict_testbed_step_ms(setting: TestbedSetting) -> float | None:
     """Predicted forward+backward step of ``setting.impl``; None for implementations whose
     schedule is not a Thunder trace (FSDP2)."""
-    if setting.impl not in ("thunder_overlap", "thunder_overlap_uncoalesced", "thunder"):
+    if setting.impl not in (*OVERLAP_OPTIONS, "thunder"):
         return None
     _, spec = build_model(setting.model_name, setting.n_layers or None, setting.block_size or None)
     block_size = setting.block_size or spec.block_size

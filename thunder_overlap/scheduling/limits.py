@@ -3,7 +3,8 @@
 Each answers one question during a walk over the compute ops:
 
 - :class:`PrefetchDistance`: may all-gather ``c`` be issued this far ahead of its first use?
-- :class:`AllGatherLimit`: may one more all-gather be in flight (count and bytes)?
+- :class:`AllGatherLimit`: may one more all-gather be in flight (count and bytes), and may it go
+  out early or only when later would be too late to hide it?
 - :class:`ReduceScatterLimit`: which reduce-scatter wait must be forced before issuing another?
 - :class:`MemoryBudget`: does a prefetch fit the predicted memory, and which reduce-scatter wait
   must be forced before the next compute op fits?
@@ -81,8 +82,13 @@ class PrefetchDistance:
             return True
         if self.expensive_before[first_use] - self.expensive_before[position] <= self.max_expensive_ops:
             return True
-        # Too far by count, but issued one compute op later, would the compute before its first
-        # use still cover it with the margin? If not, now is the latest moment that does.
+        # Too far by count: only at the latest moment that still hides it.
+        return self.hides_only_if_issued_now(c, position, first_use)
+
+    def hides_only_if_issued_now(self, c: int, position: int, first_use: int) -> bool:
+        """Whether issued one compute op after ``position``, the compute before its first use
+        would no longer cover ``time_margin`` x collective ``c``'s time, so that now is the
+        latest moment that does. False without time estimates."""
         if self.ms_before is None or self.collective_ms is None:
             return False
         compute_ms_if_later = self.ms_before[first_use] - self.ms_before[min(position + 1, first_use)]
@@ -91,12 +97,20 @@ class PrefetchDistance:
 
 class AllGatherLimit:
     """All-gathers in flight: issued, and their first reader not run yet (a gathered parameter
-    occupies memory until then, not merely until its wait)."""
+    occupies memory until then, not merely until its wait). Beyond ``early_bytes`` in flight one
+    more goes out only when it must (see :attr:`ScheduleLimits.early_allgather_bytes`)."""
 
-    def __init__(self, max_count: int | None, max_bytes: int | None) -> None:
+    def __init__(self, max_count: int | None, max_bytes: int | None, early_bytes: int | None = None) -> None:
         self.max_count = max_count
         self.max_bytes = max_bytes
+        self.early_bytes = early_bytes
         self.in_flight = InFlight()
+
+    def allows_early(self, nbytes: int) -> bool:
+        """Whether one more all-gather of ``nbytes`` may go out as early as the distance allows."""
+        if not self.in_flight or self.early_bytes is None:
+            return True
+        return self.in_flight.total_bytes + nbytes <= self.early_bytes
 
     def allows(self, nbytes: int) -> bool:
         """Whether one more all-gather of ``nbytes`` may be in flight."""

@@ -71,7 +71,7 @@ class ScheduleWalk:
         self.distance = distance
         self.memory = memory
         self.summary = summary
-        self.allgathers = AllGatherLimit(limits.max_allgathers, limits.max_allgather_bytes)
+        self.allgathers = AllGatherLimit(limits.max_allgathers, limits.max_allgather_bytes, limits.early_allgather_bytes)
         self.reduce_scatters = ReduceScatterLimit(limits.max_reduce_scatters, limits.max_reduce_scatter_bytes)
         self.issue_order = IssueOrderCursor(issue_order, annotated) if issue_order is not None else None
         self.position = 0  # the compute op emitted next
@@ -154,6 +154,8 @@ class ScheduleWalk:
         if not self.distance.allows(c, self.position, first_use):
             return self._record_hold("distance", c)
         if not self.allgathers.allows(nbytes):
+            return self._record_hold("in_flight", c)
+        if not self.allgathers.allows_early(nbytes) and not self.distance.hides_only_if_issued_now(c, self.position, first_use):
             return self._record_hold("in_flight", c)
         if self.memory is not None and not self.memory.allows_prefetch(self.position, first_use, nbytes):
             return self._record_hold("memory", c)

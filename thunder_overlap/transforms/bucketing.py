@@ -236,11 +236,11 @@ class BucketingTransform(Transform):
         return Replicas(self.replicate_group.size(), cost_model.network_of_group(self.replicate_group))
 
     def _auto_caps(self, model, shards: list[tuple[str, torch.Tensor]], owners: dict[str, str]) -> AutoBucketCaps:
-        # The per-parameter schedule's limits (prefetch_depth without buckets: 2 blocks by
-        # default), with the largest block measured as gathered (padding included), which is
-        # what its collectives move: otherwise padding alone would keep two blocks out of a
-        # two-block limit. A bucket at that cap is the unit its own schedule prefetches one of,
-        # so it holds in flight what per-parameter all-gathers would.
+        # The schedule's limits, resolved as OverlapScheduleTransform resolves them, with the
+        # largest block measured as gathered (padding included), which is what its collectives
+        # move: otherwise padding alone would keep two blocks out of a two-block limit. The cap
+        # is the limit itself (prefetch_blocks), not the eager part of it for buckets: a bucket
+        # at the cap is the unit the schedule then counts in, one of them eagerly ahead.
         blocks = {name for name, _ in find_blocks(model._model, self.block_types)}
         gathered: dict[str, int] = {}
         for name, shard in shards:
