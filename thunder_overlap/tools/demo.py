@@ -51,7 +51,7 @@ SCHEDULE_LOSS_TOLERANCE = 1.01
 # Lines of each schedule picture: the start (prefetch), an ellipsis, and the end.
 PICTURE_LINES = 3
 # The model: 3 blocks compile and train on 2 CPU ranks in well under a minute of CPU time each,
-# and are enough for the schedule to reach its steady state (prefetch two blocks ahead).
+# and are enough for the schedule to reach its steady state (the next block prefetched).
 DEFAULT_N_LAYER = 3
 DEFAULT_N_EMBD = 64
 DEFAULT_STEPS = 4
@@ -162,9 +162,9 @@ def _what_changes(results: DemoResults, args: argparse.Namespace) -> list[str]:
         lines.append(f"  {label:<{width}}  {gathers:>21}  {r.backward_stats.reduce_scatters:>15}  {_mib(r.peak_step_bytes):>17}")
     if (results.overlap.peak_step_bytes or 0) > (results.thunder.peak_step_bytes or 0):
         lines += _paragraph(
-            f"At {SEQ_LEN} tokens per rank the gathered parameters are most of the memory, and with {args.n_layer} "
-            "blocks, prefetching two blocks ahead keeps nearly all of them gathered, plus each bucket's copy-out: more "
-            "than Thunder here. At a GPU's batch, activations dominate; see the predicted peaks below."
+            f"At {SEQ_LEN} tokens per rank the gathered parameters are most of the memory: the block in use, the next "
+            "one arriving and, over gloo, each bucket's copy-out weigh more than Thunder's parameter-sized all-gathers "
+            "here. At a GPU's batch, activations dominate; see the predicted peaks below."
         )
     lines.append("")
     lines.append("Schedules: AG/RS issue an all-gather/reduce-scatter, W waits, mm is a matmul, c other compute")
