@@ -71,6 +71,25 @@ def test_latency_dominated_gives_buckets_of_several_blocks_and_bandwidth_dominat
     assert len(latency_bound.buckets) < len(bandwidth_bound.buckets)
 
 
+def test_where_buckets_gather_in_place_merging_copies_nothing_and_matrices_share_buckets():
+    # On NCCL a bucket gathers each parameter into its place and sends its gradients where they
+    # are: a merge adds no copy, so only saturation ends a bucket, never the copy it would add.
+    _, copying = _plan(BANDWIDTH_DOMINATED, AutoBucketCaps(prefetch_bytes=3 * largest_block_bytes(TinyGPT(MODEL))))
+    model = TinyGPT(MODEL)
+    _, in_place = plan_auto_buckets(
+        _shards(model),
+        bucket_owner(model, "auto"),
+        world_size=WORLD_SIZE,
+        cost_model=BANDWIDTH_DOMINATED,
+        latency_share=SHARE,
+        caps=AutoBucketCaps(prefetch_bytes=3 * largest_block_bytes(model)),
+        merges_copy=False,
+    )
+    assert BucketEnd.COPY in {b.ended for b in copying.buckets}
+    assert BucketEnd.COPY not in {b.ended for b in in_place.buckets}
+    assert len(in_place.buckets) < len(copying.buckets)
+
+
 def test_hybrid_sharding_grows_buckets_until_the_all_reduce_across_replicas_saturates():
     # The shard group's link saturates with buckets below a block; the replicas' all-reduce of
     # one shard (1/8 of a bucket) over 16 ranks of 1 ms latency does not: the plan grows to the cap.

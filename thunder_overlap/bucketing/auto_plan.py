@@ -22,11 +22,14 @@ contiguous buckets:
   block that fits under the cap alone is not split across buckets to fill one;
 - small parameters (norms, biases, embeddings) merge with their neighbours, and a small remainder
   at the end merges into the bucket before it;
-- merging costs copies: a bucket of several tensors is copied out of the gathered buffer (and its
-  gradients laid out into one where they need padding): about ``COPY_BYTES_PER_BYTE`` bytes
-  moved per byte, at memory bandwidth, which a one-tensor bucket skips. A parameter joins an unsaturated bucket only where
-  the launch latency it saves exceeds the copy time it adds, so on a fast network a parameter
-  that saturates the link on its own goes alone, as it would without buckets.
+- where the backend runs a coalesced launch one collective after another (gloo), merging costs
+  copies: a bucket of several tensors is gathered rank-major and copied out (and its gradients
+  laid out into one): about ``COPY_BYTES_PER_BYTE`` bytes moved per byte, at memory bandwidth,
+  which a one-tensor bucket skips. A parameter joins an unsaturated bucket only where the launch
+  latency it saves exceeds the copy time it adds, so on a fast network a parameter that
+  saturates the link on its own goes alone, as it would without buckets. Where a coalesced
+  launch runs as one (NCCL), a bucket gathers each parameter in place and sends its gradients
+  where they are, so merging copies nothing (``merges_copy=False``).
 
 Inductor's pre-bucketing of FSDP collectives sizes buckets from the group's latency and bandwidth
 and clips them to fixed bounds; here the size also respects the memory budget, and the latency and
@@ -124,10 +127,14 @@ def plan_auto_buckets(
     latency_share: float,
     caps: AutoBucketCaps = AutoBucketCaps(),
     replicas: Replicas | None = None,
+    merges_copy: bool = True,
 ) -> tuple[list[BucketPlan], BucketPlanSummary]:
     """Buckets for ``shards`` (name and sharded parameter, in first-use order, each tensor once)
     and why each was formed. ``owners`` maps a parameter to its block (or its module outside
     blocks), as :func:`~thunder_overlap.bucketing.plan.bucket_owner` gives for ``"auto"``.
+
+    ``merges_copy``: whether a bucket of several tensors copies what it moves (gloo); False where
+    a coalesced launch runs as one and buckets gather in place (NCCL).
 
     Under hybrid sharding (``replicas``), a bucket must also saturate its all-reduce across the
     replicas, which moves one shard (1 / ``world_size`` of the bucket) over the replicate group's
@@ -147,7 +154,7 @@ def plan_auto_buckets(
         merge_saves_ms += 2 * cost_model.latency_ms(replicas.count, replicas.network)
     cap, cap_source = caps.binding()
     # Bytes whose merging copy costs as much as the latency it saves.
-    copy_break_even = _copy_break_even_bytes(cost_model, merge_saves_ms)
+    copy_break_even = _copy_break_even_bytes(cost_model, merge_saves_ms) if merges_copy else float("inf")
 
     planned: list[tuple[int, BucketPlan, BucketEnd]] = []
     position = {name: i for i, (name, _) in enumerate(shards)}

@@ -46,7 +46,16 @@ import torch.distributed as dist
 from thunder_overlap.analysis.pool_slots import BucketLayout, PoolSlot, describe_slots
 from thunder_overlap.bucketing.plan import BucketPlan
 
-__all__ = ["BucketBuffers", "BufferPool", "PendingCollective", "PoolSlot", "bucket_layout", "lookup_bucket", "register_bucket"]
+__all__ = [
+    "BucketBuffers",
+    "BufferPool",
+    "PendingCollective",
+    "PoolSlot",
+    "bucket_layout",
+    "lookup_bucket",
+    "register_bucket",
+    "runs_coalesced_launches_as_one",
+]
 
 
 def runs_coalesced_launches_as_one(group: dist.ProcessGroup, device: torch.device) -> bool:

@@ -45,7 +45,7 @@ from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.analysis.memory_estimate import estimate_memory
 from thunder_overlap.analysis.pool_slots import SlotPlan
 from thunder_overlap.bucketing.auto_plan import AutoBucketCaps, Replicas, plan_auto_buckets
-from thunder_overlap.bucketing.buffers import BucketBuffers, BufferPool, register_bucket
+from thunder_overlap.bucketing.buffers import BucketBuffers, BufferPool, register_bucket, runs_coalesced_launches_as_one
 from thunder_overlap.bucketing.plan import (
     BucketPlan,
     BucketPlanSummary,
@@ -220,6 +220,7 @@ class BucketingTransform(Transform):
                 latency_share=self.config.auto_bucket_latency_share,
                 caps=caps,
                 replicas=self._replicas(cost_model),
+                merges_copy=not runs_coalesced_launches_as_one(self.process_group, device),
             )
             self.summaries["plan"] = summary
             return plans
