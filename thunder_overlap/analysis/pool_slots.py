@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["BucketLayout", "PoolInterval", "PoolSlot", "SlotPlan", "describe_slots", "max_overlap", "plan_slots"]
 
@@ -46,6 +46,11 @@ class BucketLayout:
     # Whether the backend copies a reduce-scatter's whole input into a buffer of its own, which
     # its Work holds until the wait: gloo does (measured with LiveMemoryTracker), NCCL does not.
     reduce_scatter_copies_input: bool = False
+
+    def as_on_nccl(self) -> BucketLayout:
+        """This bucket as it runs on NCCL whatever the backend: coalesced launches as one, and no
+        copy of a reduce-scatter's input (over gloo this runs NCCL's paths for real)."""
+        return replace(self, launches_coalesced_as_one=True, reduce_scatter_copies_input=False)
 
     @property
     def copies_out(self) -> bool:

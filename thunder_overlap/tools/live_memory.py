@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,21 +23,33 @@ class LiveMemoryTracker(TorchDispatchMode):
     once and released exactly when the last reference goes. Storages that existed before the
     block (parameters, inputs) are not counted: ``peak_bytes`` is what the block added at most.
 
-    With ``backend_copies`` (the default) it also counts the one buffer a backend allocates where
-    no dispatch mode sees it: gloo's ``reduce_scatter_tensor`` reduces a clone of its whole
-    input, made inside the collective and held by its work (the caller may free the input at
-    once; 200 MB more resident from the launch until the work is released, measured). The
-    clone is counted from the launch until the wait starts; the wait's own ops then touch it,
-    so from there on it is followed like any storage. NCCL holds the input itself until the
-    wait, which this counts already.
+    ``collective_buffers`` says what to count of the memory collectives hold beyond the tensors
+    the code names. gloo's ``reduce_scatter_tensor`` reduces a clone of its whole input, made
+    inside the collective where no dispatch mode sees it and held by its work (the caller may
+    free the input at once; 200 MB more resident from the launch until the work is released,
+    measured); NCCL makes no copy but holds the input itself until the wait.
+
+    - ``"as_run"`` (default): what the backend holds: gloo's clone from the launch until the wait
+      starts (the wait's own ops then touch it, and from there on it is followed like any
+      storage); on NCCL the input, counted already;
+    - ``"as_nccl"``: what NCCL would hold for the same collectives: each reduce-scatter's input
+      until its wait, and no copy of gloo's (not even where its wait touches one);
+    - ``"seen"``: only what the dispatch mode sees.
     """
 
-    def __init__(self, *, backend_copies: bool = True) -> None:
+    COLLECTIVE_BUFFERS = ("as_run", "as_nccl", "seen")
+
+    def __init__(self, *, collective_buffers: str = "as_run") -> None:
         super().__init__()
+        if collective_buffers not in self.COLLECTIVE_BUFFERS:
+            raise ValueError(f"collective_buffers must be one of {self.COLLECTIVE_BUFFERS}, got {collective_buffers!r}")
         self.current_bytes = 0
         self.peak_bytes = 0
         self._tracked: set[int] = set()
-        self._backend_copies = _GlooReduceScatterCopies(self) if backend_copies else contextlib.nullcontext()
+        # Above 0 while gloo's copies are being touched and must not be counted (as_nccl).
+        self._untracked_depth = 0
+        as_nccl = collective_buffers == "as_nccl"
+        self._backend_copies = contextlib.nullcontext() if collective_buffers == "seen" else _GlooReduceScatterCopies(self, as_nccl=as_nccl)
 
     def __enter__(self):
         self._backend_copies.__enter__()
@@ -57,7 +70,7 @@ class LiveMemoryTracker(TorchDispatchMode):
 
     def _track(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
-        if key in self._tracked or storage.nbytes() == 0:
+        if key in self._tracked or storage.nbytes() == 0 or self._untracked_depth:
             return
         self._tracked.add(key)
         nbytes = storage.nbytes()
@@ -82,33 +95,47 @@ class LiveMemoryTracker(TorchDispatchMode):
         """Starts a new peak from the current bytes (to measure one step at a time)."""
         self.peak_bytes = self.current_bytes
 
+    @contextlib.contextmanager
+    def not_tracking(self):
+        """Storages first seen inside are not counted (gloo's copies, where NCCL has none)."""
+        self._untracked_depth += 1
+        try:
+            yield
+        finally:
+            self._untracked_depth -= 1
+
 
 class _HeldCopy:
-    """Bytes a backend holds for a collective, counted once until released (by the wait, or by
-    the work's end if nothing waits)."""
+    """What a backend holds for a reduce-scatter until released (by the wait, or by the work's
+    end if nothing waits): gloo's clone, as bytes, or (as NCCL would) the input itself, whose
+    storage the tracker counts while this keeps it alive."""
 
-    def __init__(self, tracker: LiveMemoryTracker, nbytes: int) -> None:
+    def __init__(self, tracker: LiveMemoryTracker, reduce_input: torch.Tensor, *, as_nccl: bool) -> None:
         self._tracker = tracker
-        self._nbytes = nbytes
-        tracker.add_bytes(nbytes)
+        self._input = reduce_input if as_nccl else None
+        self._nbytes = 0 if as_nccl else reduce_input.nbytes  # the clone is of the tensor, not its storage
+        tracker.add_bytes(self._nbytes)
 
     def release(self) -> None:
         self._tracker.add_bytes(-self._nbytes)
         self._nbytes = 0
+        self._input = None
 
 
 class _WaitReleases(dist.Work):
-    """A gloo reduce-scatter's work that stops counting the backend's clone when waited on."""
+    """A gloo reduce-scatter's work that stops counting what it holds when waited on."""
 
-    def __init__(self, work: dist.Work, held: _HeldCopy) -> None:
+    def __init__(self, work: dist.Work, held: _HeldCopy, waiting: Callable[[], contextlib.AbstractContextManager]) -> None:
         super().__init__()
         self._work = work
         self._held = held
+        self._waiting = waiting
         weakref.finalize(self, held.release)
 
     def wait(self, *args, **kwargs) -> bool:
         self._held.release()
-        return self._work.wait(*args, **kwargs)
+        with self._waiting():
+            return self._work.wait(*args, **kwargs)
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -121,14 +148,16 @@ class _WaitReleases(dist.Work):
 
 
 class _GlooReduceScatterCopies:
-    """While entered, gloo's reduce-scatters launched asynchronously count their input's bytes
-    (the clone the backend makes) in ``tracker`` until their wait: alone, through the work
-    returned, and in a ``_coalescing_manager`` launch, through the manager's wait."""
+    """While entered, gloo's reduce-scatters launched asynchronously count what they hold in
+    ``tracker`` until their wait (see :class:`LiveMemoryTracker`): alone, through the work
+    returned, and in a ``_coalescing_manager`` launch, through the manager's wait. ``as_nccl``:
+    the input itself, and gloo's copy is not counted where its wait or a blocking call touches it."""
 
     _signature = inspect.signature(dist.reduce_scatter_tensor)
 
-    def __init__(self, tracker: LiveMemoryTracker) -> None:
+    def __init__(self, tracker: LiveMemoryTracker, *, as_nccl: bool) -> None:
         self.tracker = tracker
+        self.as_nccl = as_nccl
         self._saved: tuple | None = None
         # Per coalescing manager being entered: the copies its members hold.
         self._coalescing: list[list[_HeldCopy]] = []
@@ -140,13 +169,14 @@ class _GlooReduceScatterCopies:
         def counted_reduce_scatter(*args, **kwargs):
             call = self._signature.bind(*args, **kwargs)
             call.apply_defaults()
-            work = reduce_scatter(*args, **kwargs)
             is_gloo = dist.get_backend(call.arguments["group"]) == "gloo"
-            nbytes = call.arguments["input"].nbytes  # the clone is of the tensor, not its storage
+            blocking = not call.arguments["async_op"] and not self._coalescing
+            with self._waiting() if is_gloo and blocking else contextlib.nullcontext():
+                work = reduce_scatter(*args, **kwargs)
             if is_gloo and self._coalescing:
-                self._coalescing[-1].append(_HeldCopy(self.tracker, nbytes))
-            elif is_gloo and work is not None and call.arguments["async_op"]:
-                return _WaitReleases(work, _HeldCopy(self.tracker, nbytes))
+                self._coalescing[-1].append(self._held(call.arguments["input"]))
+            elif is_gloo and work is not None and not blocking:
+                return _WaitReleases(work, self._held(call.arguments["input"]), self._waiting)
             return work
 
         @contextlib.contextmanager
@@ -161,7 +191,7 @@ class _GlooReduceScatterCopies:
             finally:
                 self._coalescing.remove(held)
             if held and call.arguments["async_ops"]:
-                _release_on_wait(manager, held)
+                _release_on_wait(manager, held, self._waiting)
             else:  # nothing to count, or the manager waited on leaving
                 _release_all(held)
 
@@ -172,12 +202,20 @@ class _GlooReduceScatterCopies:
     def __exit__(self, *exc) -> None:
         dist.reduce_scatter_tensor, dist._coalescing_manager = self._saved
 
+    def _held(self, reduce_input: torch.Tensor) -> _HeldCopy:
+        return _HeldCopy(self.tracker, reduce_input, as_nccl=self.as_nccl)
 
-def _release_on_wait(manager, held: list[_HeldCopy]) -> None:
+    def _waiting(self) -> contextlib.AbstractContextManager:
+        """Where gloo's wait touches its copy: not counted as NCCL would hold it."""
+        return self.tracker.not_tracking() if self.as_nccl else contextlib.nullcontext()
+
+
+def _release_on_wait(manager, held: list[_HeldCopy], waiting: Callable[[], contextlib.AbstractContextManager]) -> None:
     # A subclass rather than a wait assigned to the instance: a closure over the manager would
     # be a reference cycle, keeping its works (and their tensors) alive until the next gc.
     manager.__class__ = _CountedCoalescingManager
     manager.held_copies = held
+    manager.waiting = waiting
     weakref.finalize(manager, _release_all, held)
 
 
@@ -187,10 +225,12 @@ def _release_all(held: list[_HeldCopy]) -> None:
 
 
 class _CountedCoalescingManager(dist.distributed_c10d._CoalescingManager):
-    """A coalescing manager whose wait stops counting its members' backend copies."""
+    """A coalescing manager whose wait stops counting what its members hold."""
 
     held_copies: list[_HeldCopy]
+    waiting: Callable[[], contextlib.AbstractContextManager]
 
     def wait(self) -> None:
         _release_all(self.held_copies)
-        super().wait()
+        with self.waiting():
+            super().wait()

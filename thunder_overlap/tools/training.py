@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -67,9 +66,9 @@ class TrainSetup:
     replicas: int = 1
     optimizer: str = "sgd"  # or "adamw"
     adamw_eps: float = 1e-8
-    # Buckets run as they do on NCCL whatever the backend: parameters gathered in place and
-    # unpadded gradients reduce-scattered where they are, each a coalesced launch (over gloo this
-    # runs those paths for real, one collective after another; see BucketLayout.launches_coalesced_as_one).
+    # Buckets run as they do on NCCL whatever the backend (BucketLayout.as_on_nccl): parameters
+    # gathered in place and unpadded gradients reduce-scattered where they are, each a coalesced
+    # launch (over gloo this runs those paths for real, one collective after another).
     buckets_as_on_nccl: bool = False
 
     def __post_init__(self) -> None:
@@ -257,7 +256,7 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
     bucketing = BucketingTransform.of(jm) if setup.impl == "thunder_overlap" else None
     if setup.buckets_as_on_nccl and bucketing is not None:
         for bucket in bucketing.buckets.values():
-            bucket.layout = dataclasses.replace(bucket.layout, launches_coalesced_as_one=True)
+            bucket.layout = bucket.layout.as_on_nccl()
     census, allocations_after_first_step = OpCensus(), None
     losses, step_ms, first_grads = [], [], {}
     for step in range(setup.steps):
