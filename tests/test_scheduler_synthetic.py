@@ -110,6 +110,40 @@ def test_cost_model_stretches_the_distance_until_the_gather_is_hidden():
     assert (sim.hideable, sim.hidden) == (3, 3)
 
 
+def _gathers_issued_behind_another(annotated, order) -> int:
+    """All-gathers issued while another is in flight (issued, not yet waited on at its first use)."""
+    open_gathers, behind = set(), 0
+    for index in order:
+        node = annotated.nodes[index]
+        if node.kind is NodeKind.COLLECTIVE and annotated.collectives[node.collective].kind is CollectiveKind.ALL_GATHER:
+            behind += bool(open_gathers)
+            open_gathers.add(node.collective)
+        elif node.kind is NodeKind.WAIT:
+            open_gathers.discard(node.collective)
+    return behind
+
+
+@pytest.mark.parametrize(("matmuls_per_block", "behind"), [(1, 5), (4, 0)])
+def test_a_second_gather_goes_out_early_only_where_one_ahead_does_not_hide_it(matmuls_per_block, behind):
+    # Buckets' limits: one gather in flight eagerly, a second within the byte limit only at the
+    # latest moment that still hides it. A 1 ms gather asks for 1.5 ms of compute ahead: blocks
+    # of one 1 ms matmul never give it, so every gather goes out behind another (still in flight
+    # until its block's first matmul has run); blocks of four do, from their second matmul on.
+    from dataclasses import replace
+
+    program = _blocks(6, matmuls_per_block)
+    limits = replace(OverlapConfig().limits(None), max_allgathers=None, max_allgather_bytes=2 * VALUE_BYTES)
+    eager = replace(limits, early_allgather_bytes=VALUE_BYTES)
+    annotated = classify_trace(build_trace(program, dist.group.WORLD))
+    cost_model = _cost_model(1.0)
+    order = OverlapScheduler(annotated, eager, cost_model).schedule()
+    assert _gathers_issued_behind_another(annotated, order) == behind
+    assert simulate(annotated, order, cost_model).hidden == 5
+    # Without the eager limit every gather goes out two ahead, behind another.
+    unlimited = OverlapScheduler(annotated, limits, cost_model).schedule()
+    assert _gathers_issued_behind_another(annotated, unlimited) == 5
+
+
 def _backward_like(n: int) -> list[tuple]:
     """n matmuls, each of whose outputs is reduce-scattered at once: gradients."""
     program: list[tuple] = [("gather",)]
