@@ -144,6 +144,19 @@ def test_a_second_gather_goes_out_early_only_where_one_ahead_does_not_hide_it(ma
     assert _gathers_issued_behind_another(annotated, unlimited) == 5
 
 
+def test_collectives_queued_on_the_link_count_toward_what_must_go_out_now():
+    # Blocks of four 1 ms matmuls; 1 ms gathers ask for 1.5 ms of compute before their use. Three
+    # matmuls ahead cover one gather, not one behind two queued on the link (4.5 ms).
+    from thunder_overlap.scheduling.limits import PrefetchDistance
+
+    annotated = classify_trace(build_trace(_blocks(3, 4), dist.group.WORLD))
+    anchors = [n.index for n in annotated.nodes if n.kind is NodeKind.COMPUTE]
+    distance = PrefetchDistance.estimate(annotated, anchors, OverlapConfig().limits(None), _cost_model(1.0))
+    last, first_use = 2, 8  # the last block's gather, read by compute op 8, considered before op 4
+    assert not distance.hides_only_if_issued_now(last, 4, first_use)
+    assert distance.hides_only_if_issued_now(last, 4, first_use, queued=[0, 1])
+
+
 def _backward_like(n: int) -> list[tuple]:
     """n matmuls, each of whose outputs is reduce-scattered at once: gradients."""
     program: list[tuple] = [("gather",)]

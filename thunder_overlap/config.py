@@ -63,15 +63,16 @@ class OverlapConfig:
     prefetch_blocks: float = 2.0
     # Buckets: units in flight up to which a bucket's all-gather goes out as early as the prefetch
     # distance allows; beyond it (up to prefetch_blocks) only at the latest moment the compute
-    # before its first use still hides it (prefetch_time_margin, by the cost model), so never
-    # without time estimates. A gathered bucket is a pool buffer, and the pool keeps as many as
+    # before its first use still hides it and the collectives queued ahead of it on the link
+    # (prefetch_time_margin, by the cost model), so never without time estimates: where the
+    # link is the bottleneck, a second bucket in flight keeps it busy. A gathered bucket is a pool buffer, and the pool keeps as many as
     # were ever busy at once for the whole step: each bucket more ahead costs its bytes at the
     # step's peak, wherever that is, where per-parameter all-gathers hold memory only in flight.
     # One: the next bucket, as FSDP2 prefetches the next module. (Reduce-scatters keep
     # prefetch_blocks: on NCCL a bucket's reduce-scatter holds its gradients, as per-parameter
     # ones do, and no pool buffer; capping them at one bucket made the demo's predicted step at
-    # 64 GPUs 3% slower, 7.67 -> 7.90 ms, for at most half a block of ZeRO3 peak.) None: buckets are prefetched
-    # like per-parameter all-gathers.
+    # 64 GPUs 3% slower, 7.67 -> 7.90 ms, for at most half a block of ZeRO3 peak.) None: buckets
+    # are prefetched like per-parameter all-gathers.
     bucket_eager_prefetch_blocks: float | None = 1.0
     # Most reduce-scatter input bytes in flight; None: prefetch_blocks x the largest block (or bucket).
     # Waiting on a reduce-scatter frees its unsharded gradient, so this bounds gradient memory.
@@ -218,7 +219,8 @@ class ScheduleLimits:
     max_allgather_bytes: int | None = None
     # All-gather bytes in flight up to which one more goes out as early as the distance allows;
     # beyond them (within max_allgather_bytes) only once issuing later would leave too little
-    # compute to hide it (PrefetchDistance.hides_only_if_issued_now). None: as early as allowed.
+    # compute to hide it and what is queued ahead of it (PrefetchDistance.hides_only_if_issued_now).
+    # None: as early as allowed.
     early_allgather_bytes: int | None = None
     max_reduce_scatter_bytes: int | None = None
     # Most reduce-scatters in flight (0: wait right after issuing).

@@ -15,6 +15,7 @@ oldest in flight) or ``None``; the scheduler asks again after each wait, since a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -85,14 +86,16 @@ class PrefetchDistance:
         # Too far by count: only at the latest moment that still hides it.
         return self.hides_only_if_issued_now(c, position, first_use)
 
-    def hides_only_if_issued_now(self, c: int, position: int, first_use: int) -> bool:
+    def hides_only_if_issued_now(self, c: int, position: int, first_use: int, queued: Iterable[int] = ()) -> bool:
         """Whether issued one compute op after ``position``, the compute before its first use
         would no longer cover ``time_margin`` x collective ``c``'s time, so that now is the
-        latest moment that does. False without time estimates."""
+        latest moment that does. Collectives ``queued`` ahead of it (in flight on its link) add
+        their time: ``c`` moves once they have. False without time estimates."""
         if self.ms_before is None or self.collective_ms is None:
             return False
         compute_ms_if_later = self.ms_before[first_use] - self.ms_before[min(position + 1, first_use)]
-        return compute_ms_if_later < self.time_margin * self.collective_ms[c]
+        link_ms = self.collective_ms[c] + sum(self.collective_ms[q] for q in queued)
+        return compute_ms_if_later < self.time_margin * link_ms
 
 
 class AllGatherLimit:

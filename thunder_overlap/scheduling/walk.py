@@ -155,13 +155,19 @@ class ScheduleWalk:
             return self._record_hold("distance", c)
         if not self.allgathers.allows(nbytes):
             return self._record_hold("in_flight", c)
-        if not self.allgathers.allows_early(nbytes) and not self.distance.hides_only_if_issued_now(c, self.position, first_use):
+        if not self.allgathers.allows_early(nbytes) and not self._must_issue_now(c, first_use):
             return self._record_hold("in_flight", c)
         if self.memory is not None and not self.memory.allows_prefetch(self.position, first_use, nbytes):
             return self._record_hold("memory", c)
         if self.issue_order is not None and self.issue_order.blocked(c):
             return self._record_hold("issue_order", c)
         return False
+
+    def _must_issue_now(self, c: int, first_use: int) -> bool:
+        """Whether all-gather ``c`` must go out now to be hidden: the compute before its first use
+        covers it, and the collectives in flight ahead of it on the link, only if issued now."""
+        queued = [*self.allgathers.in_flight.bytes_by_collective, *self.reduce_scatters.in_flight.bytes_by_collective]
+        return self.distance.hides_only_if_issued_now(c, self.position, first_use, queued)
 
     def _record_hold(self, limit: Literal["distance", "in_flight", "memory", "issue_order"], c: int) -> bool:
         held = getattr(self.summary.held, limit)
