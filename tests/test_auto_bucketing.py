@@ -39,11 +39,11 @@ def _shards(model: nn.Module, world_size: int = WORLD_SIZE) -> list[tuple[str, t
     return shards
 
 
-def _plan(cost_model: CostModel, caps: AutoBucketCaps | None = None, model: nn.Module | None = None):
+def _plan(cost_model: CostModel, caps: AutoBucketCaps | None = None, model: nn.Module | None = None, **options):
     model = model if model is not None else TinyGPT(MODEL)
     caps = caps if caps is not None else AutoBucketCaps()
     return plan_auto_buckets(
-        _shards(model), bucket_owner(model, "auto"), world_size=WORLD_SIZE, cost_model=cost_model, latency_share=SHARE, caps=caps
+        _shards(model), bucket_owner(model, "auto"), world_size=WORLD_SIZE, cost_model=cost_model, latency_share=SHARE, caps=caps, **options
     )
 
 
@@ -74,17 +74,9 @@ def test_latency_dominated_gives_buckets_of_several_blocks_and_bandwidth_dominat
 def test_where_buckets_gather_in_place_merging_copies_nothing_and_matrices_share_buckets():
     # On NCCL a bucket gathers each parameter into its place and sends its gradients where they
     # are: a merge adds no copy, so only saturation ends a bucket, never the copy it would add.
-    _, copying = _plan(BANDWIDTH_DOMINATED, AutoBucketCaps(prefetch_bytes=3 * largest_block_bytes(TinyGPT(MODEL))))
-    model = TinyGPT(MODEL)
-    _, in_place = plan_auto_buckets(
-        _shards(model),
-        bucket_owner(model, "auto"),
-        world_size=WORLD_SIZE,
-        cost_model=BANDWIDTH_DOMINATED,
-        latency_share=SHARE,
-        caps=AutoBucketCaps(prefetch_bytes=3 * largest_block_bytes(model)),
-        merges_copy=False,
-    )
+    caps = AutoBucketCaps(prefetch_bytes=3 * largest_block_bytes(TinyGPT(MODEL)))
+    _, copying = _plan(BANDWIDTH_DOMINATED, caps)
+    _, in_place = _plan(BANDWIDTH_DOMINATED, caps, merges_copy=False)
     assert BucketEnd.COPY in {b.ended for b in copying.buckets}
     assert BucketEnd.COPY not in {b.ended for b in in_place.buckets}
     assert len(in_place.buckets) < len(copying.buckets)
