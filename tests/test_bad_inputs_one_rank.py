@@ -184,6 +184,7 @@ def test_cli_flags_get_errors_in_cli_terms():
         ({"bucket_eager_prefetch_blocks": 0}, ValueError, r"bucket_eager_prefetch_blocks must be positive or None \(no limit\), got 0"),
         ({"bucket_eager_prefetch_blocks": "1"}, TypeError, r"bucket_eager_prefetch_blocks must be an int or a float or None, got '1'"),
         ({"check_ranks_agree": "yes"}, TypeError, r"check_ranks_agree must be a bool, got 'yes'"),
+        ({"reduce_in_pool": 1}, TypeError, r"reduce_in_pool must be a bool, got 1"),
         ({"max_prefetch_compute_ops": -1}, ValueError, r"max_prefetch_compute_ops must be non-negative or None"),
         ({"prefetch_time_margin": 0}, ValueError, r"prefetch_time_margin must be positive or None"),
         ({"memory_slack_bytes": None}, TypeError, r"memory_slack_bytes must be an int, got None"),

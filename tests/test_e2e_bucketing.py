@@ -161,16 +161,25 @@ def test_steady_state_step_allocates_nothing_and_copies_at_most_once_per_bucket_
     copied_out = 0 if bucketing.endswith(AS_ON_NCCL) else census.multi_parameter_buckets * gathers_per_bucket
     assert copies.pop("split_with_sizes_copy", 0) == copied_out
     # Copy-in before a reduce-scatter: one per bucket that lays its gradients out (over gloo all
-    # of several tensors; as on NCCL, only the odd-sized embedding's, which needs padding); the
-    # others send each gradient where it is.
+    # of several tensors; as on NCCL, only the odd-sized embedding's, which needs padding, and
+    # those reducing in the pool); the others send each gradient where it is.
     if bucketing.endswith(AS_ON_NCCL):
-        assert census.laid_out_buckets == 1
+        assert census.laid_out_buckets == len({"wte", *census.reduced_in_pool})
     else:  # over gloo every bucket here lays out: several tensors, or the padded embedding
         assert census.laid_out_buckets == census.reduce_scatters
     assert copies.pop("_chunk_cat") == census.laid_out_buckets
-    # Whatever is left: the row a bucket all-reduced in place copies out (gloo), and the process
-    # group's own copy inside each reduce_scatter_tensor.
-    row_copies = census.reduced_in_place + census.backend_copies_per_reduce_scatter * census.reduce_scatter_calls
+    # ZeRO2 leaves every gathered buffer idle once its block's backward is done: every
+    # reduce-scatter reduces in place there. ZeRO3 re-gathers to the end: the last ones can
+    # (with two blocks, all of them; see test_zero3_reduces_in_the_pool_only_at_the_end).
+    if sharding == "zero2":
+        assert len(census.reduced_in_pool) == census.reduce_scatters
+    else:
+        assert census.reduced_in_pool
+    # Whatever is left: the row a bucket all-reduced in place copies out (gloo; not where its
+    # row is its gradient shard, in the pool), and the process group's own copy inside each
+    # reduce_scatter_tensor.
+    copied_rows = census.reduced_in_place - (0 if bucketing.endswith(AS_ON_NCCL) else len(census.reduced_in_pool))
+    row_copies = copied_rows + census.backend_copies_per_reduce_scatter * census.reduce_scatter_calls
     assert copies == ({"copy_": row_copies} if row_copies else {})
     if not bucketing.endswith(AS_ON_NCCL):  # over gloo, none of them reduce-scatters a copy
         assert census.reduced_in_place == census.laid_out_buckets
@@ -188,6 +197,14 @@ def deep_runs():
     return {s: run_local_ranks(train_rank, WORLD_SIZE, (setup,))[0].bucket_census for s, setup in setups.items()}
 
 
+def _split_use(use: str) -> tuple[str, str]:
+    """A pool buffer's use, "<bucket label> <purpose>", split (labels may hold spaces)."""
+    for purpose in ("reduce-scatter in place", "reduce-scatter", "all-gather", "copy-out"):
+        if use.endswith(" " + purpose):
+            return use.removesuffix(" " + purpose), purpose
+    raise AssertionError(f"unknown pool use {use!r}")
+
+
 def test_zero3_pool_holds_only_what_is_alive_at_once(deep_runs):
     n_blocks = 6
     block_numel = max(deep_runs["zero3"].bucket_numels)
@@ -196,10 +213,18 @@ def test_zero3_pool_holds_only_what_is_alive_at_once(deep_runs):
     # reduce-scatters of several blocks each, which is how fewer buffers than uses suffice.
     users = deep_runs["zero3"].pool_users
     assert len(users) == sum(deep_runs["zero3"].pool_buffers.values())
-    uses = {use.rsplit(" ", 1)[1] for slot in users for use in slot}
-    assert uses == {"all-gather", "copy-out", "reduce-scatter"}
-    assert any(len({use.rsplit(" ", 1)[0] for use in slot}) > 1 for slot in users)
-    assert any({"all-gather", "reduce-scatter"} <= {use.rsplit(" ", 1)[1] for use in slot} for slot in users)
+    uses = {_split_use(use)[1] for slot in users for use in slot}
+    assert uses == {"all-gather", "copy-out", "reduce-scatter", "reduce-scatter in place"}
+    assert any(len({_split_use(use)[0] for use in slot}) > 1 for slot in users)
+    purposes = [{_split_use(use)[1].removesuffix(" in place") for use in slot} for slot in users]
+    assert any({"all-gather", "reduce-scatter"} <= slot for slot in purposes)
+    # Reduced in place in the pool: ZeRO2 every bucket, in the buffer its gather left idle;
+    # ZeRO3 only the last ones, once no gather ahead needs the buffer.
+    for name in ("zero2", "zero3"):
+        in_pool = {label for slot in deep_runs[name].pool_users for label, purpose in map(_split_use, slot) if purpose.endswith(" in place")}
+        assert in_pool == set(deep_runs[name].reduced_in_pool), name
+    assert len(deep_runs["zero2"].reduced_in_pool) == deep_runs["zero2"].reduce_scatters
+    assert 0 < len(deep_runs["zero3"].reduced_in_pool) < deep_runs["zero3"].reduce_scatters
     # ZeRO2 keeps every gathered block for backward: one buffer each (plus staging).
     assert deep_runs["zero2"].pool_buffers[block_numel] >= n_blocks
     # ZeRO3 frees a block after its last use; buffers are reused as the window moves. Busy at
@@ -214,11 +239,15 @@ def test_zero3_pool_holds_only_what_is_alive_at_once(deep_runs):
 def test_buckets_as_on_nccl_need_no_copy_out_or_reduce_scatter_buffers(deep_runs):
     # As on NCCL: each parameter is gathered into its place, so no block needs a copy-out buffer;
     # the blocks' gradients need no padding, so their reduce-scatters read them where they are
-    # and take no pool buffer; only the odd-sized embedding still lays its gradient out.
+    # and take no pool buffer; only the odd-sized embedding still lays its gradient out, and
+    # the last buckets reduce in place in a buffer no gather needs anymore.
     block_numel = max(deep_runs["zero3"].bucket_numels)
     nccl, gloo = deep_runs["zero3, as on NCCL"], deep_runs["zero3"]
     uses = {use for slot in nccl.pool_users for use in slot}
-    assert {use for use in uses if use.endswith("reduce-scatter")} == {"wte reduce-scatter"}
+    assert nccl.reduced_in_pool
+    in_place = {f"{label} reduce-scatter in place" for label in nccl.reduced_in_pool}
+    laid_out = {"wte reduce-scatter"} - {"wte reduce-scatter" for label in nccl.reduced_in_pool if label == "wte"}
+    assert {use for use in uses if " reduce-scatter" in use} == laid_out | in_place
     assert not {use for use in uses if use.endswith("copy-out")}
     # In the forward, the block in use and the one arriving; nothing else is a block buffer.
     assert nccl.pool_buffers[block_numel] == 2
@@ -295,6 +324,8 @@ def _user_session(rank: int, world_size: int, bucketing: str) -> dict:
         optimizer.step()
     bucketing_transform = BucketingTransform.of(jm)
     allocations = bucketing_transform.allocations if bucketing_transform else 0
+    if bucketing_transform:  # whose .grad, kept across micro-batches and steps, is a pool row
+        result["reduced_in_pool"] = [b.plan.label for b in bucketing_transform.buckets.values() if b.layout.reduces_in_pool]
     # A new input shape: Thunder traces again; the buckets and their buffers stay the same.
     optimizer.zero_grad(set_to_none=True)
     loss = _loss(jm, *_batch(3, 0, seq_len=8))
@@ -332,6 +363,7 @@ def test_accumulation_zero_grad_modes_and_retrace_match_unbucketed(sessions):
         for name in plain["retraced_grads"]:
             torch.testing.assert_close(bucketed["retraced_grads"][name], plain["retraced_grads"][name], rtol=1e-5, atol=1e-6)
         assert bucketed["allocations_added_by_retrace"] == 0
+        assert bucketed["reduced_in_pool"]
 
 
 def test_state_dicts_round_trip_through_the_bucket_buffers(sessions):

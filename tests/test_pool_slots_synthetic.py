@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from thunder_overlap.analysis.pool_slots import PoolInterval, max_overlap, plan_slots
+from thunder_overlap.analysis.pool_slots import BucketLayout, PoolInterval, ReduceScatterIssue, max_overlap, plan_shards_in_pool, plan_slots
 
 BLOCK, SMALL = 1000, 10
 
@@ -47,3 +47,48 @@ def test_slots_equal_the_most_intervals_alive_at_once(seed):
         start = rng.randint(0, 100)
         uses.append(_use(f"u{i}", start, start + rng.randint(0, 30), numel=rng.choice([BLOCK, SMALL])))
     assert plan_slots(uses).counts() == max_overlap(uses)
+
+
+def _issue(label: str, start: int, laid_out: bool = False) -> ReduceScatterIssue:
+    layout = BucketLayout(label, BLOCK, "torch.float32", 4, tensors=3, world_size=2)
+    return ReduceScatterIssue(0, layout, start, f"{label} reduce-scatter" if laid_out else None)
+
+
+def test_zero2_reduces_every_bucket_in_the_buffer_its_gather_left():
+    # ZeRO2: three gathers live from the forward to their block's backward (end 10, 14, 18, in
+    # reverse); each reduce-scatter comes right after, when that buffer is idle to the end (20).
+    gathers = [_use("b2 all-gather", 0, 10), _use("b1 all-gather", 1, 14), _use("b0 all-gather", 2, 18)]
+    issues = [_issue("b2", 10), _issue("b1", 14), _issue("b0", 18)]
+    chosen = plan_shards_in_pool(gathers, issues, step_end=20)
+    assert [i.layout.label for i in chosen] == ["b2", "b1", "b0"]
+
+
+def test_a_reduce_scatter_that_would_add_a_buffer_keeps_its_own_shard():
+    # ZeRO3: two buffers alternate between gathers to the end; the first reduce-scatter (at 4)
+    # would hold one from 4 to the end while two later gathers need both: refused. The last
+    # (at 12, a laid-out one whose own interval is replaced) finds one idle to the end.
+    gathers = [_use("g0", 0, 4), _use("g1", 2, 8), _use("g2", 4, 12), _use("g3", 8, 14)]
+    laid_out = _use("b3 reduce-scatter", 14, 15)
+    issues = [_issue("b0", 4), _issue("b3", 14, laid_out=True)]
+    chosen = plan_shards_in_pool([*gathers, laid_out], issues, step_end=20)
+    assert [i.layout.label for i in chosen] == ["b3"]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_reducing_in_the_pool_never_grows_it(seed):
+    rng = random.Random(seed)
+    uses, issues = [], []
+    for i in range(rng.randint(1, 30)):
+        start = rng.randint(0, 100)
+        uses.append(_use(f"u{i}", start, start + rng.randint(1, 30)))
+    for i in range(rng.randint(1, 8)):
+        issues.append(_issue(f"b{i}", rng.randint(0, 130)))
+    chosen = plan_shards_in_pool(uses, issues, step_end=140)
+    in_place = [_use(f"{i.layout.label} in place", i.start, 140) for i in chosen]
+    assert max_overlap([*uses, *in_place]).get((BLOCK, "torch.float32"), 0) <= max_overlap(uses).get((BLOCK, "torch.float32"), 0)
+    # And every one left out would have grown it, taken after those chosen before it.
+    for issue in issues:
+        if issue not in chosen:
+            earlier = [_use("in place", i.start, 140) for i in chosen if i.start <= issue.start]
+            trial = [*uses, *earlier, _use("trial", issue.start, 140)]
+            assert max_overlap(trial)[(BLOCK, "torch.float32")] > max_overlap(uses).get((BLOCK, "torch.float32"), 0)

@@ -74,6 +74,15 @@ class OverlapConfig:
     # 64 GPUs 3% slower, 7.67 -> 7.90 ms, for at most half a block of ZeRO3 peak.) None: buckets
     # are prefetched like per-parameter all-gathers.
     bucket_eager_prefetch_blocks: float | None = 1.0
+    # Buckets: a reduce-scatter issued when a pool buffer would sit idle from then to the end of
+    # the step (ZeRO2's gathered buffer of the block whose backward just ended; ZeRO3's last
+    # blocks) runs in place in that buffer, whose row becomes the gradient shard: no gradient
+    # shard allocated beside the pool, and the gradients free once laid out (one copy) instead
+    # of held to the wait. Chosen from the final backward schedule so that the pool never grows
+    # for it, and agreed between ranks at the first compile. The buffer stays busy while .grad
+    # aliases it: gradients kept into the next step (accumulation without no_sync,
+    # zero_grad(set_to_none=False)) make the pool grow once; set False for such loops.
+    reduce_in_pool: bool = True
     # Most reduce-scatter input bytes in flight; None: prefetch_blocks x the largest block (or bucket).
     # Waiting on a reduce-scatter frees its unsharded gradient, so this bounds gradient memory.
     max_in_flight_reduce_scatter_bytes: int | None = None
@@ -152,6 +161,8 @@ class OverlapConfig:
             )
         if not isinstance(self.check_ranks_agree, bool):
             raise TypeError(f"OverlapConfig.check_ranks_agree must be a bool, got {self.check_ranks_agree!r}")
+        if not isinstance(self.reduce_in_pool, bool):
+            raise TypeError(f"OverlapConfig.reduce_in_pool must be a bool, got {self.reduce_in_pool!r}")
         if not isinstance(self.coalesce, bool):
             raise TypeError(f"OverlapConfig.coalesce must be a bool, got {self.coalesce!r}")
         if self.cost_model is not None and not isinstance(self.cost_model, CostModel):

@@ -31,6 +31,9 @@ OVERLAP_OPTIONS: dict[str, dict[str, object]] = {
     # Buckets prefetched as eagerly as per-parameter all-gathers (two ahead), as before the
     # pool's buffers were counted: what the second bucket in flight buys.
     "thunder_overlap_two_ahead": {"bucket_eager_prefetch_blocks": None},
+    # Every gradient shard in a buffer of its own, as before reduce-scatters ran in place in
+    # idle pool buffers: what reducing in the pool costs or saves in time.
+    "thunder_overlap_own_shards": {"reduce_in_pool": False},
 }
 # What is being compared: thunder_overlap's variants, Thunder's own FSDP, PyTorch FSDP2 (eager,
 # and with each block torch.compile'd).

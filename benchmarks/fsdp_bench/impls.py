@@ -8,6 +8,8 @@ Training implementations (same model, data, optimizer and initialisation scheme)
 - ``thunder_overlap_two_ahead``: the same with buckets prefetched two ahead, as eagerly as
   per-parameter all-gathers (``OverlapConfig(bucket_eager_prefetch_blocks=None)``), to measure
   what the second bucket in flight buys.
+- ``thunder_overlap_own_shards``: the same with every gradient shard in a buffer of its own
+  (``OverlapConfig(reduce_in_pool=False)``), to measure what reducing in idle pool buffers costs.
 - ``thunder``: Thunder's own ``thunder.distributed.fsdp(thunder.jit(model))``.
 - ``fsdp2``: PyTorch ``fully_shard`` on every transformer block, then on the root (eager);
   ZeRO3 is ``reshard_after_forward=True``, ZeRO2 ``False``.

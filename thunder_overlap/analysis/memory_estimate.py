@@ -16,7 +16,9 @@ Bucketed collectives run on the bucket pool's buffers (:mod:`thunder_overlap.ana
 an all-gather's output, the copy-out its wait lays the parameters out into, and the laid-out
 gradients of a reduce-scatter (which hold the buffer, not the gradients, until the future dies).
 A bucket that sends its gradients where they are (``BucketLayout.sends_gradients``) takes no
-buffer: its reduce-scatter holds the gradients themselves, as a plain one does.
+buffer: its reduce-scatter holds the gradients themselves, as a plain one does. A bucket that
+reduces in place in the pool (``BucketLayout.reduces_in_pool``) holds its buffer for as long as
+its gradient shard, a row of the buffer, lives.
 The estimate records each such buffer's live interval on the step's timeline, plans the pool's
 slots from them and counts the plan as persistent, for the whole step, as the pool holds it.
 
@@ -36,7 +38,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 
 from thunder_overlap.analysis.classify import COALESCED_PREFIX
-from thunder_overlap.analysis.pool_slots import BucketLayout, PoolInterval, SlotPlan, plan_slots
+from thunder_overlap.analysis.pool_slots import BucketLayout, PoolInterval, ReduceScatterIssue, SlotPlan, plan_slots
 
 __all__ = ["CUDA_ALLOCATION_GRANULARITY", "BucketLayouts", "HandedOver", "MemoryEstimate", "estimate_memory"]
 
@@ -185,6 +187,9 @@ class MemoryEstimate:
     pool: SlotPlan = field(default_factory=SlotPlan)
     # The uses among them that are over (those still busy continue in the next trace).
     pool_intervals_done: list[PoolInterval] = field(default_factory=list, repr=False)
+    # This trace's lone bucketed reduce-scatters not yet in place in the pool, for
+    # :func:`~thunder_overlap.analysis.pool_slots.plan_shards_in_pool`.
+    reduce_scatter_issues: list[ReduceScatterIssue] = field(default_factory=list, repr=False)
 
     @property
     def peak_bytes(self) -> int:
@@ -223,6 +228,8 @@ class _Books:
         self.pool_done: list[PoolInterval] = []
         # A coalesced bucket all-gather's members, for its wait: (layout, gather buffer, outputs).
         self.coalesced_gathers: dict[str, list[tuple[BucketLayout, int, int]]] = {}
+        # Lone bucketed reduce-scatters that could run in place in the pool (plan_shards_in_pool).
+        self.reduce_scatter_issues: list[ReduceScatterIssue] = []
         self.now = 0  # the bound symbol being walked, on the step's timeline
 
     def new_storage(self, proxy: TensorProxy | FutureTensorProxy | None, persistent: bool = False, nbytes: int | None = None) -> int:
@@ -386,6 +393,7 @@ def estimate_memory(
         name: HandedOver(s, books.nbytes[s], books.persistent[s], books.strides.get(name), books.pool_use.get(s))
         for name, s in books.storage_of.items()
     }
+    estimate.reduce_scatter_issues = books.reduce_scatter_issues
     _count_pool(estimate, books, after)
     return estimate
 
@@ -484,7 +492,16 @@ def _bucket_pool_op(name: str, bsym: BoundSymbol, books: _Books, buckets: Bucket
         _bind_all(outs, books, books.new_pool_storage(layout, "copy-out") if layout.copies_out else gathered)
         return _DONE
     if name == "bucket_reduce_scatter" and (layout := buckets(bsym.args[0])) is not None:
-        return _reduce_scatter_input(layout, bsym.args[2], books)
+        if layout.reduces_in_pool:
+            # Laid out into a pool buffer whose row becomes the gradient shard: the buffer is
+            # busy until the shard's last view dies, the gradients are free to go.
+            buffer = books.new_pool_storage(layout, "reduce-scatter in place")
+            _bind_all(outs, books, buffer)
+            return [buffer]
+        held = _reduce_scatter_input(layout, bsym.args[2], books)
+        laid_out = books.pool_use.get(held[-1]) if held else None
+        books.reduce_scatter_issues.append(ReduceScatterIssue(bsym.args[0], layout, books.now, laid_out.user if laid_out else None))
+        return held
     if name == "coalesced_bucket_all_gather":
         layouts = [buckets(bucket_id) for bucket_id, _, _ in bsym.args[1]]
         if None in layouts:

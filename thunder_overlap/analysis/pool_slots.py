@@ -23,7 +23,17 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-__all__ = ["BucketLayout", "PoolInterval", "PoolSlot", "SlotPlan", "describe_slots", "max_overlap", "plan_slots"]
+__all__ = [
+    "BucketLayout",
+    "PoolInterval",
+    "PoolSlot",
+    "ReduceScatterIssue",
+    "SlotPlan",
+    "describe_slots",
+    "max_overlap",
+    "plan_shards_in_pool",
+    "plan_slots",
+]
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,12 @@ class BucketLayout:
     # Whether the backend copies a reduce-scatter's whole input into a buffer of its own, which
     # its Work holds until the wait: gloo does (measured with LiveMemoryTracker), NCCL does not.
     reduce_scatter_copies_input: bool = False
+    # Whether the reduce-scatter runs in place in a pool buffer and this rank's row of it is the
+    # gradient shard, held until the gradient is let go (after the step, normally): chosen by
+    # :func:`plan_shards_in_pool` for buckets whose reduce-scatter comes when a buffer would
+    # otherwise sit idle to the end of the step. The gradients are laid out into it (one copy),
+    # so they are free as soon as the collective is launched rather than after its wait.
+    reduces_in_pool: bool = False
 
     def as_on_nccl(self) -> BucketLayout:
         """This bucket as it runs on NCCL whatever the backend: coalesced launches as one, and no
@@ -73,7 +89,7 @@ class BucketLayout:
         gradient needs padding (they add up to the unsharded buffer) and they are one, or the
         backend runs a launch of several as one."""
         unpadded = sum(gradient_numels) == self.unsharded_numel
-        return unpadded and (self.tensors == 1 or self.launches_coalesced_as_one)
+        return not self.reduces_in_pool and unpadded and (self.tensors == 1 or self.launches_coalesced_as_one)
 
     @property
     def nbytes(self) -> int:
@@ -183,3 +199,40 @@ def max_overlap(intervals: Iterable[PoolInterval]) -> dict[tuple[int, str], int]
             best = max(best, alive)
         most[key] = best
     return most
+
+
+@dataclass(frozen=True)
+class ReduceScatterIssue:
+    """A bucket's lone reduce-scatter on the step's timeline: where it is issued, and the user
+    name of the pool interval its lay-out holds (None: it sends its gradients where they are)."""
+
+    bucket_id: int
+    layout: BucketLayout
+    start: int
+    pool_user: str | None
+
+
+def plan_shards_in_pool(
+    intervals: Iterable[PoolInterval], issues: Iterable[ReduceScatterIssue], step_end: int
+) -> list[ReduceScatterIssue]:
+    """The reduce-scatters that can run in place in a pool buffer at no cost in buffers.
+
+    Such a reduce-scatter holds a buffer from its issue to the end of the step, since its
+    gradient shard is a row of it. In order of issue, each is tried on the intervals planned so
+    far (its own lay-out interval, if any, replaced by that longer one) and kept only if no
+    size class then needs more buffers than before: the pool does not grow, the reduce-scatter
+    takes a buffer that would otherwise sit idle (in ZeRO2, the gather of the block whose
+    backward just ended), and the gradient shard it would have allocated is saved.
+    """
+    planned = list(intervals)
+    buffers = max_overlap(planned)
+    chosen = []
+    for issue in sorted(issues, key=lambda i: i.start):
+        layout = issue.layout
+        in_place = PoolInterval(f"{layout.label} reduce-scatter in place", layout.unsharded_numel, layout.dtype, layout.itemsize, issue.start, step_end)
+        trial = [v for v in planned if (v.user, v.start) != (issue.pool_user, issue.start)] + [in_place]
+        key = (layout.unsharded_numel, layout.dtype)
+        if max_overlap(trial).get(key, 0) <= buffers.get(key, 0):
+            planned = trial
+            chosen.append(issue)
+    return chosen

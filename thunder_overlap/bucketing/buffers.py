@@ -7,6 +7,11 @@ Each bucket (see :mod:`thunder_overlap.bucketing.plan`) owns, for the life of th
 - gradient shards: the reduce-scatter writes into one, and its views become ``.grad`` (autograd
   keeps the tensor it is given when ``.grad`` is None). A second one is used only while ``.grad``
   still aliases the first, which is what accumulation and ``zero_grad(set_to_none=False)`` do.
+  A bucket whose reduce-scatter comes when a pool buffer would sit idle to the end of the step
+  (ZeRO2's gathered buffers once their block's backward is done) reduces in place in that
+  buffer instead, and its row is the gradient shard (``BucketLayout.reduces_in_pool``); the
+  buffer is busy while ``.grad`` aliases it, so a gradient kept across steps makes the pool
+  grow rather than be overwritten.
 
 Unsharded buffers come from a :class:`BufferPool` shared by the module's buckets. Where the
 backend runs a coalesced launch as one (NCCL: ``BucketLayout.launches_coalesced_as_one``), a
@@ -38,7 +43,7 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -336,12 +341,12 @@ class BucketBuffers:
                 f"thunder_overlap bucketing: bucket {self.plan.label!r} expects {len(self.plan.slots)} gradients, got {len(grads)}"
             )
 
-    def _lay_out(self, grads: list[torch.Tensor]) -> torch.Tensor:
+    def _lay_out(self, grads: list[torch.Tensor], purpose: str = "reduce-scatter") -> torch.Tensor:
         """Copies (and pads) every gradient of the bucket into a pool buffer with one
         ``_chunk_cat``: row r of its (world_size, shard_numel) view is what rank r receives."""
         self._check_gradient_count(grads)
         flat = self.flat_shard
-        laid_out = self.pool.acquire(self.world_size * self.plan.shard_numel, flat.dtype, flat.device, f"{self.plan.label} reduce-scatter")
+        laid_out = self.pool.acquire(self.world_size * self.plan.shard_numel, flat.dtype, flat.device, f"{self.plan.label} {purpose}")
         torch._chunk_cat(grads, dim=0, num_chunks=self.world_size, out=laid_out.view(self.world_size, self.plan.shard_numel))
         return laid_out
 
@@ -369,6 +374,8 @@ class BucketBuffers:
         backward frees each gradient once the collective is done with it, as without buckets).
         """
         self._check_gradient_count(grads)
+        if self.layout.reduces_in_pool:
+            return self._prepare_in_pool(grads, divisor)
         shard = self._free_grad_shard()
         if self._sends_gradients(grads):
             pieces = [shard[s.offset : s.offset + s.numel] for s in self.plan.slots]
@@ -383,6 +390,24 @@ class BucketBuffers:
             reduce_input.div_(divisor)
         return PendingCollective(None, shard, source=reduce_input)
 
+    def _prepare_in_pool(self, grads: list[torch.Tensor], divisor: float | None) -> PendingCollective:
+        """The gradients laid out into a pool buffer, reduced in place: this rank's row of it is
+        the gradient shard (``BucketLayout.reduces_in_pool``), and keeps the buffer busy until
+        the last view of the shard dies."""
+        laid_out = self._lay_out(grads, "reduce-scatter in place")
+        if self.unsynced_grads is not None:
+            laid_out.add_(self.unsynced_grads)
+            self.unsynced_grads = None
+        if divisor is not None:
+            laid_out.div_(divisor)
+        own_row = laid_out.view(self.world_size, self.plan.shard_numel)[self.process_group.rank()]
+        return PendingCollective(None, own_row, source=laid_out)
+
+    def reduce_in_pool(self) -> None:
+        """From the next reduce-scatter on, reduce in place in a pool buffer whose row is the
+        gradient shard (chosen from the schedule: :func:`~thunder_overlap.analysis.pool_slots.plan_shards_in_pool`)."""
+        self.layout = replace(self.layout, reduces_in_pool=True)
+
     def launch_reduce_scatter(
         self, pending: PendingCollective, *, async_op: bool
     ) -> dist.Work | dist.distributed_c10d._CoalescingManager | None:
@@ -395,7 +420,8 @@ class BucketBuffers:
             # then copies out this rank's row. The laid-out buffer is ours to overwrite: the same
             # all-reduce runs on it in place, with no copy. (In a coalesced launch every member
             # must be a reduce-scatter, so there gloo keeps its copy.)
-            pending.row_of_source = group.rank()
+            if not self.layout.reduces_in_pool:  # else the result is that row already
+                pending.row_of_source = group.rank()
             return _all_reduce_in_place(pending.source, group)
         if pending.sends is None:
             return dist.reduce_scatter_tensor(pending.result, pending.source, group=group, async_op=async_op)
@@ -452,6 +478,10 @@ class BucketBuffers:
         for entry in self._grad_shards:
             if entry.buffer.untyped_storage().data_ptr() == storage:
                 return entry.buffer.view(-1)
+        if self.layout.reduces_in_pool:
+            for buffer in self.pool.buffers:
+                if buffer.untyped_storage().data_ptr() == storage:
+                    return buffer.view(self.world_size, -1)[self.process_group.rank()]
         raise RuntimeError(f"thunder_overlap bucketing: bucket {self.plan.label!r} holds no gradient shard that this gradient lives in")
 
     # --- no_sync ----------------------------------------------------------------------------

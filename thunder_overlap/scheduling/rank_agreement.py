@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from thunder_overlap.analysis.classify import AnnotatedTrace
 
-__all__ = ["CollectiveKey", "IssueOrderAgreement", "collective_keys"]
+__all__ = ["CollectiveKey", "IssueOrderAgreement", "agreed_subset", "collective_keys"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,18 @@ def collective_keys(annotated: AnnotatedTrace) -> list[CollectiveKey]:
 
 def _exchange_is_possible(group: dist.ProcessGroup | None) -> bool:
     return group is not None and group.size() > 1 and dist.get_backend(group) != "fake"
+
+
+def agreed_subset(mine: list[str], group: dist.ProcessGroup | None) -> list[str]:
+    """The choices of ``mine`` that every rank of ``group`` made too (one object all-gather;
+    ``mine`` unchanged where there is nobody to agree with), in ``mine``'s order. For choices
+    that change which collectives a rank launches, where any subset is safe to take."""
+    if not _exchange_is_possible(group):
+        return list(mine)
+    gathered: list[list[str] | None] = [None] * group.size()
+    dist.all_gather_object(gathered, list(mine), group=group)
+    common = set.intersection(*(set(choices) for choices in gathered))
+    return [choice for choice in mine if choice in common]
 
 
 def _first_difference(theirs: list[CollectiveKey], reference: list[CollectiveKey], rank: int) -> str:

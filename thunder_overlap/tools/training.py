@@ -101,6 +101,9 @@ class BucketCensus:
     # Laid-out buckets that all-reduce their own buffer in place and copy their row out (where
     # the backend's reduce-scatter would copy its input: gloo), outside coalesced launches.
     reduced_in_place: int
+    # Labels of the buckets that reduce in place in a pool buffer whose row is their gradient
+    # shard (BucketLayout.reduces_in_pool): all-reduced in place, they copy no row out.
+    reduced_in_pool: tuple[str, ...]
     # reduce_scatter_tensor calls per step: one per other laid-out bucket, one per gradient of the rest.
     reduce_scatter_calls: int
     # Copy ops that read or wrote a bucket buffer, by aten op name.
@@ -336,7 +339,7 @@ def _bucket_census(
     for record in census.touching(storages):
         if record.name in COPY_OPS:
             copies[record.name] = copies.get(record.name, 0) + 1
-    grad_shards = {g.untyped_storage().data_ptr() for b in bucketing.buckets.values() for g in b.grad_shards}
+    grad_shards = bucketing.gradient_storages()
     grads = [p.grad for p in jm.parameters() if p.requires_grad]
     planned = bucketing.slot_plan(jm)
     trainable = [b for b in bucketing.buckets.values() if b.plan.requires_grad]
@@ -358,6 +361,7 @@ def _bucket_census(
         multi_parameter_buckets=sum(len(p.slots) > 1 for p in bucketing.plans),
         laid_out_buckets=len(laid_out),
         reduced_in_place=len(in_place),
+        reduced_in_pool=tuple(b.plan.label for b in trainable if b.layout.reduces_in_pool),
         reduce_scatter_calls=len(laid_out) - len(in_place) + sum(b.layout.tensors for b in trainable if b not in laid_out),
         bucket_copies=copies,
         backend_copies_per_reduce_scatter=_backend_copies_per_reduce_scatter(bucketing.process_group),

@@ -142,7 +142,12 @@ class BucketingTransform(Transform):
     def buffer_storages(self) -> set[int]:
         """Data pointers of every persistent buffer: flat shards, gradient shards, the pool."""
         storages = {b.flat_shard.untyped_storage().data_ptr() for b in self.buckets.values()}
-        storages |= {g.untyped_storage().data_ptr() for b in self.buckets.values() for g in b.grad_shards}
+        return storages | self.gradient_storages()
+
+    def gradient_storages(self) -> set[int]:
+        """Data pointers of the buffers a reduced gradient can live in: the gradient shards, and
+        the pool (a bucket that reduces in place there: ``BucketLayout.reduces_in_pool``)."""
+        storages = {g.untyped_storage().data_ptr() for b in self.buckets.values() for g in b.grad_shards}
         return storages | {p.untyped_storage().data_ptr() for p in self.pool.buffers}
 
     @property

@@ -14,7 +14,8 @@ from torch.distributed import ProcessGroup
 from thunder_overlap.analysis.blocks import BlockTypes, largest_block_bytes
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace, find_swallowed_collectives
 from thunder_overlap.analysis.cost_model import CostModel
-from thunder_overlap.analysis.memory_estimate import MemoryEstimate
+from thunder_overlap.analysis.memory_estimate import MemoryEstimate, estimate_memory
+from thunder_overlap.bucketing.reduce_in_pool import reduce_in_pool_where_idle
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.scheduling.dispatch import ScheduledTrace, schedule_trace
 from thunder_overlap.scheduling.issue_order import IssueOrder, issue_order_of
@@ -108,6 +109,7 @@ class OverlapScheduleTransform(Transform):
             return computation_trace
         keys = collective_keys(annotated)
         agreed = self.agreement.agreed_order(pass_name, keys)
+        first_compile = agreed is None
         agreed_launches = self.agreement.agreed_launches(pass_name, keys)
         scheduled = self._schedule(annotated, agreed, agreed_launches)
         if agreed is None:
@@ -120,11 +122,25 @@ class OverlapScheduleTransform(Transform):
             agreed_launches = self.agreement.agreed_launches(pass_name, keys)
             if agreed != own or agreed_launches != own_launches:
                 scheduled = self._schedule(annotated, agreed, agreed_launches)
+        if pass_name == "backward" and first_compile:
+            self._reduce_in_pool(scheduled, annotated)
         if scheduled.summary is not None:
             self.summaries[pass_name] = scheduled.summary
         if pass_name == "forward":
             self._forward_memory = scheduled.memory
         return scheduled.trace
+
+    def _reduce_in_pool(self, scheduled: ScheduledTrace, annotated: AnnotatedTrace) -> None:
+        """Lets the buckets whose reduce-scatter finds a pool buffer idle to the step's end
+        reduce in place in it (``OverlapConfig.reduce_in_pool``), once, at the backward's first
+        compile where every rank is there to agree; the summary's predicted peak follows."""
+        if not self.config.reduce_in_pool or self._forward_memory is None or not annotated.runs_buckets:
+            return
+        memory = scheduled.memory or estimate_memory(scheduled.trace, after=self._forward_memory)
+        group = self.agreement_group if self.agreement_group is not None else _process_group(annotated)
+        if reduce_in_pool_where_idle(memory, group, exchange=self.config.check_ranks_agree) and scheduled.summary is not None:
+            if scheduled.summary.peak_bytes is not None:
+                scheduled.summary.peak_bytes = estimate_memory(scheduled.trace, after=self._forward_memory).peak_bytes
 
     def _schedule(self, annotated: AnnotatedTrace, issue_order: list[int] | None, launches: list[list[int]] | None) -> ScheduledTrace:
         is_backward = TraceTag.BACKWARD in annotated.trace.tags
