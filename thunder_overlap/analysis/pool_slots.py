@@ -5,7 +5,9 @@ an all-gather output from its issue until its future dies (until the last view o
 dies, where the parameters are views of it: :attr:`BucketLayout.copies_out`), the
 parameter-major copy-out from the wait until the last view of a parameter dies, and a
 reduce-scatter's laid-out gradients from the issue until the future dies (unless the bucket
-sends its gradients where they are: :meth:`BucketLayout.sends_gradients`). The pool hands a
+sends its gradients where they are: :meth:`BucketLayout.sends_gradients`), or, where it
+reduces in place in the pool (:attr:`BucketLayout.reduces_in_pool`), until the gradient shard
+that is a row of it dies, at the end of the step. The pool hands a
 buffer out again once it is idle, to any use of the same size and dtype, and never frees one;
 so it holds, per (numel, dtype), as many buffers as the schedule has intervals of that size
 alive at once.
@@ -14,7 +16,8 @@ alive at once.
 idle buffer of the same size): on intervals this is optimal, so the plan has exactly the maximum
 overlap of each size class, the schedule's real concurrency. The memory estimator records the
 intervals (:func:`~thunder_overlap.analysis.memory_estimate.estimate_memory`) and counts the
-planned slots as persistent, as the runtime holds them.
+planned slots as persistent, as the runtime holds them. :func:`plan_shards_in_pool` picks the
+reduce-scatters that can reduce in place in a buffer the plan leaves idle to the step's end.
 """
 
 from __future__ import annotations
