@@ -221,7 +221,8 @@ def test_zero3_pool_holds_only_what_is_alive_at_once(deep_runs):
     # Reduced in place in the pool: ZeRO2 every bucket, in the buffer its gather left idle;
     # ZeRO3 only the last ones, once no gather ahead needs the buffer.
     for name in ("zero2", "zero3"):
-        in_pool = {label for slot in deep_runs[name].pool_users for label, purpose in map(_split_use, slot) if purpose.endswith(" in place")}
+        split = [_split_use(use) for slot in deep_runs[name].pool_users for use in slot]
+        in_pool = {label for label, purpose in split if purpose.endswith(" in place")}
         assert in_pool == set(deep_runs[name].reduced_in_pool), name
     assert len(deep_runs["zero2"].reduced_in_pool) == deep_runs["zero2"].reduce_scatters
     assert 0 < len(deep_runs["zero3"].reduced_in_pool) < deep_runs["zero3"].reduce_scatters

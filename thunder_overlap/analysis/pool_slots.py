@@ -232,7 +232,8 @@ def plan_shards_in_pool(
     chosen = []
     for issue in sorted(issues, key=lambda i: i.start):
         layout = issue.layout
-        in_place = PoolInterval(f"{layout.label} reduce-scatter in place", layout.unsharded_numel, layout.dtype, layout.itemsize, issue.start, step_end)
+        user = f"{layout.label} reduce-scatter in place"
+        in_place = PoolInterval(user, layout.unsharded_numel, layout.dtype, layout.itemsize, issue.start, step_end)
         trial = [v for v in planned if (v.user, v.start) != (issue.pool_user, issue.start)] + [in_place]
         key = (layout.unsharded_numel, layout.dtype)
         if max_overlap(trial).get(key, 0) <= buffers.get(key, 0):
