@@ -175,3 +175,28 @@ def test_bucketed_step_peak_and_pool_match_the_runtime(fake_group, sharding):
     # parameters and the batch it was given, which each estimate holds as persistent inputs.
     predicted = max(forward.peak_beyond_inputs_bytes, backward.peak_beyond_inputs_bytes)
     assert abs(predicted - measured.peak_bytes) <= 0.05 * measured.peak_bytes, (predicted, measured.peak_bytes)
+
+
+def _zero2_block_step(reduce_in_pool: bool):
+    torch.manual_seed(0)
+    config = thunder_overlap.OverlapConfig(reduce_in_pool=reduce_in_pool)
+    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero2", bucketing_strategy="block", config=config)
+    jm(torch.randint(0, MODEL.vocab_size, (4, 32))).sum().backward()
+    forward = estimate_memory(thunder.last_traces(jm)[-1])
+    backward = estimate_memory(thunder.last_backward_traces(jm)[-1], after=forward)
+    return jm, backward
+
+
+def test_zero2_buckets_reduce_in_the_pool_and_the_summary_counts_it(fake_group):
+    jm, backward = _zero2_block_step(reduce_in_pool=True)
+    buckets = thunder_overlap.BucketingTransform.of(jm).buckets.values()
+    trainable = [b for b in buckets if b.plan.requires_grad]
+    # Every gathered buffer is idle once its block's backward is done: every bucket takes one.
+    assert all(b.layout.reduces_in_pool for b in trainable)
+    assert {f"{b.plan.label} reduce-scatter in place" for b in trainable} <= {u for s in backward.pool.slots for u in s.users}
+    # The scheduler's summary predicts the step as it runs, not as it was scheduled before.
+    summary = thunder_overlap.OverlapScheduleTransform.of(jm).summaries["backward"]
+    assert summary.peak_bytes == backward.peak_bytes
+    _, own_shards = _zero2_block_step(reduce_in_pool=False)
+    assert own_shards.pool.nbytes == backward.pool.nbytes  # the pool did not grow for it
+    assert backward.peak_bytes < own_shards.peak_bytes

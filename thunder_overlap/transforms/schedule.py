@@ -138,9 +138,10 @@ class OverlapScheduleTransform(Transform):
             return
         memory = scheduled.memory or estimate_memory(scheduled.trace, after=self._forward_memory)
         group = self.agreement_group if self.agreement_group is not None else _process_group(annotated)
-        if reduce_in_pool_where_idle(memory, group, exchange=self.config.check_ranks_agree) and scheduled.summary is not None:
-            if scheduled.summary.peak_bytes is not None:
-                scheduled.summary.peak_bytes = estimate_memory(scheduled.trace, after=self._forward_memory).peak_bytes
+        chosen = reduce_in_pool_where_idle(memory, group, exchange=self.config.check_ranks_agree)
+        summary = scheduled.summary
+        if chosen and summary is not None and summary.peak_bytes is not None:
+            summary.peak_bytes = estimate_memory(scheduled.trace, after=self._forward_memory).peak_bytes
 
     def _schedule(self, annotated: AnnotatedTrace, issue_order: list[int] | None, launches: list[list[int]] | None) -> ScheduledTrace:
         is_backward = TraceTag.BACKWARD in annotated.trace.tags
