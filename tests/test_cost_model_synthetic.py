@@ -266,3 +266,24 @@ def test_a_coalesced_bucket_all_gather_wait_costs_each_members_copy_out():
     # A per-parameter coalesced launch copies nothing at its wait, and the wait alone names no bucket.
     per_parameter = SimpleNamespace(sym=SimpleNamespace(name="coalesced_all_gather"), args=(group, (0,), [shard(4, 8)]))
     assert local_copy_bytes(wait, issued_by=per_parameter) == local_copy_bytes(wait) == 0
+
+
+def test_a_bucket_gathered_per_parameter_pays_a_latency_per_parameter_on_the_link():
+    from dataclasses import replace
+
+    from thunder_overlap.analysis.pool_slots import BucketLayout
+
+    # Three parameters on a backend that runs a coalesced launch one collective at a time (gloo).
+    gloo = BucketLayout("b", 1000, "torch.float32", 4, tensors=3, world_size=2)
+    assert (gloo.gather_launches(), gloo.copies_out, gloo.gathers_in_place) == (1, True, False)
+    per_parameter = replace(gloo, per_tensor_gather=True)
+    assert (per_parameter.gather_launches(), per_parameter.copies_out, per_parameter.gathers_in_place) == (3, False, True)
+    # Where a coalesced launch runs as one (NCCL), in place is one launch.
+    assert replace(gloo, launches_coalesced_as_one=True).gather_launches() == 1
+    # The ring's latency (7 steps of 1 us on 8 ranks) once per launch; only the first is latency
+    # that can pass while another launch transfers, the others hold the link.
+    one = Collective(CollectiveKind.ALL_GATHER, start=0, wait=1, process_group=_Group(8), unsharded_bytes=8_000_000)
+    three = replace(one, launches=3)
+    model = CostModel(DEVICE, NETWORK)
+    assert model.collective_ms(three) - model.collective_ms(one) == pytest.approx(2 * 7e-3)
+    assert model.collective_latency_ms(three) == model.collective_latency_ms(one) == pytest.approx(7e-3)

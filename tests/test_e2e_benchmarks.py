@@ -62,7 +62,10 @@ def test_benchmark_writes_sane_json(tmp_path, impl):
 
 
 def test_bad_options_name_the_value_and_the_accepted_ones():
-    accepted = "thunder_overlap, thunder_overlap_uncoalesced, thunder_overlap_two_ahead, thunder_overlap_own_shards, thunder, fsdp2"
+    accepted = (
+        "thunder_overlap, thunder_overlap_uncoalesced, thunder_overlap_two_ahead, thunder_overlap_own_shards, "
+        "thunder_overlap_laid_out, thunder, fsdp2"
+    )
     with pytest.raises(ValueError, match=rf"--impl='deepspeed'.*{accepted}"):
         BenchmarkConfig(impl="deepspeed")
     with pytest.raises(ValueError, match=r"unknown network 'slow'.*custom:<latency_us>"):
@@ -84,6 +87,7 @@ def test_benchmark_schedules_thunder_overlap_for_the_named_link():
     assert config.cost_model.device.name == "cpu" and not config.coalesce
     assert overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_two_ahead").bucket_eager_prefetch_blocks is None
     assert not overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_own_shards").reduce_in_pool
+    assert overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_laid_out").per_tensor_gather_max_slowdown is None
     assert overlap_config(BenchmarkConfig(), torch.device("cpu")).cost_model is None
     # The testbed names its link to every run that traces thunder_overlap, and to no other.
     from slow_link import TestbedConfig

@@ -155,16 +155,19 @@ def test_steady_state_step_allocates_nothing_and_copies_at_most_once_per_bucket_
     assert census.allocations_after_last_step == census.allocations_after_first_step
     assert census.bucket_allocations == 0
     copies = dict(census.bucket_copies)
-    # Copy-out after a gather: one per multi-parameter bucket and gather (single ones are views);
-    # as on NCCL none, each parameter is gathered into its place.
+    # Copy-out after a gather: one per multi-parameter bucket and gather (single ones are views),
+    # but those gathered per tensor (over gloo, where the pool would otherwise hold a buffer the
+    # step can spare); as on NCCL none, each parameter is gathered into its place.
     gathers_per_bucket = 2 if sharding == "zero3" else 1
-    copied_out = 0 if bucketing.endswith(AS_ON_NCCL) else census.multi_parameter_buckets * gathers_per_bucket
+    copying_out = census.multi_parameter_buckets - len(census.per_tensor_gathers)
+    copied_out = 0 if bucketing.endswith(AS_ON_NCCL) else copying_out * gathers_per_bucket
     assert copies.pop("split_with_sizes_copy", 0) == copied_out
     # Copy-in before a reduce-scatter: one per bucket that lays its gradients out (over gloo all
     # of several tensors; as on NCCL, only the odd-sized embedding's, which needs padding, and
     # those reducing in the pool); the others send each gradient where it is.
     if bucketing.endswith(AS_ON_NCCL):
         assert census.laid_out_buckets == len({"wte", *census.reduced_in_pool})
+        assert not census.per_tensor_gathers  # nothing left to choose
     else:  # over gloo every bucket here lays out: several tensors, or the padded embedding
         assert census.laid_out_buckets == census.reduce_scatters
     assert copies.pop("_chunk_cat") == census.laid_out_buckets
@@ -192,7 +195,11 @@ def deep_runs():
     """Block buckets on a model deeper than the prefetch window (2 blocks)."""
     deep = TinyGPTConfig(n_layer=6)
     setups = {s: TrainSetup(sharding=s, bucketing="block", model=deep, steps=2, measure_memory=False) for s in ("zero2", "zero3")}
-    setups["zero3, two blocks ahead"] = replace(setups["zero3"], config=OverlapConfig(bucket_eager_prefetch_blocks=None))
+    # ZeRO3 with every bucket copied out over gloo (none gathered per parameter): how gathers,
+    # copy-outs and lay-outs share the pool's buffers.
+    laid_out = OverlapConfig(per_tensor_gather_max_slowdown=None)
+    setups["zero3"] = replace(setups["zero3"], config=laid_out)
+    setups["zero3, two blocks ahead"] = replace(setups["zero3"], config=replace(laid_out, bucket_eager_prefetch_blocks=None))
     setups["zero3, as on NCCL"] = replace(setups["zero3"], buckets_as_on_nccl=True)
     return {s: run_local_ranks(train_rank, WORLD_SIZE, (setup,))[0].bucket_census for s, setup in setups.items()}
 
@@ -226,8 +233,14 @@ def test_zero3_pool_holds_only_what_is_alive_at_once(deep_runs):
         assert in_pool == set(deep_runs[name].reduced_in_pool), name
     assert len(deep_runs["zero2"].reduced_in_pool) == deep_runs["zero2"].reduce_scatters
     assert 0 < len(deep_runs["zero3"].reduced_in_pool) < deep_runs["zero3"].reduce_scatters
-    # ZeRO2 keeps every gathered block for backward: one buffer each (plus staging).
-    assert deep_runs["zero2"].pool_buffers[block_numel] >= n_blocks
+    # ZeRO2 keeps every gathered block for backward: one buffer each. The last block is
+    # gathered in place (and so is the final norm): copied out, its rank-major gather buffer
+    # would sit idle from the end of the forward to the end of the step, a block more than
+    # the step needs at its peak.
+    zero2 = deep_runs["zero2"]
+    assert zero2.pool_buffers[block_numel] == n_blocks
+    assert zero2.per_tensor_gathers == (f"blocks.{n_blocks - 1}", "norm_f")
+    assert not deep_runs["zero3"].per_tensor_gathers
     # ZeRO3 frees a block after its last use; buffers are reused as the window moves. Busy at
     # once: the all-gathers ahead and the reduce-scatters not yet waited on (one bucket each by
     # default: a second goes out early only where the cost model says one does not hide it,

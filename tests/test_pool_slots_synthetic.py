@@ -6,7 +6,16 @@ import random
 
 import pytest
 
-from thunder_overlap.analysis.pool_slots import BucketLayout, PoolInterval, ReduceScatterIssue, max_overlap, plan_shards_in_pool, plan_slots
+from thunder_overlap.analysis.pool_slots import (
+    BucketLayout,
+    PoolInterval,
+    ReduceScatterIssue,
+    fewest_per_tensor_gathers,
+    intervals_gathered_in_place,
+    max_overlap,
+    plan_shards_in_pool,
+    plan_slots,
+)
 
 BLOCK, SMALL = 1000, 10
 
@@ -92,3 +101,61 @@ def test_reducing_in_the_pool_never_grows_it(seed):
             earlier = [_use("in place", i.start, 140) for i in chosen if i.start <= issue.start]
             trial = [*uses, *earlier, _use("trial", issue.start, 140)]
             assert max_overlap(trial)[(BLOCK, "torch.float32")] > max_overlap(uses).get((BLOCK, "torch.float32"), 0)
+
+
+def test_a_gather_in_place_keeps_its_buffer_as_long_as_its_copy_out_was():
+    # b0 gathered at 0, copied out at 2 (the gather's future dies at 3), parameters alive to 6.
+    uses = [_use("b0 all-gather", 0, 3), _use("b0 copy-out", 2, 6), _use("b0 reduce-scatter", 7, 9), _use("b1 all-gather", 3, 7)]
+    merged = intervals_gathered_in_place(uses, ["b0"])
+    assert merged == [_use("b0 all-gather", 0, 6), _use("b0 reduce-scatter", 7, 9), _use("b1 all-gather", 3, 7)]
+    assert intervals_gathered_in_place(uses, ["b1"]) == uses  # b1 has no copy-out
+    # ZeRO3 gathers a bucket twice: each copy-out merges into its own gather.
+    twice = [_use("b0 all-gather", 0, 2), _use("b0 copy-out", 1, 4), _use("b0 all-gather", 10, 12), _use("b0 copy-out", 11, 15)]
+    assert intervals_gathered_in_place(twice, ["b0"]) == [_use("b0 all-gather", 0, 4), _use("b0 all-gather", 10, 15)]
+
+
+def test_only_the_gathers_in_place_the_smallest_pool_needs_are_taken():
+    # ZeRO2's forward, one bucket ahead: each block's copy-out lives to the step's end (20); a
+    # gather buffer is free once copied out and the next gather reuses it. Three buffers are busy
+    # at each copy-out after the first (the copy-outs so far, and the gather being copied out).
+    uses = [
+        _use("b0 all-gather", 0, 3), _use("b0 copy-out", 2, 20),
+        _use("b1 all-gather", 3, 6), _use("b1 copy-out", 5, 20),
+        _use("b2 all-gather", 6, 9), _use("b2 copy-out", 8, 20),
+    ]  # fmt: skip
+    assert max_overlap(uses) == {(BLOCK, "torch.float32"): 4}
+    everything = ["b0", "b1", "b2"]
+    assert max_overlap(intervals_gathered_in_place(uses, everything)) == {(BLOCK, "torch.float32"): 3}
+    # Three buffers need only the last block gathered in place: at b1's copy-out three are busy
+    # anyway (b0's copy-out, b1's gather and copy-out), and so they are at the end.
+    assert fewest_per_tensor_gathers(uses, everything) == ["b2"]
+    assert fewest_per_tensor_gathers(uses, []) == []
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_gathers_in_place_never_grow_the_pool_and_the_fewest_keep_it_smallest(seed):
+    rng = random.Random(seed)
+    uses, candidates = [], []
+    for b in range(rng.randint(1, 8)):
+        start = rng.randint(0, 40)
+        for _ in range(rng.randint(1, 2)):  # ZeRO3 gathers twice, the second after the first is done
+            wait = start + rng.randint(1, 10)
+            end = wait + rng.randint(1, 40)
+            uses += [_use(f"b{b} all-gather", start, wait + rng.randint(1, 3)), _use(f"b{b} copy-out", wait, end)]
+            start = end + rng.randint(0, 20)
+        issue = rng.randint(0, 100)
+        uses.append(_use(f"b{b} reduce-scatter", issue, issue + rng.randint(1, 10)))
+        candidates.append(f"b{b}")
+
+    def buffers(in_place):
+        return max_overlap(intervals_gathered_in_place(uses, in_place))[(BLOCK, "torch.float32")]
+
+    smallest = buffers(candidates)
+    assert smallest <= buffers([])
+    for _ in range(5):
+        assert buffers([c for c in candidates if rng.random() < 0.5]) <= buffers([])
+    chosen = fewest_per_tensor_gathers(uses, candidates)
+    assert buffers(chosen) == smallest
+    # Minimal: dropping any one of them would need a bigger pool.
+    for label in chosen:
+        assert buffers([c for c in chosen if c != label]) > smallest

@@ -83,6 +83,14 @@ class OverlapConfig:
     # aliases it: gradients kept into the next step (accumulation without no_sync,
     # zero_grad(set_to_none=False)) make the pool grow once; set False for such loops.
     reduce_in_pool: bool = True
+    # Buckets, where the backend runs a coalesced launch one collective at a time (gloo): a
+    # bucket whose copy-out would make the pool hold more buffers than the smallest pool the
+    # schedule allows gathers each parameter into its place instead, as on NCCL: no copy-out and
+    # no second buffer, one launch latency per parameter. Chosen at the backward's first compile
+    # where the memory estimate's step peak falls and the simulator predicts the step at most
+    # this share slower (bucketing/per_tensor_gathers.py). 0.01: a point of step time for a
+    # block of memory. None: never.
+    per_tensor_gather_max_slowdown: float | None = 0.01
     # Most reduce-scatter input bytes in flight; None: prefetch_blocks x the largest block (or bucket).
     # Waiting on a reduce-scatter frees its unsharded gradient, so this bounds gradient memory.
     max_in_flight_reduce_scatter_bytes: int | None = None
@@ -161,6 +169,12 @@ class OverlapConfig:
             )
         if not isinstance(self.check_ranks_agree, bool):
             raise TypeError(f"OverlapConfig.check_ranks_agree must be a bool, got {self.check_ranks_agree!r}")
+        slowdown = self.per_tensor_gather_max_slowdown
+        accepted = "a share of step time >= 0, or None (never gather buckets per parameter)"
+        if slowdown is not None and (isinstance(slowdown, bool) or not isinstance(slowdown, (int, float))):
+            raise TypeError(f"OverlapConfig.per_tensor_gather_max_slowdown must be {accepted}, got {slowdown!r}")
+        if slowdown is not None and not slowdown >= 0:  # NaN too
+            raise ValueError(f"OverlapConfig.per_tensor_gather_max_slowdown must be {accepted}, got {slowdown!r}")
         if not isinstance(self.reduce_in_pool, bool):
             raise TypeError(f"OverlapConfig.reduce_in_pool must be a bool, got {self.reduce_in_pool!r}")
         if not isinstance(self.coalesce, bool):

@@ -26,6 +26,8 @@ from thunder.core.proxies import FutureTensorProxy, Proxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
+from thunder_overlap.analysis.local_copies import backend_launches
+
 __all__ = [
     "COALESCED_PREFIX",
     "AnnotatedTrace",
@@ -102,6 +104,9 @@ class Collective:
     # Collectives launched together in it: more than one for a coalesced launch, which pays
     # the network's latency once for all of them.
     members: int = 1
+    # Latencies the backend pays for it: more than one where a bucket runs per tensor on a
+    # backend that runs a coalesced launch one collective at a time (local_copies.backend_launches).
+    launches: int = 1
 
     @property
     def group_key(self) -> int:
@@ -280,6 +285,7 @@ def _link_collectives(nodes, producer, consumers) -> list[Collective]:
                 unsharded_bytes=sum(_tensor_bytes(t) for t in moved),
                 dtype=moved[0].dtype,
                 members=_launch_members(bsym),
+                launches=backend_launches(bsym),
             )
         )
     return collectives

@@ -1,4 +1,5 @@
-"""Bytes the bucketed collectives copy in local memory, on the compute stream.
+"""Bytes the bucketed collectives copy in local memory, on the compute stream, and the launches
+they make.
 
 A bucketed collective does more than launch: its start may lay the bucket's tensors out for the
 launch and its wait may lay the result out for its readers (:mod:`thunder_overlap.bucketing.buffers`).
@@ -32,6 +33,11 @@ What each bucket operator copies (``U`` is the bucket's unsharded bytes, ``G`` i
   from the issue (:data:`WAIT_COPY_BYTES`, keyed by the issue's name).
 - ``bucket_accumulate_grads`` (no_sync): the ``_chunk_cat`` (``G + U``) and the sum into the kept
   gradients (``3 U``), with ``U`` taken as ``G``: this operator has no process group to pad by.
+
+A bucketed collective is one launch, except where a bucket gathers each parameter in place on a
+backend that runs a coalesced launch one collective at a time (gloo; chosen per bucket by
+:mod:`~thunder_overlap.bucketing.per_tensor_gathers`): it then pays a latency per parameter
+(:func:`backend_launches`, which :class:`~thunder_overlap.analysis.classify.Collective` records).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import torch.distributed as dist
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 
-__all__ = ["LOCAL_COPY_BYTES", "WAIT_COPY_BYTES", "LocalCopyBytes", "local_copy_bytes"]
+__all__ = ["LOCAL_COPY_BYTES", "WAIT_COPY_BYTES", "LocalCopyBytes", "backend_launches", "local_copy_bytes"]
 
 # Bytes read plus bytes written by one operator's local copies, from its bound symbol.
 LocalCopyBytes = Callable[[BoundSymbol], int]
@@ -168,6 +174,20 @@ LOCAL_COPY_BYTES: dict[str, LocalCopyBytes] = {
     "coalesced_bucket_all_gather": no_copy,
     "coalesced_bucket_reduce_scatter": coalesced_reduce_scatter_copy_in,
 }
+
+
+def backend_launches(bsym: BoundSymbol) -> int:
+    """Launches a collective's issue makes the backend pay a latency for: one, unless a bucket
+    gathers each parameter in place on a backend that runs a coalesced launch one collective at
+    a time (``BucketLayout.gather_launches``). A coalesced launch counts once, plus each member's
+    launches beyond its first."""
+    name = bsym.sym.name
+    if name == "bucket_all_gather" and (layout := _layout(bsym.args[0])) is not None:
+        return layout.gather_launches()
+    if name == "coalesced_bucket_all_gather":
+        layouts = [_layout(bucket_id) for bucket_id, _, _ in bsym.args[1]]
+        return 1 + sum(layout.gather_launches() - 1 for layout in layouts if layout is not None)
+    return 1
 
 
 def local_copy_bytes(bsym: BoundSymbol, issued_by: BoundSymbol | None = None) -> int:

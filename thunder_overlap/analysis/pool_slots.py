@@ -17,7 +17,9 @@ idle buffer of the same size): on intervals this is optimal, so the plan has exa
 overlap of each size class, the schedule's real concurrency. The memory estimator records the
 intervals (:func:`~thunder_overlap.analysis.memory_estimate.estimate_memory`) and counts the
 planned slots as persistent, as the runtime holds them. :func:`plan_shards_in_pool` picks the
-reduce-scatters that can reduce in place in a buffer the plan leaves idle to the step's end.
+reduce-scatters that can reduce in place in a buffer the plan leaves idle to the step's end, and
+:func:`fewest_per_tensor_gathers` the buckets that, gathered per parameter into their place
+rather than copied out (:func:`intervals_gathered_in_place`), make the pool smallest.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ __all__ = [
     "ReduceScatterIssue",
     "SlotPlan",
     "describe_slots",
+    "fewest_per_tensor_gathers",
+    "intervals_gathered_in_place",
     "max_overlap",
     "plan_shards_in_pool",
     "plan_slots",
@@ -65,6 +69,12 @@ class BucketLayout:
     # otherwise sit idle to the end of the step. The gradients are laid out into it (one copy),
     # so they are free as soon as the collective is launched rather than after its wait.
     reduces_in_pool: bool = False
+    # Chosen per bucket where the backend runs a coalesced launch one collective at a time
+    # (gloo): gather each parameter into its place, as on NCCL, paying a launch per parameter
+    # instead of a copy-out and its buffer. Chosen by
+    # :func:`~thunder_overlap.bucketing.per_tensor_gathers.choose_per_tensor_gathers` only where
+    # that buffer would make the pool larger than the smallest pool the schedule allows.
+    per_tensor_gather: bool = False
 
     def as_on_nccl(self) -> BucketLayout:
         """This bucket as it runs on NCCL whatever the backend: coalesced launches as one, and no
@@ -77,14 +87,14 @@ class BucketLayout:
         With one tensor, or one rank, the parameters are views of the gather output; where a
         coalesced launch runs as one, each parameter is gathered into its place (see
         :attr:`gathers_in_place`)."""
-        return self.tensors > 1 and self.world_size > 1 and not self.launches_coalesced_as_one
+        return self.tensors > 1 and self.world_size > 1 and not (self.launches_coalesced_as_one or self.per_tensor_gather)
 
     @property
     def gathers_in_place(self) -> bool:
         """Whether the all-gather is one coalesced launch of an all-gather per parameter, each
         into the parameter's own place in the buffer: the buffer is then parameter-major as it
         arrives, with no copy-out and no second buffer."""
-        return self.tensors > 1 and self.world_size > 1 and self.launches_coalesced_as_one
+        return self.tensors > 1 and self.world_size > 1 and (self.launches_coalesced_as_one or self.per_tensor_gather)
 
     def sends_gradients(self, gradient_numels: list[int]) -> bool:
         """Whether the reduce-scatter reads the gradients where they are (one collective per
@@ -93,6 +103,11 @@ class BucketLayout:
         backend runs a launch of several as one."""
         unpadded = sum(gradient_numels) == self.unsharded_numel
         return not self.reduces_in_pool and unpadded and (self.tensors == 1 or self.launches_coalesced_as_one)
+
+    def gather_launches(self) -> int:
+        """Launches the backend pays a latency for to gather the bucket: one per parameter where
+        it gathers in place on a backend that runs a coalesced launch one collective at a time."""
+        return self.tensors if self.gathers_in_place and not self.launches_coalesced_as_one else 1
 
     @property
     def nbytes(self) -> int:
@@ -239,4 +254,46 @@ def plan_shards_in_pool(
         if max_overlap(trial).get(key, 0) <= buffers.get(key, 0):
             planned = trial
             chosen.append(issue)
+    return chosen
+
+
+def intervals_gathered_in_place(intervals: Iterable[PoolInterval], gathered_in_place: Iterable[str]) -> list[PoolInterval]:
+    """The pool uses of a step whose buckets labelled ``gathered_in_place`` gather each parameter
+    into its place, from its uses as laid out: such a bucket keeps its gathered buffer for as long
+    as its copy-out was kept, so each copy-out merges into the gather it was copied from (the one
+    busy when it starts)."""
+    labels = set(gathered_in_place)
+    merged = [v for v in intervals if not (v.user.endswith(" copy-out") and v.user.removesuffix(" copy-out") in labels)]
+    for copy_out in intervals:
+        label = copy_out.user.removesuffix(" copy-out")
+        if not copy_out.user.endswith(" copy-out") or label not in labels:
+            continue
+        gathers = [i for i, v in enumerate(merged) if v.user == f"{label} all-gather" and v.start <= copy_out.start < v.end]
+        if not gathers:
+            raise ValueError(f"no all-gather of {label!r} is busy when its copy-out starts ({copy_out.start})")
+        source = max(gathers, key=lambda i: merged[i].start)  # the latest: the one just waited on
+        merged[source] = replace(merged[source], end=max(merged[source].end, copy_out.end))
+    return merged
+
+
+def _pool_bytes(intervals: list[PoolInterval]) -> int:
+    itemsizes = {(v.numel, v.dtype): v.itemsize for v in intervals}
+    return sum(count * numel * itemsizes[(numel, dtype)] for (numel, dtype), count in max_overlap(intervals).items())
+
+
+def fewest_per_tensor_gathers(intervals: Iterable[PoolInterval], candidates: Iterable[str]) -> list[str]:
+    """The fewest of the buckets labelled ``candidates`` whose gathering in place leaves the pool
+    as small as gathering all of them in place would.
+
+    Gathering in place never adds to the pool (the buffer is busy only while the gather or its
+    copy-out was), so all candidates give the smallest pool; from there each is dropped in turn,
+    in order, if the pool needs no more bytes without it. Dropping any of those left would need
+    more (the pool only grows as fewer are gathered in place)."""
+    intervals = list(intervals)
+    chosen = list(dict.fromkeys(candidates))
+    smallest = _pool_bytes(intervals_gathered_in_place(intervals, chosen))
+    for label in list(chosen):
+        trial = [c for c in chosen if c != label]
+        if _pool_bytes(intervals_gathered_in_place(intervals, trial)) <= smallest:
+            chosen = trial
     return chosen

@@ -104,6 +104,10 @@ class BucketCensus:
     # Labels of the buckets that reduce in place in a pool buffer whose row is their gradient
     # shard (BucketLayout.reduces_in_pool): all-reduced in place, they copy no row out.
     reduced_in_pool: tuple[str, ...]
+    # Labels of the buckets that, over a backend running a coalesced launch one collective at a
+    # time, gather each parameter in place, as chosen from the memory estimate
+    # (BucketLayout.per_tensor_gather).
+    per_tensor_gathers: tuple[str, ...]
     # reduce_scatter_tensor calls per step: one per other laid-out bucket, one per gradient of the rest.
     reduce_scatter_calls: int
     # Copy ops that read or wrote a bucket buffer, by aten op name.
@@ -362,6 +366,7 @@ def _bucket_census(
         laid_out_buckets=len(laid_out),
         reduced_in_place=len(in_place),
         reduced_in_pool=tuple(b.plan.label for b in trainable if b.layout.reduces_in_pool),
+        per_tensor_gathers=tuple(b.plan.label for b in bucketing.buckets.values() if b.layout.per_tensor_gather),
         reduce_scatter_calls=len(laid_out) - len(in_place) + sum(b.layout.tensors for b in trainable if b not in laid_out),
         bucket_copies=copies,
         backend_copies_per_reduce_scatter=_backend_copies_per_reduce_scatter(bucketing.process_group),

@@ -15,6 +15,7 @@ from thunder_overlap.analysis.blocks import BlockTypes, largest_block_bytes
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace, find_swallowed_collectives
 from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.analysis.memory_estimate import MemoryEstimate, estimate_memory
+from thunder_overlap.bucketing.per_tensor_gathers import PerTensorGatherChoice, choose_per_tensor_gathers, gather_per_tensor
 from thunder_overlap.bucketing.reduce_in_pool import reduce_in_pool_where_idle
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.scheduling.dispatch import ScheduledTrace, schedule_trace
@@ -62,6 +63,10 @@ class OverlapScheduleTransform(Transform):
         # Where the traces' collectives use several groups (hybrid sharding), ranks must agree
         # across all of them: the world. None: the group of the traces' collectives.
         self.agreement_group = agreement_group
+        # The buckets gathered per parameter, as chosen (with the predictions behind the choice)
+        # and as agreed by the ranks, at the backward's first compile.
+        self.per_tensor_gather_choice: PerTensorGatherChoice | None = None
+        self.per_tensor_gathers: list[str] = []
 
     def transform_module(self, model) -> None:
         # The original module still has the unsharded shapes (on meta once FSDP released it).
@@ -123,24 +128,46 @@ class OverlapScheduleTransform(Transform):
             if agreed != own or agreed_launches != own_launches:
                 scheduled = self._schedule(annotated, agreed, agreed_launches)
         if pass_name == "backward" and first_compile:
-            self._reduce_in_pool(scheduled, annotated)
+            self._choose_bucket_paths(scheduled, annotated)
         if scheduled.summary is not None:
             self.summaries[pass_name] = scheduled.summary
         if pass_name == "forward":
             self._forward_memory = scheduled.memory
         return scheduled.trace
 
-    def _reduce_in_pool(self, scheduled: ScheduledTrace, annotated: AnnotatedTrace) -> None:
-        """Lets the buckets whose reduce-scatter finds a pool buffer idle to the step's end
-        reduce in place in it (``OverlapConfig.reduce_in_pool``), once, at the backward's first
-        compile where every rank is there to agree; the summary's predicted peak follows."""
-        if not self.config.reduce_in_pool or self._forward_memory is None or not annotated.runs_buckets:
+    def _choose_bucket_paths(self, scheduled: ScheduledTrace, annotated: AnnotatedTrace) -> None:
+        """Once, at the backward's first compile, where every rank is there to agree: buckets
+        gather per parameter where their copy-out would make the pool hold a buffer the step
+        can spare (``OverlapConfig.per_tensor_gather_max_slowdown``), then reduce in place in pool
+        buffers idle to the step's end (``OverlapConfig.reduce_in_pool``). The summaries'
+        predicted peaks follow."""
+        if self._forward_memory is None or not annotated.runs_buckets:
             return
-        memory = scheduled.memory or estimate_memory(scheduled.trace, after=self._forward_memory)
         group = self.agreement_group if self.agreement_group is not None else _process_group(annotated)
-        chosen = reduce_in_pool_where_idle(memory, group, exchange=self.config.check_ranks_agree)
+        exchange = self.config.check_ranks_agree
+        forward = self._forward_memory.trace
+        memory = scheduled.memory
+        if self.config.per_tensor_gather_max_slowdown is not None:
+            self.per_tensor_gather_choice = choose_per_tensor_gathers(
+                forward,
+                scheduled.trace,
+                self._cost_model,
+                max_slowdown=self.config.per_tensor_gather_max_slowdown,
+                reduce_in_pool=self.config.reduce_in_pool,
+            )
+            self.per_tensor_gathers = gather_per_tensor(self.per_tensor_gather_choice, group, exchange=exchange)
+            if self.per_tensor_gathers:
+                self._forward_memory = estimate_memory(forward)
+                forward_summary = self.summaries.get("forward")
+                if forward_summary is not None and forward_summary.peak_bytes is not None:
+                    forward_summary.peak_bytes = self._forward_memory.peak_bytes
+                memory = None
+        if self.config.reduce_in_pool:
+            memory = memory or estimate_memory(scheduled.trace, after=self._forward_memory)
+            if reduce_in_pool_where_idle(memory, group, exchange=exchange):
+                memory = None
         summary = scheduled.summary
-        if chosen and summary is not None and summary.peak_bytes is not None:
+        if memory is None and summary is not None and summary.peak_bytes is not None:
             summary.peak_bytes = estimate_memory(scheduled.trace, after=self._forward_memory).peak_bytes
 
     def _schedule(self, annotated: AnnotatedTrace, issue_order: list[int] | None, launches: list[list[int]] | None) -> ScheduledTrace:
