@@ -18,7 +18,11 @@ for the ``:as_on_nccl`` rows. Two shapes (``--shape``):
 Variants:
 
 - ``none``: one collective per parameter (Thunder's FSDP and thunder_overlap without buckets);
-- ``layer``/``block``: thunder_overlap's persistent bucket buffers;
+- ``layer``/``block``: thunder_overlap's persistent bucket buffers, as they run over gloo:
+  gathered rank-major and copied out, gradients laid out, except the buckets gathered per
+  parameter where the copy-out would make the pool hold a buffer the step can spare
+  (``OverlapConfig.per_tensor_gather_max_slowdown``; listed under the table);
+- ``<strategy>:laid_out``: the same with every bucket copied out, as before that choice;
 - ``<strategy>:concat_every_call``: the same buckets, but concatenated into a new buffer on
   every call, gathered into a new buffer and copied out parameter by parameter (Thunder's
   ``pack``/``unpack`` bucketing up to 0.2.3, which concatenated on every call);
@@ -27,8 +31,8 @@ Variants:
 - ``<strategy>:as_on_nccl``: thunder_overlap's buckets as they run on NCCL, where a coalesced
   launch runs as one: each parameter is gathered straight into its place (no copy-out buffer) and
   unpadded gradients are reduce-scattered where they are (no lay-out, no pool buffer), one launch
-  per bucket each way. gloo runs such a launch one collective after another, so over gloo
-  buckets gather rank-major, copy out and lay their gradients out unless told otherwise, as here.
+  per bucket each way. gloo runs such a launch one collective after another, each paying its
+  latency, so over gloo only the buckets the memory estimate picks gather so, and none sends so.
 
 The variants swap only the runtime of the buckets (the class of each
 :class:`~thunder_overlap.bucketing.buffers.BucketBuffers`, or its layout); traces and schedule
@@ -56,6 +60,7 @@ import torch.nn.functional as F
 
 from thunder_overlap.analysis.memory_estimate import estimate_memory
 from thunder_overlap.bucketing.buffers import BucketBuffers, PendingCollective
+from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import ShardingStrategy
 from thunder_overlap.tools.live_memory import LiveMemoryTracker
 from thunder_overlap.tools.local_ranks import run_local_ranks
@@ -65,10 +70,12 @@ from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 VARIANTS = (
     "none",
     "layer",
+    "layer:laid_out",
     "layer:as_on_nccl",
     "layer:concat_every_call",
     "layer:allocate_every_iteration",
     "block",
+    "block:laid_out",
     "block:as_on_nccl",
     "block:concat_every_call",
     "block:allocate_every_iteration",
@@ -163,6 +170,9 @@ class StepCensus:
     # The largest bucket's unsharded buffer (0 without buckets).
     block_mib: float
     step_ms: float
+    # Buckets gathered per parameter over gloo, chosen from the memory estimate
+    # (OverlapScheduleTransform.per_tensor_gathers).
+    per_tensor_gathers: list[str]
 
 
 def _measure(rank: int, world_size: int, variant: str, sharding: str, model: TinyGPTConfig, shape: str, steps: int) -> StepCensus:
@@ -170,8 +180,10 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
 
     strategy, _, runtime = variant.partition(":")
     torch.manual_seed(0)
-    jm = thunder_overlap.fsdp(TinyGPT(model), device="cpu", sharding_strategy=sharding, bucketing_strategy=strategy)
-    for bucket in thunder_overlap.BucketingTransform.of(jm).buckets.values() if runtime else ():
+    # The reimplementations of the usual ways, and laid_out, run every bucket as gloo suggests.
+    config = OverlapConfig(per_tensor_gather_max_slowdown=None) if runtime in ("laid_out", *RUNTIMES) else None
+    jm = thunder_overlap.fsdp(TinyGPT(model), device="cpu", sharding_strategy=sharding, bucketing_strategy=strategy, config=config)
+    for bucket in thunder_overlap.BucketingTransform.of(jm).buckets.values() if runtime in ("as_on_nccl", *RUNTIMES) else ():
         if runtime == "as_on_nccl":
             bucket.layout = bucket.layout.as_on_nccl()
         else:
@@ -199,6 +211,7 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
         step()
     optimizer.zero_grad(set_to_none=True)
     bucketing = thunder_overlap.BucketingTransform.of(jm)
+    schedule = thunder_overlap.OverlapScheduleTransform.of(jm)
     pool = bucketing.pool.buffers if bucketing is not None else []
     peaks = {}
     for counted in ("as_run", "as_nccl"):
@@ -225,6 +238,7 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
         pool_buffers=len(pool),
         block_mib=block_bytes / 2**20,
         step_ms=statistics.median(times[1:]),
+        per_tensor_gathers=list(schedule.per_tensor_gathers) if schedule is not None else [],
     )
 
 
@@ -253,7 +267,7 @@ def main() -> None:
     for variant in args.variants:
         r = results[variant] = run_local_ranks(_measure, 2, (variant, args.sharding, model, args.shape, args.steps))[0]
         # The estimate and the pool are thunder_overlap's runtime's; the reimplementations use neither.
-        ours = variant.partition(":")[2] in ("", "as_on_nccl")
+        ours = variant.partition(":")[2] in ("", "laid_out", "as_on_nccl")
         predicted = f"{r.predicted_peak_mib:.2f}" if ours else "-"
         pool = f"{r.pool_mib:.2f} ({r.pool_buffers})" if ours else "-"
         lines.append(
@@ -263,7 +277,7 @@ def main() -> None:
         print(lines[-1], flush=True)
     if "none" in results:
         lines.append("")
-        for variant in ("layer", "layer:as_on_nccl", "block", "block:as_on_nccl"):
+        for variant in ("layer", "layer:laid_out", "layer:as_on_nccl", "block", "block:laid_out", "block:as_on_nccl"):
             if variant in results:
                 r, none = results[variant], results["none"]
                 # One transformer block's unsharded buffer: the block strategy's largest bucket.
@@ -278,6 +292,9 @@ def main() -> None:
                     f"- {variant}: peak {peak:.2f} MiB = none's {none_peak:.2f} + {extra:.2f} block buffers of {block_mib:.3f} MiB "
                     f"{counted}(target: at most 1; {verdict}); estimate {r.predicted_peak_mib / peak - 1:+.1%}"
                 )
+        for r in results.values():
+            if r.per_tensor_gathers:
+                lines.append(f"- {r.variant} gathers per parameter: {', '.join(r.per_tensor_gathers)}")
     print("\n".join(lines))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

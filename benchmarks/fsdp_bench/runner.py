@@ -10,7 +10,7 @@ import thunder
 import torch
 from thunder.core.module import ThunderModule
 
-from thunder_overlap import schedule_picture, schedule_stats
+from thunder_overlap import OverlapScheduleTransform, schedule_picture, schedule_stats
 
 from fsdp_bench.bench_config import BenchmarkConfig
 from fsdp_bench.bench_models import ModelSpec, build_model, train_flops_per_step
@@ -35,7 +35,13 @@ def _schedule(model: torch.nn.Module) -> dict[str, dict]:
     if not isinstance(model, ThunderModule):
         return {}
     traces = {"forward": thunder.last_traces(model)[-1], "backward": thunder.last_backward_traces(model)[-1]}
-    return {name: {"picture": schedule_picture(t), **asdict(schedule_stats(t))} for name, t in traces.items()}
+    schedule = {name: {"picture": schedule_picture(t), **asdict(schedule_stats(t))} for name, t in traces.items()}
+    transform = OverlapScheduleTransform.of(model)
+    choice = transform.per_tensor_gather_choice if transform is not None else None
+    if choice is not None:  # chosen at the backward's first compile
+        schedule["backward"]["per_tensor_gathers"] = transform.per_tensor_gathers
+        schedule["backward"]["per_tensor_gather_reason"] = choice.reason
+    return schedule
 
 
 def _dump_traces(model: torch.nn.Module, json_path: str) -> None:
