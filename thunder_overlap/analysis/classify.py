@@ -104,8 +104,9 @@ class Collective:
     # Collectives launched together in it: more than one for a coalesced launch, which pays
     # the network's latency once for all of them.
     members: int = 1
-    # Latencies the backend pays for it: more than one where a bucket runs per tensor on a
-    # backend that runs a coalesced launch one collective at a time (local_copies.backend_launches).
+    # Launches the backend pays a latency for: more than one where a bucket gathers per
+    # parameter on a backend that runs a coalesced launch one collective at a time
+    # (local_copies.backend_launches).
     launches: int = 1
 
     @property

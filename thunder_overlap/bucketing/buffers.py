@@ -20,8 +20,10 @@ parameters, and reduce-scatters each unpadded gradient where it is, straight int
 the gradient shard: one launch each way, no copy and no buffer but the gathered one. gloo runs
 such a launch one collective after another, each paying its latency, so there a bucket gathers
 its flat shard rank-major into one buffer and copies it out parameter by parameter into a
-second, and lays its gradients out into a third with one ``_chunk_cat`` (so does a bucket whose
-gradients need padding, on any backend). A buffer is handed out again
+second (unless the memory estimate chose it to gather per parameter, where that second buffer
+would make the pool larger than the step needs: ``BucketLayout.per_tensor_gather``), and lays
+its gradients out into a third with one ``_chunk_cat`` (so does a bucket whose gradients need
+padding, on any backend). A buffer is handed out again
 only when no tensor of its storage is alive anymore. ZeRO2 keeps every gathered bucket alive
 until backward, so the pool holds one buffer per bucket; ZeRO3 frees each after its last use,
 so the pool holds no more than were alive at once. After the first step nothing is allocated.
