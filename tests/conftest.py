@@ -30,6 +30,13 @@ def _default_group(backend: str, world_size: int, store: dist.Store) -> Iterator
 
 
 @pytest.fixture(scope="module")
+def fake_group_2() -> Iterator[dist.ProcessGroup]:
+    """PyTorch's fake backend as rank 0 of 2, the size of the gloo runs: a ring launch pays one
+    latency there, where at 8 ranks it pays seven."""
+    yield from _default_group("fake", 2, FakeStore())
+
+
+@pytest.fixture(scope="module")
 def fake_group_4() -> Iterator[dist.ProcessGroup]:
     """PyTorch's fake backend as rank 0 of 4: collectives complete at once, nothing is sent, so
     tests see trace order and in-flight accounting, not numerics."""

@@ -200,3 +200,4 @@ def test_zero2_buckets_reduce_in_the_pool_and_the_summary_counts_it(fake_group):
     _, own_shards = _zero2_block_step(reduce_in_pool=False)
     assert own_shards.pool.nbytes == backward.pool.nbytes  # the pool did not grow for it
     assert backward.peak_bytes < own_shards.peak_bytes
+

@@ -36,9 +36,10 @@ from thunder.core.trace import TraceCtx
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace
 from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.analysis.memory_estimate import MemoryEstimate, estimate_memory
-from thunder_overlap.analysis.pool_slots import BucketLayout, fewest_per_tensor_gathers, plan_shards_in_pool
+from thunder_overlap.analysis.pool_slots import BucketLayout, fewest_per_tensor_gathers
 from thunder_overlap.analysis.simulator import simulate
 from thunder_overlap.bucketing.buffers import lookup_bucket
+from thunder_overlap.bucketing.reduce_in_pool import shards_in_pool
 from thunder_overlap.scheduling.rank_agreement import agreed_subset
 
 __all__ = ["PerTensorGatherChoice", "choose_per_tensor_gathers", "gather_per_tensor"]
@@ -87,7 +88,7 @@ def _step_peak_bytes(forward: TraceCtx, backward: TraceCtx, layouts: dict[int, B
     would go there (``OverlapConfig.reduce_in_pool``, chosen after this)."""
     forward_memory, backward_memory = _estimate_step(forward, backward, layouts)
     if reduce_in_pool:
-        in_pool = plan_shards_in_pool(backward_memory.pool_intervals, backward_memory.reduce_scatter_issues, backward_memory.timeline_end)
+        in_pool = shards_in_pool(backward_memory)
         if in_pool:
             layouts = {**layouts, **{i.bucket_id: replace(layouts[i.bucket_id], reduces_in_pool=True) for i in in_pool}}
             forward_memory, backward_memory = _estimate_step(forward, backward, layouts)

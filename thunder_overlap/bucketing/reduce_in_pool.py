@@ -17,18 +17,24 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from thunder_overlap.analysis.memory_estimate import MemoryEstimate
-from thunder_overlap.analysis.pool_slots import plan_shards_in_pool
+from thunder_overlap.analysis.pool_slots import ReduceScatterIssue, plan_shards_in_pool
 from thunder_overlap.bucketing.buffers import lookup_bucket
 from thunder_overlap.scheduling.rank_agreement import agreed_subset
 
-__all__ = ["reduce_in_pool_where_idle"]
+__all__ = ["reduce_in_pool_where_idle", "shards_in_pool"]
+
+
+def shards_in_pool(backward: MemoryEstimate) -> list[ReduceScatterIssue]:
+    """The reduce-scatters of ``backward`` (the final backward trace's estimate, made after its
+    forward's) that can run in place in a pool buffer idle to the step's end."""
+    return plan_shards_in_pool(backward.pool_intervals, backward.reduce_scatter_issues, backward.timeline_end)
 
 
 def reduce_in_pool_where_idle(backward: MemoryEstimate, group: dist.ProcessGroup | None, *, exchange: bool) -> list[str]:
     """Switches the buckets whose reduce-scatter in ``backward`` (the final backward trace's
     estimate, made after its forward's) can run in place in an idle pool buffer to do so, as
     agreed with the other ranks of ``group`` when ``exchange``; returns their labels."""
-    chosen = plan_shards_in_pool(backward.pool_intervals, backward.reduce_scatter_issues, backward.timeline_end)
+    chosen = shards_in_pool(backward)
     labels = [issue.layout.label for issue in chosen]
     if exchange:
         labels = agreed_subset(labels, group)
