@@ -19,10 +19,13 @@ Variants:
 
 - ``none``: one collective per parameter (Thunder's FSDP and thunder_overlap without buckets);
 - ``layer``/``block``: thunder_overlap's persistent bucket buffers, as they run over gloo:
-  gathered rank-major and copied out, gradients laid out, except the buckets gathered per
-  parameter where the copy-out would make the pool hold a buffer the step can spare
-  (``OverlapConfig.per_tensor_gather_max_slowdown``; listed under the table);
-- ``<strategy>:laid_out``: the same with every bucket copied out, as before that choice;
+  gathered rank-major and copied out, gradients laid out and all-reduced in place until the
+  wait, except where that would make the pool hold a buffer the step can spare: there buckets
+  gather per parameter (``OverlapConfig.per_tensor_gather_max_slowdown``) and reduce-scatter
+  from gloo's copy of the lay-out (``OverlapConfig.reduce_from_copy_max_slowdown``), as listed
+  under the table;
+- ``<strategy>:laid_out``: the same with every bucket copied out and every lay-out held to its
+  wait, as before those choices;
 - ``<strategy>:concat_every_call``: the same buckets, but concatenated into a new buffer on
   every call, gathered into a new buffer and copied out parameter by parameter (Thunder's
   ``pack``/``unpack`` bucketing up to 0.2.3, which concatenated on every call);
@@ -173,6 +176,9 @@ class StepCensus:
     # Buckets gathered per parameter over gloo, chosen from the memory estimate
     # (OverlapScheduleTransform.per_tensor_gathers).
     per_tensor_gathers: list[str]
+    # Buckets whose reduce-scatters go from gloo's copy of the lay-out
+    # (OverlapScheduleTransform.reduces_from_copy).
+    reduces_from_copy: list[str]
 
 
 def _measure(rank: int, world_size: int, variant: str, sharding: str, model: TinyGPTConfig, shape: str, steps: int) -> StepCensus:
@@ -181,7 +187,8 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
     strategy, _, runtime = variant.partition(":")
     torch.manual_seed(0)
     # The reimplementations of the usual ways, and laid_out, run every bucket as gloo suggests.
-    config = OverlapConfig(per_tensor_gather_max_slowdown=None) if runtime in ("laid_out", *RUNTIMES) else None
+    laid_out = OverlapConfig(per_tensor_gather_max_slowdown=None, reduce_from_copy_max_slowdown=None)
+    config = laid_out if runtime in ("laid_out", *RUNTIMES) else None
     jm = thunder_overlap.fsdp(TinyGPT(model), device="cpu", sharding_strategy=sharding, bucketing_strategy=strategy, config=config)
     for bucket in thunder_overlap.BucketingTransform.of(jm).buckets.values() if runtime in ("as_on_nccl", *RUNTIMES) else ():
         if runtime == "as_on_nccl":
@@ -239,6 +246,7 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
         block_mib=block_bytes / 2**20,
         step_ms=statistics.median(times[1:]),
         per_tensor_gathers=list(schedule.per_tensor_gathers) if schedule is not None else [],
+        reduces_from_copy=list(schedule.reduces_from_copy) if schedule is not None else [],
     )
 
 
@@ -295,6 +303,8 @@ def main() -> None:
         for r in results.values():
             if r.per_tensor_gathers:
                 lines.append(f"- {r.variant} gathers per parameter: {', '.join(r.per_tensor_gathers)}")
+            if r.reduces_from_copy:
+                lines.append(f"- {r.variant} reduce-scatters from gloo's copy: {', '.join(r.reduces_from_copy)}")
     print("\n".join(lines))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -188,6 +188,8 @@ def test_cli_flags_get_errors_in_cli_terms():
         ({"per_tensor_gather_max_slowdown": -0.1}, ValueError, r"per_tensor_gather_max_slowdown must be .* or None \(never .*, got -0.1"),
         ({"per_tensor_gather_max_slowdown": "1%"}, TypeError, r"per_tensor_gather_max_slowdown must be a share of step time >= 0.*'1%'"),
         ({"per_tensor_gather_max_slowdown": float("nan")}, ValueError, r"per_tensor_gather_max_slowdown must be .*got nan"),
+        ({"reduce_from_copy_max_slowdown": -1}, ValueError, r"reduce_from_copy_max_slowdown .* \(never reduce-scatter from .*, got -1"),
+        ({"reduce_from_copy_max_slowdown": True}, TypeError, r"reduce_from_copy_max_slowdown must be a share of step time >= 0.*True"),
         ({"max_prefetch_compute_ops": -1}, ValueError, r"max_prefetch_compute_ops must be non-negative or None"),
         ({"prefetch_time_margin": 0}, ValueError, r"prefetch_time_margin must be positive or None"),
         ({"memory_slack_bytes": None}, TypeError, r"memory_slack_bytes must be an int, got None"),

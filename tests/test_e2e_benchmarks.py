@@ -87,7 +87,8 @@ def test_benchmark_schedules_thunder_overlap_for_the_named_link():
     assert config.cost_model.device.name == "cpu" and not config.coalesce
     assert overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_two_ahead").bucket_eager_prefetch_blocks is None
     assert not overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_own_shards").reduce_in_pool
-    assert overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_laid_out").per_tensor_gather_max_slowdown is None
+    laid_out = overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_laid_out")
+    assert laid_out.per_tensor_gather_max_slowdown is None and laid_out.reduce_from_copy_max_slowdown is None
     assert overlap_config(BenchmarkConfig(), torch.device("cpu")).cost_model is None
     # The testbed names its link to every run that traces thunder_overlap, and to no other.
     from slow_link import TestbedConfig

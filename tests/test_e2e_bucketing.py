@@ -184,8 +184,18 @@ def test_steady_state_step_allocates_nothing_and_copies_at_most_once_per_bucket_
     copied_rows = census.reduced_in_place - (0 if bucketing.endswith(AS_ON_NCCL) else len(census.reduced_in_pool))
     row_copies = copied_rows + census.backend_copies_per_reduce_scatter * census.reduce_scatter_calls
     assert copies == ({"copy_": row_copies} if row_copies else {})
-    if not bucketing.endswith(AS_ON_NCCL):  # over gloo, none of them reduce-scatters a copy
-        assert census.reduced_in_place == census.laid_out_buckets
+    if not bucketing.endswith(AS_ON_NCCL):  # over gloo, only those chosen reduce-scatter gloo's copy
+        assert census.reduced_in_place == census.laid_out_buckets - len(census.reduces_from_copy)
+    # ZeRO3's last block hands its lay-outs to gloo's copy: held to their waits, they would take
+    # a third buffer beside the next block's parameters and their gather (the first block's
+    # reduce in the pool). ZeRO2's lay-outs reuse the buffers of blocks whose backward is done;
+    # in auto's buckets no lay-out held to its wait grows the pool.
+    last = f"blocks.{MODEL.n_layer - 1}"
+    expected_from_copy = {
+        ("zero3", "block"): {last},
+        ("zero3", "layer"): {f"{last}.{layer}" for layer in ("attn.qkv", "attn.proj", "norm_2", "fc", "proj")},
+    }
+    assert set(census.reduces_from_copy) == expected_from_copy.get((sharding, bucketing), set())
     assert census.pads == 0
     assert census.grads_are_bucket_views
 
@@ -196,7 +206,8 @@ def deep_runs():
     deep = TinyGPTConfig(n_layer=6)
     setups = {s: TrainSetup(sharding=s, bucketing="block", model=deep, steps=2, measure_memory=False) for s in ("zero2", "zero3")}
     # ZeRO3 with every bucket copied out over gloo (none gathered per parameter): how gathers,
-    # copy-outs and lay-outs share the pool's buffers.
+    # copy-outs and lay-outs share the pool's buffers (those that would grow the pool handed to
+    # gloo's copy at the launch).
     laid_out = OverlapConfig(per_tensor_gather_max_slowdown=None)
     setups["zero3"] = replace(setups["zero3"], config=laid_out)
     setups["zero3, two blocks ahead"] = replace(setups["zero3"], config=replace(laid_out, bucket_eager_prefetch_blocks=None))
@@ -241,6 +252,13 @@ def test_zero3_pool_holds_only_what_is_alive_at_once(deep_runs):
     assert zero2.pool_buffers[block_numel] == n_blocks
     assert zero2.per_tensor_gathers == (f"blocks.{n_blocks - 1}", "norm_f")
     assert not deep_runs["zero3"].per_tensor_gathers
+    assert not zero2.reduces_from_copy  # each lay-out reuses the buffer its block's backward left
+    # ZeRO3 needs two block buffers, as on NCCL: the block in use and the next arriving. The
+    # lay-outs that, all-reduced in place until their waits, would be a third go to gloo's copy
+    # of a reduce-scatter's input at the launch: all but the first block's, which reduces in
+    # the pool once no gather needs a buffer.
+    assert deep_runs["zero3"].pool_buffers[block_numel] == 2
+    assert set(deep_runs["zero3"].reduces_from_copy) == {f"blocks.{k}" for k in range(1, n_blocks)}
     # ZeRO3 frees a block after its last use; buffers are reused as the window moves. Busy at
     # once: the all-gathers ahead and the reduce-scatters not yet waited on (one bucket each by
     # default: a second goes out early only where the cost model says one does not hide it,
@@ -265,7 +283,9 @@ def test_buckets_as_on_nccl_need_no_copy_out_or_reduce_scatter_buffers(deep_runs
     assert not {use for use in uses if use.endswith("copy-out")}
     # In the forward, the block in use and the one arriving; nothing else is a block buffer.
     assert nccl.pool_buffers[block_numel] == 2
-    assert nccl.pool_buffers[block_numel] < gloo.pool_buffers[block_numel]
+    # Over gloo as many: a copy-out takes the buffer of the block whose compute just ended, and
+    # the lay-outs that would take a third go to gloo's copy (test_zero3_pool_holds_only_...).
+    assert gloo.pool_buffers[block_numel] == nccl.pool_buffers[block_numel]
 
 
 def _pool_reuse_after_in_place_all_reduces(rank: int, world_size: int, rounds: int) -> int:

@@ -11,7 +11,9 @@ from thunder_overlap.analysis.pool_slots import (
     PoolInterval,
     ReduceScatterIssue,
     fewest_per_tensor_gathers,
+    fewest_reduce_scatters_from_copy,
     intervals_gathered_in_place,
+    intervals_reduced_from_copy,
     max_overlap,
     plan_shards_in_pool,
     plan_slots,
@@ -157,5 +159,58 @@ def test_gathers_in_place_never_grow_the_pool_and_the_fewest_keep_it_smallest(se
     chosen = fewest_per_tensor_gathers(uses, candidates)
     assert buffers(chosen) == smallest
     # Minimal: dropping any one of them would need a bigger pool.
+    for label in chosen:
+        assert buffers([c for c in chosen if c != label]) > smallest
+
+
+def _zero3_backward_over_gloo(n_blocks: int) -> list[PoolInterval]:
+    """ZeRO3's backward over gloo, one block ahead, 10 ops per block from block ``n_blocks - 1``
+    down: block k's parameters copied out at its start and alive for 7 ops, the next block's
+    gather issued right after and waited on at that block's start, and block k's laid-out
+    gradients, all-reduced in place, busy from the end of its compute until the wait, 10 ops on."""
+    uses = []
+    for i, k in enumerate(reversed(range(n_blocks))):
+        start = 10 * i
+        uses += [_use(f"b{k} all-gather", start - 9, start + 1), _use(f"b{k} copy-out", start, start + 7)]
+        uses.append(_use(f"b{k} reduce-scatter", start + 8, start + 18))
+    return uses
+
+
+def test_a_reduce_scatter_from_the_backends_copy_holds_its_lay_out_for_the_launch_only():
+    uses = [_use("b0 all-gather", 0, 3), _use("b0 reduce-scatter", 4, 9), _use("b1 reduce-scatter", 5, 8)]
+    shortened = intervals_reduced_from_copy(uses, ["b0"])
+    assert shortened == [_use("b0 all-gather", 0, 3), _use("b0 reduce-scatter", 4, 5), _use("b1 reduce-scatter", 5, 8)]
+    assert intervals_reduced_from_copy(uses, []) == uses
+
+
+def test_zero3_over_gloo_needs_two_block_buffers_once_its_lay_outs_go_to_the_backends_copy():
+    # Busy at a block's start: its copy-out, the gather it is copied from, and the block
+    # before's lay-out; then the next gather takes the gather's place.
+    uses = _zero3_backward_over_gloo(4)
+    assert max_overlap(uses) == {(BLOCK, "torch.float32"): 3}
+    everything = [f"b{k}" for k in range(4)]
+    assert max_overlap(intervals_reduced_from_copy(uses, everything)) == {(BLOCK, "torch.float32"): 2}
+    # The first block's lay-out comes once nothing else is busy but its own wait: it may hold
+    # its buffer to the wait.
+    assert fewest_reduce_scatters_from_copy(uses, everything) == ["b1", "b2", "b3"]
+    assert fewest_reduce_scatters_from_copy(uses, []) == []
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_reduce_scatters_from_the_copy_never_grow_the_pool_and_the_fewest_keep_it_smallest(seed):
+    rng = random.Random(seed)
+    uses = [_use(f"b{b} {purpose}", start, start + rng.randint(1, 30)) for b in range(rng.randint(1, 8)) for purpose, start in (
+        ("all-gather", rng.randint(0, 60)), ("copy-out", rng.randint(0, 60)), ("reduce-scatter", rng.randint(0, 60)),
+    )]  # fmt: skip
+    candidates = sorted({v.user.split()[0] for v in uses})
+
+    def buffers(from_copy):
+        return max_overlap(intervals_reduced_from_copy(uses, from_copy))[(BLOCK, "torch.float32")]
+
+    smallest = buffers(candidates)
+    for _ in range(5):
+        assert smallest <= buffers([c for c in candidates if rng.random() < 0.5]) <= buffers([])
+    chosen = fewest_reduce_scatters_from_copy(uses, candidates)
+    assert buffers(chosen) == smallest
     for label in chosen:
         assert buffers([c for c in chosen if c != label]) > smallest

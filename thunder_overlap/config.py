@@ -38,6 +38,14 @@ def _check_number(name: str, value: object, kind: type | tuple[type, ...], *, al
         raise ValueError(f"OverlapConfig.{name} must be {bound}{' or None (no limit)' if optional else ''}, got {value!r}")
 
 
+def _check_slowdown(name: str, slowdown: object, never: str) -> None:
+    accepted = f"a share of step time >= 0, or None (never {never})"
+    if slowdown is not None and (isinstance(slowdown, bool) or not isinstance(slowdown, (int, float))):
+        raise TypeError(f"OverlapConfig.{name} must be {accepted}, got {slowdown!r}")
+    if slowdown is not None and not slowdown >= 0:  # NaN too
+        raise ValueError(f"OverlapConfig.{name} must be {accepted}, got {slowdown!r}")
+
+
 @dataclass(frozen=True)
 class OverlapConfig:
     """Options of the overlap scheduler.
@@ -91,6 +99,17 @@ class OverlapConfig:
     # this share slower (bucketing/per_tensor_gathers.py). 0.01: a point of step time for a
     # block of memory. None: never.
     per_tensor_gather_max_slowdown: float | None = 0.01
+    # Buckets, where the backend copies a reduce-scatter's input at the launch (gloo): a bucket
+    # whose laid-out gradients, all-reduced in place in their pool buffer until the wait, would
+    # make the pool hold more buffers than the smallest pool the schedule allows hands them to
+    # that copy instead: the buffer is free at the launch, the copy (outside the pool) is held
+    # while the collective is in flight, and the bucket is copied once more. Chosen at the
+    # backward's first compile where the step peak falls and the simulator predicts the step at
+    # most this share slower (bucketing/reduce_from_copy.py). 0.02, not 0.01 as above: the cost
+    # is a copy in local memory, which the CPU profile prices at 10 GB/s where copies of a block
+    # run at about 50 GB/s on the 2-core test machine (the demo's ZeRO3 blocks: predicted 1.0%
+    # slower for a block buffer less). None: never.
+    reduce_from_copy_max_slowdown: float | None = 0.02
     # Most reduce-scatter input bytes in flight; None: prefetch_blocks x the largest block (or bucket).
     # Waiting on a reduce-scatter frees its unsharded gradient, so this bounds gradient memory.
     max_in_flight_reduce_scatter_bytes: int | None = None
@@ -169,12 +188,8 @@ class OverlapConfig:
             )
         if not isinstance(self.check_ranks_agree, bool):
             raise TypeError(f"OverlapConfig.check_ranks_agree must be a bool, got {self.check_ranks_agree!r}")
-        slowdown = self.per_tensor_gather_max_slowdown
-        accepted = "a share of step time >= 0, or None (never gather buckets per parameter)"
-        if slowdown is not None and (isinstance(slowdown, bool) or not isinstance(slowdown, (int, float))):
-            raise TypeError(f"OverlapConfig.per_tensor_gather_max_slowdown must be {accepted}, got {slowdown!r}")
-        if slowdown is not None and not slowdown >= 0:  # NaN too
-            raise ValueError(f"OverlapConfig.per_tensor_gather_max_slowdown must be {accepted}, got {slowdown!r}")
+        _check_slowdown("per_tensor_gather_max_slowdown", self.per_tensor_gather_max_slowdown, "gather buckets per parameter")
+        _check_slowdown("reduce_from_copy_max_slowdown", self.reduce_from_copy_max_slowdown, "reduce-scatter from the backend's copy")
         if not isinstance(self.reduce_in_pool, bool):
             raise TypeError(f"OverlapConfig.reduce_in_pool must be a bool, got {self.reduce_in_pool!r}")
         if not isinstance(self.coalesce, bool):

@@ -34,9 +34,10 @@ OVERLAP_OPTIONS: dict[str, dict[str, object]] = {
     # Every gradient shard in a buffer of its own, as before reduce-scatters ran in place in
     # idle pool buffers: what reducing in the pool costs or saves in time.
     "thunder_overlap_own_shards": {"reduce_in_pool": False},
-    # Every bucket gathered rank-major and copied out over gloo, none gathered per parameter
-    # where the pool would hold a spare buffer: what gathering per parameter costs in time.
-    "thunder_overlap_laid_out": {"per_tensor_gather_max_slowdown": None},
+    # Every bucket gathered rank-major and copied out over gloo and every lay-out all-reduced in
+    # place until its wait, none gathered per parameter or reduce-scattered from gloo's copy
+    # where the pool would hold a spare buffer: what those paths cost in time.
+    "thunder_overlap_laid_out": {"per_tensor_gather_max_slowdown": None, "reduce_from_copy_max_slowdown": None},
 }
 # What is being compared: thunder_overlap's variants, Thunder's own FSDP, PyTorch FSDP2 (eager,
 # and with each block torch.compile'd).

@@ -10,8 +10,10 @@ Training implementations (same model, data, optimizer and initialisation scheme)
   what the second bucket in flight buys.
 - ``thunder_overlap_own_shards``: the same with every gradient shard in a buffer of its own
   (``OverlapConfig(reduce_in_pool=False)``), to measure what reducing in idle pool buffers costs.
-- ``thunder_overlap_laid_out``: the same with no bucket gathered per parameter over gloo
-  (``OverlapConfig(per_tensor_gather_max_slowdown=None)``), to measure what that costs.
+- ``thunder_overlap_laid_out``: the same with no bucket gathered per parameter or
+  reduce-scattered from gloo's copy of its lay-out over gloo
+  (``OverlapConfig(per_tensor_gather_max_slowdown=None, reduce_from_copy_max_slowdown=None)``),
+  to measure what those paths cost.
 - ``thunder``: Thunder's own ``thunder.distributed.fsdp(thunder.jit(model))``.
 - ``fsdp2``: PyTorch ``fully_shard`` on every transformer block, then on the root (eager);
   ZeRO3 is ``reshard_after_forward=True``, ZeRO2 ``False``.

@@ -37,10 +37,15 @@ def _schedule(model: torch.nn.Module) -> dict[str, dict]:
     traces = {"forward": thunder.last_traces(model)[-1], "backward": thunder.last_backward_traces(model)[-1]}
     schedule = {name: {"picture": schedule_picture(t), **asdict(schedule_stats(t))} for name, t in traces.items()}
     transform = OverlapScheduleTransform.of(model)
-    choice = transform.per_tensor_gather_choice if transform is not None else None
-    if choice is not None:  # chosen at the backward's first compile
+    if transform is None:
+        return schedule
+    # Chosen at the backward's first compile.
+    if transform.per_tensor_gather_choice is not None:
         schedule["backward"]["per_tensor_gathers"] = transform.per_tensor_gathers
-        schedule["backward"]["per_tensor_gather_reason"] = choice.reason
+        schedule["backward"]["per_tensor_gather_reason"] = transform.per_tensor_gather_choice.reason
+    if transform.reduce_from_copy_choice is not None:
+        schedule["backward"]["reduces_from_copy"] = transform.reduces_from_copy
+        schedule["backward"]["reduce_from_copy_reason"] = transform.reduce_from_copy_choice.reason
     return schedule
 
 

@@ -23,7 +23,9 @@ What each bucket operator copies (``U`` is the bucket's unsharded bytes, ``G`` i
   pads them), plus ``2 U`` for the in-place pre-average when it divides. A bucket that sends its
   gradients where they are (one that needs no padding, of one gradient or on NCCL: see
   ``BucketLayout.sends_gradients``) only averages the received shard, ``2 U / world_size``, done
-  at the wait but counted here (the wait cannot tell), nothing without a divisor. Gradients
+  at the wait but counted here (the wait cannot tell), nothing without a divisor. A bucket whose
+  reduce-scatter hands the laid-out buffer to the backend's copy (gloo:
+  ``BucketLayout.reduce_scatter_from_copy``) adds that copy, ``2 U``. Gradients
   summed under no_sync add ``2 U`` once, on the step after; not counted.
 - ``bucket_reduce_scatter_wait``: nothing; the reduce-scatter wrote the gradient shard in place.
 - ``coalesced_bucket_reduce_scatter``: each member bucket's lay-out and pre-average (or shard
@@ -110,8 +112,9 @@ def _sends_gradients(bucket_id: object, grads: list[TensorProxy], *, unpadded: b
 
 
 def reduce_scatter_copy_in(bsym: BoundSymbol) -> int:
-    """``_chunk_cat`` of the gradients into the laid-out input and the pre-average in place; a
-    bucket that sends its gradients where they are only averages the received shard."""
+    """``_chunk_cat`` of the gradients into the laid-out input, the pre-average in place and the
+    backend's copy of it where the bucket reduces from that copy; a bucket that sends its
+    gradients where they are only averages the received shard."""
     grads = _tensors(bsym.flat_args)
     gradients = sum(_bytes(t) for t in grads)
     laid_out = _laid_out_bytes(bsym, gradients)
@@ -119,7 +122,9 @@ def reduce_scatter_copy_in(bsym: BoundSymbol) -> int:
     if _sends_gradients(bsym.args[0], grads, unpadded=laid_out == gradients):
         shard = sum(_bytes(f) for f in _futures(bsym.flat_outs))
         return 2 * shard if divides else 0
-    return gradients + laid_out + (2 * laid_out if divides else 0)
+    layout = _layout(bsym.args[0])
+    backend_copy = 2 * laid_out if layout is not None and layout.reduce_scatter_from_copy else 0
+    return gradients + laid_out + (2 * laid_out if divides else 0) + backend_copy
 
 
 def accumulate_copy(bsym: BoundSymbol) -> int:

@@ -258,6 +258,10 @@ class _Books:
         self.pool_use[len(self.nbytes) - 1] = use
         return len(self.nbytes) - 1
 
+    def release_pool_storage(self, storage: int) -> None:
+        """A pool buffer busy for the op being walked only."""
+        self.pool_done.append(replace(self.pool_use.pop(storage), end=self.now + 1))
+
     def carve(self, storage: int, proxy: TensorProxy) -> int:
         """A storage for ``proxy`` made of bytes that ``storage`` held: a coalesced launch's
         future stands for every member's output, and each output is freed on its own. Nothing
@@ -498,9 +502,8 @@ def _bucket_pool_op(name: str, bsym: BoundSymbol, books: _Books, buckets: Bucket
             buffer = books.new_pool_storage(layout, "reduce-scatter in place")
             _bind_all(outs, books, buffer)
             return [buffer]
-        held = _reduce_scatter_input(layout, bsym.args[2], books)
-        laid_out = books.pool_use.get(held[-1]) if held else None
-        books.reduce_scatter_issues.append(ReduceScatterIssue(bsym.args[0], layout, books.now, laid_out.user if laid_out else None))
+        held, pool_user = _reduce_scatter_input(layout, bsym.args[2], books)
+        books.reduce_scatter_issues.append(ReduceScatterIssue(bsym.args[0], layout, books.now, pool_user))
         return held
     if name == "coalesced_bucket_all_gather":
         layouts = [buckets(bucket_id) for bucket_id, _, _ in bsym.args[1]]
@@ -526,33 +529,40 @@ def _bucket_pool_op(name: str, bsym: BoundSymbol, books: _Books, buckets: Bucket
         if None in layouts:
             return None
         members = zip(layouts, bsym.args[2], strict=True)
-        return [s for layout, grads in members for s in _reduce_scatter_input(layout, grads, books, coalesced=True)]
+        return [s for layout, grads in members for s in _reduce_scatter_input(layout, grads, books, coalesced=True)[0]]
     if name == "bucket_accumulate_grads" and (layout := buckets(bsym.args[0])) is not None:
         # The lay-out is summed into the kept gradients at once: busy for this op only.
-        storage = books.new_pool_storage(layout, "no_sync lay-out")
-        books.pool_done.append(replace(books.pool_use.pop(storage), end=books.now + 1))
+        books.release_pool_storage(books.new_pool_storage(layout, "no_sync lay-out"))
     return None
 
 
-def _reduce_scatter_input(layout: BucketLayout, grads, books: _Books, *, coalesced: bool = False) -> list[int]:
+def _reduce_scatter_input(layout: BucketLayout, grads, books: _Books, *, coalesced: bool = False) -> tuple[list[int], str | None]:
     """What a bucketed reduce-scatter sends, held by its future: the gradients where they are
     (a dense copy of a strided one) when the layout says so, or else a pool buffer they are laid
     out into (they are then free to go); and, where the backend copies a reduce-scatter's input,
-    that copy (a lone laid-out bucket avoids it: it all-reduces its own buffer in place)."""
+    that copy (a lone laid-out bucket avoids it, all-reducing its own buffer in place, unless
+    it hands the buffer to the copy: then the buffer is busy for the launch only). With the
+    user name of the lay-out's pool interval (None: no lay-out)."""
     grads = [g for g in grads if isinstance(g, TensorProxy)]
     sends = layout.sends_gradients([math.prod(int(s) for s in g.shape) for g in grads])
     held = []
-    if layout.reduce_scatter_copies_input and (sends or coalesced):
+    from_copy = not (sends or coalesced) and layout.reduce_scatter_copies_input and layout.reduce_scatter_from_copy
+    if layout.reduce_scatter_copies_input and (sends or coalesced or from_copy):
         held.append(books.new_storage(None, nbytes=layout.nbytes))
     if not sends:
-        return [*held, books.new_pool_storage(layout, "reduce-scatter")]
+        laid_out = books.new_pool_storage(layout, "reduce-scatter")
+        user = books.pool_use[laid_out].user
+        if from_copy:  # the backend copies it at the launch: busy for the launch only
+            books.release_pool_storage(laid_out)
+            return held, user
+        return [*held, laid_out], user
     for g in grads:
         if g.name not in books.storage_of:
             continue
         strides = books.strides.get(g.name)
         dense = strides is None or _is_contiguous(tuple(int(s) for s in g.shape), strides)
         held.append(books.storage_of[g.name] if dense else books.new_storage(g))
-    return held
+    return held, None
 
 
 # Collectives that work in place on their (first) input: hybrid sharding's all-reduces of a

@@ -5,7 +5,8 @@ an all-gather output from its issue until its future dies (until the last view o
 dies, where the parameters are views of it: :attr:`BucketLayout.copies_out`), the
 parameter-major copy-out from the wait until the last view of a parameter dies, and a
 reduce-scatter's laid-out gradients from the issue until the future dies (unless the bucket
-sends its gradients where they are: :meth:`BucketLayout.sends_gradients`), or, where it
+sends its gradients where they are: :meth:`BucketLayout.sends_gradients`; for the launch only
+where the backend copies them: :attr:`BucketLayout.reduce_scatter_from_copy`), or, where it
 reduces in place in the pool (:attr:`BucketLayout.reduces_in_pool`), until the gradient shard
 that is a row of it dies, at the end of the step. The pool hands a
 buffer out again once it is idle, to any use of the same size and dtype, and never frees one;
@@ -19,13 +20,16 @@ intervals (:func:`~thunder_overlap.analysis.memory_estimate.estimate_memory`) an
 planned slots as persistent, as the runtime holds them. :func:`plan_shards_in_pool` picks the
 reduce-scatters that can reduce in place in a buffer the plan leaves idle to the step's end, and
 :func:`fewest_per_tensor_gathers` the buckets that, gathered per parameter into their place
-rather than copied out (:func:`intervals_gathered_in_place`), make the pool smallest.
+rather than copied out (:func:`intervals_gathered_in_place`), make the pool smallest;
+:func:`fewest_reduce_scatters_from_copy` those whose reduce-scatters, handed to the backend's
+copy of their input rather than reduced in the pool buffer (:func:`intervals_reduced_from_copy`),
+do.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 __all__ = [
@@ -35,8 +39,11 @@ __all__ = [
     "ReduceScatterIssue",
     "SlotPlan",
     "describe_slots",
+    "fewest_for_smallest_pool",
     "fewest_per_tensor_gathers",
+    "fewest_reduce_scatters_from_copy",
     "intervals_gathered_in_place",
+    "intervals_reduced_from_copy",
     "max_overlap",
     "plan_shards_in_pool",
     "plan_slots",
@@ -72,9 +79,16 @@ class BucketLayout:
     # Chosen per bucket where the backend runs a coalesced launch one collective at a time
     # (gloo): gather each parameter into its place, as on NCCL, paying a launch per parameter
     # instead of a copy-out and its buffer. Chosen by
-    # :func:`~thunder_overlap.bucketing.per_tensor_gathers.choose_per_tensor_gathers` only where
+    # :mod:`~thunder_overlap.bucketing.per_tensor_gathers` only where
     # that buffer would make the pool larger than the smallest pool the schedule allows.
     per_tensor_gather: bool = False
+    # Where the backend copies a reduce-scatter's input at the launch (gloo): the laid-out
+    # gradients go to that copy, so the pool buffer is busy for the launch only and the copy,
+    # outside the pool, is held until the wait; otherwise the bucket all-reduces its pool buffer
+    # in place (no copy), busy until the wait. Chosen by
+    # :mod:`~thunder_overlap.bucketing.reduce_from_copy` only
+    # where holding the buffer to the wait would make the pool larger than the step needs.
+    reduce_scatter_from_copy: bool = False
 
     def as_on_nccl(self) -> BucketLayout:
         """This bucket as it runs on NCCL whatever the backend: coalesced launches as one, and no
@@ -281,19 +295,43 @@ def _pool_bytes(intervals: list[PoolInterval]) -> int:
     return sum(count * numel * itemsizes[(numel, dtype)] for (numel, dtype), count in max_overlap(intervals).items())
 
 
+def intervals_reduced_from_copy(intervals: Iterable[PoolInterval], reduced_from_copy: Iterable[str]) -> list[PoolInterval]:
+    """The pool uses of a step whose buckets labelled ``reduced_from_copy`` hand their laid-out
+    gradients to the backend's copy at the launch: each such lay-out is busy for its launch only."""
+    labels = {f"{label} reduce-scatter" for label in reduced_from_copy}
+    return [replace(v, end=min(v.end, v.start + 1)) if v.user in labels else v for v in intervals]
+
+
 def fewest_per_tensor_gathers(intervals: Iterable[PoolInterval], candidates: Iterable[str]) -> list[str]:
     """The fewest of the buckets labelled ``candidates`` whose gathering in place leaves the pool
-    as small as gathering all of them in place would.
+    as small as gathering all of them in place would (see :func:`fewest_for_smallest_pool`)."""
+    return fewest_for_smallest_pool(intervals, candidates, intervals_gathered_in_place)
 
-    Gathering in place never adds to the pool (the buffer is busy only while the gather or its
-    copy-out was), so all candidates give the smallest pool; from there each is dropped in turn,
-    in order, if the pool needs no more bytes without it. Dropping any of those left would need
-    more (the pool only grows as fewer are gathered in place)."""
+
+def fewest_reduce_scatters_from_copy(intervals: Iterable[PoolInterval], candidates: Iterable[str]) -> list[str]:
+    """The fewest of the buckets labelled ``candidates`` whose reduce-scatters, from the backend's
+    copy, leave the pool as small as all of them would (see :func:`fewest_for_smallest_pool`)."""
+    return fewest_for_smallest_pool(intervals, candidates, intervals_reduced_from_copy)
+
+
+def fewest_for_smallest_pool(
+    intervals: Iterable[PoolInterval],
+    candidates: Iterable[str],
+    changed: Callable[[list[PoolInterval], list[str]], list[PoolInterval]],
+) -> list[str]:
+    """The fewest of the buckets labelled ``candidates`` whose change (``changed`` gives the
+    step's intervals with the buckets it is given changed) leaves the pool as small as changing
+    all of them would.
+
+    The change must only shorten or merge intervals, never add to the pool, so that all
+    candidates give the smallest pool; from there each is dropped in turn, in order, if the pool
+    needs no more bytes without it. Dropping any of those left would need more (the pool only
+    grows as fewer are changed)."""
     intervals = list(intervals)
     chosen = list(dict.fromkeys(candidates))
-    smallest = _pool_bytes(intervals_gathered_in_place(intervals, chosen))
+    smallest = _pool_bytes(changed(intervals, chosen))
     for label in list(chosen):
         trial = [c for c in chosen if c != label]
-        if _pool_bytes(intervals_gathered_in_place(intervals, trial)) <= smallest:
+        if _pool_bytes(changed(intervals, trial)) <= smallest:
             chosen = trial
     return chosen

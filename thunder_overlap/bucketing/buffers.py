@@ -23,7 +23,9 @@ its flat shard rank-major into one buffer and copies it out parameter by paramet
 second (unless the memory estimate chose it to gather per parameter, where that second buffer
 would make the pool larger than the step needs: ``BucketLayout.per_tensor_gather``), and lays
 its gradients out into a third with one ``_chunk_cat`` (so does a bucket whose gradients need
-padding, on any backend). A buffer is handed out again
+padding, on any backend), all-reduced in place there until the wait, or, where holding that
+buffer to the wait would make the pool larger than the step needs, handed to gloo's own copy of
+a reduce-scatter's input at the launch (``BucketLayout.reduce_scatter_from_copy``). A buffer is handed out again
 only when no tensor of its storage is alive anymore. ZeRO2 keeps every gathered bucket alive
 until backward, so the pool holds one buffer per bucket; ZeRO3 frees each after its last use,
 so the pool holds no more than were alive at once. After the first step nothing is allocated.
@@ -407,8 +409,9 @@ class BucketBuffers:
 
     def reduce_in_pool(self) -> None:
         """From the next reduce-scatter on, reduce in place in a pool buffer whose row is the
-        gradient shard (chosen from the schedule: :func:`~thunder_overlap.analysis.pool_slots.plan_shards_in_pool`)."""
-        self.layout = replace(self.layout, reduces_in_pool=True)
+        gradient shard (chosen from the schedule: :func:`~thunder_overlap.analysis.pool_slots.plan_shards_in_pool`),
+        rather than from the backend's copy, if it did."""
+        self.layout = replace(self.layout, reduces_in_pool=True, reduce_scatter_from_copy=False)
 
     def launch_reduce_scatter(
         self, pending: PendingCollective, *, async_op: bool
@@ -417,6 +420,13 @@ class BucketBuffers:
         launch (``async_op=False``). Gradients sent where they are go out as one launch of their own."""
         pending.mark_launch()
         group = self.process_group
+        if pending.sends is None and async_op and self.layout.reduce_scatter_copies_input and self.layout.reduce_scatter_from_copy:
+            # gloo copies the whole input at the launch, in this thread, and keeps no view of it:
+            # the laid-out pool buffer is free for the next use at once, the copy is held to the
+            # wait. Chosen where the buffer held to the wait would grow the pool.
+            work = dist.reduce_scatter_tensor(pending.result, pending.source, group=group, async_op=True)
+            pending.source = None
+            return work
         if pending.sends is None and async_op and self.layout.reduce_scatter_copies_input:
             # gloo's reduce-scatter all-reduces a copy of its whole input, held until the wait,
             # then copies out this rank's row. The laid-out buffer is ours to overwrite: the same

@@ -101,6 +101,9 @@ class BucketCensus:
     # Laid-out buckets that all-reduce their own buffer in place and copy their row out (where
     # the backend's reduce-scatter would copy its input: gloo), outside coalesced launches.
     reduced_in_place: int
+    # Labels of the laid-out buckets that hand their buffer to the backend's copy instead, as
+    # chosen from the memory estimate (BucketLayout.reduce_scatter_from_copy).
+    reduces_from_copy: tuple[str, ...]
     # Labels of the buckets that reduce in place in a pool buffer whose row is their gradient
     # shard (BucketLayout.reduces_in_pool): all-reduced in place, they copy no row out.
     reduced_in_pool: tuple[str, ...]
@@ -355,7 +358,8 @@ def _bucket_census(
         if bsym.sym.name == "coalesced_bucket_reduce_scatter"
         for bucket_id, _, _ in bsym.args[1]
     }
-    in_place = [b for b in laid_out if b.layout.reduce_scatter_copies_input and id(b) not in in_coalesced_launch]
+    lone = [b for b in laid_out if b.layout.reduce_scatter_copies_input and id(b) not in in_coalesced_launch]
+    in_place = [b for b in lone if not b.layout.reduce_scatter_from_copy]
     return BucketCensus(
         forward_all_gathers=bucketing.summaries["forward"].all_gathers,
         backward_all_gathers=bucketing.summaries["backward"].all_gathers,
@@ -365,6 +369,7 @@ def _bucket_census(
         multi_parameter_buckets=sum(len(p.slots) > 1 for p in bucketing.plans),
         laid_out_buckets=len(laid_out),
         reduced_in_place=len(in_place),
+        reduces_from_copy=tuple(b.plan.label for b in lone if b.layout.reduce_scatter_from_copy),
         reduced_in_pool=tuple(b.plan.label for b in trainable if b.layout.reduces_in_pool),
         per_tensor_gathers=tuple(b.plan.label for b in bucketing.buckets.values() if b.layout.per_tensor_gather),
         reduce_scatter_calls=len(laid_out) - len(in_place) + sum(b.layout.tensors for b in trainable if b not in laid_out),

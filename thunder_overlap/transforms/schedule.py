@@ -15,7 +15,9 @@ from thunder_overlap.analysis.blocks import BlockTypes, largest_block_bytes
 from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace, find_swallowed_collectives
 from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.analysis.memory_estimate import MemoryEstimate, estimate_memory
-from thunder_overlap.bucketing.per_tensor_gathers import PerTensorGatherChoice, choose_per_tensor_gathers, gather_per_tensor
+from thunder_overlap.bucketing.path_choice import BucketChange, BucketPathChoice, apply_choice, choose_buckets
+from thunder_overlap.bucketing.per_tensor_gathers import GATHER_PER_TENSOR
+from thunder_overlap.bucketing.reduce_from_copy import REDUCE_FROM_COPY
 from thunder_overlap.bucketing.reduce_in_pool import reduce_in_pool_where_idle
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.scheduling.dispatch import ScheduledTrace, schedule_trace
@@ -63,9 +65,12 @@ class OverlapScheduleTransform(Transform):
         # Where the traces' collectives use several groups (hybrid sharding), ranks must agree
         # across all of them: the world. None: the group of the traces' collectives.
         self.agreement_group = agreement_group
-        # The buckets gathered per parameter, as chosen (with the predictions behind the choice)
-        # and as agreed by the ranks, at the backward's first compile.
-        self.per_tensor_gather_choice: PerTensorGatherChoice | None = None
+        # The buckets whose reduce-scatters go from the backend's copy, then those gathered per
+        # parameter: as chosen (with the predictions behind the choice) and as agreed by the
+        # ranks, at the backward's first compile.
+        self.reduce_from_copy_choice: BucketPathChoice | None = None
+        self.reduces_from_copy: list[str] = []
+        self.per_tensor_gather_choice: BucketPathChoice | None = None
         self.per_tensor_gathers: list[str] = []
 
     def transform_module(self, model) -> None:
@@ -137,31 +142,24 @@ class OverlapScheduleTransform(Transform):
 
     def _choose_bucket_paths(self, scheduled: ScheduledTrace, annotated: AnnotatedTrace) -> None:
         """Once, at the backward's first compile, where every rank is there to agree: buckets
-        gather per parameter where their copy-out would make the pool hold a buffer the step
-        can spare (``OverlapConfig.per_tensor_gather_max_slowdown``), then reduce in place in pool
-        buffers idle to the step's end (``OverlapConfig.reduce_in_pool``). The summaries'
-        predicted peaks follow."""
+        reduce-scatter from the backend's copy where holding their lay-out to the wait would make
+        the pool hold a buffer the step can spare (``OverlapConfig.reduce_from_copy_max_slowdown``),
+        gather per parameter where their copy-out would (``per_tensor_gather_max_slowdown``),
+        then reduce in place in pool buffers idle to the step's end (``reduce_in_pool``). The
+        summaries' predicted peaks follow."""
         if self._forward_memory is None or not annotated.runs_buckets:
             return
         group = self.agreement_group if self.agreement_group is not None else _process_group(annotated)
         exchange = self.config.check_ranks_agree
-        forward = self._forward_memory.trace
         memory = scheduled.memory
-        if self.config.per_tensor_gather_max_slowdown is not None:
-            self.per_tensor_gather_choice = choose_per_tensor_gathers(
-                forward,
-                scheduled.trace,
-                self._cost_model,
-                max_slowdown=self.config.per_tensor_gather_max_slowdown,
-                reduce_in_pool=self.config.reduce_in_pool,
-            )
-            self.per_tensor_gathers = gather_per_tensor(self.per_tensor_gather_choice, group, exchange=exchange)
-            if self.per_tensor_gathers:
-                self._forward_memory = estimate_memory(forward)
-                forward_summary = self.summaries.get("forward")
-                if forward_summary is not None and forward_summary.peak_bytes is not None:
-                    forward_summary.peak_bytes = self._forward_memory.peak_bytes
-                memory = None
+        self.reduce_from_copy_choice, self.reduces_from_copy = self._choose(
+            REDUCE_FROM_COPY, self.config.reduce_from_copy_max_slowdown, scheduled.trace, group, exchange
+        )
+        self.per_tensor_gather_choice, self.per_tensor_gathers = self._choose(
+            GATHER_PER_TENSOR, self.config.per_tensor_gather_max_slowdown, scheduled.trace, group, exchange
+        )
+        if self.reduces_from_copy or self.per_tensor_gathers:
+            memory = None
         if self.config.reduce_in_pool:
             memory = memory or estimate_memory(scheduled.trace, after=self._forward_memory)
             if reduce_in_pool_where_idle(memory, group, exchange=exchange):
@@ -169,6 +167,24 @@ class OverlapScheduleTransform(Transform):
         summary = scheduled.summary
         if memory is None and summary is not None and summary.peak_bytes is not None:
             summary.peak_bytes = estimate_memory(scheduled.trace, after=self._forward_memory).peak_bytes
+
+    def _choose(
+        self, change: BucketChange, max_slowdown: float | None, backward: TraceCtx, group: ProcessGroup | None, exchange: bool
+    ) -> tuple[BucketPathChoice | None, list[str]]:
+        """The choice of buckets to switch to ``change`` (None where ``max_slowdown`` is), and
+        the labels the ranks agreed on; a change the forward sees re-estimates its memory."""
+        if max_slowdown is None:
+            return None, []
+        forward = self._forward_memory.trace
+        reduce_in_pool = self.config.reduce_in_pool
+        choice = choose_buckets(forward, backward, change, self._cost_model, max_slowdown=max_slowdown, reduce_in_pool=reduce_in_pool)
+        labels = apply_choice(choice, change, group, exchange=exchange)
+        if labels:
+            self._forward_memory = estimate_memory(forward)
+            forward_summary = self.summaries.get("forward")
+            if forward_summary is not None and forward_summary.peak_bytes is not None:
+                forward_summary.peak_bytes = self._forward_memory.peak_bytes
+        return choice, labels
 
     def _schedule(self, annotated: AnnotatedTrace, issue_order: list[int] | None, launches: list[list[int]] | None) -> ScheduledTrace:
         is_backward = TraceTag.BACKWARD in annotated.trace.tags
