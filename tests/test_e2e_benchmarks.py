@@ -1,5 +1,6 @@
 """Smoke test of benchmarks/benchmark_fsdp.py: 2 gloo ranks under torchrun, tiny model, 2
-iterations; plus the testbed's arithmetic and the benchmark's option checks (no processes)."""
+iterations; plus the testbed's arithmetic, the benchmark's option checks (no processes) and its
+CPU peak's held bytes (on the fake group)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import thunder_overlap
+from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 
 # fsdp_bench is importable through pytest's pythonpath (pyproject.toml), as the scripts import
 # it from their own directory.
 from fsdp_bench.bench_config import BenchmarkConfig, parse_args
+from fsdp_bench.peak_memory import persistent_bytes
 from fsdp_bench.testbed_summary import SlowLinkCalibration, calibrate, format_table, summarize, target_checks
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -78,8 +84,6 @@ def test_bad_options_name_the_value_and_the_accepted_ones():
 
 
 def test_benchmark_schedules_thunder_overlap_for_the_named_link():
-    import torch
-
     from fsdp_bench.impls import overlap_config
 
     config = overlap_config(BenchmarkConfig(network="custom:1000:0.05"), torch.device("cpu"), "thunder_overlap_uncoalesced")
@@ -192,3 +196,19 @@ def test_link_fit_recovers_latency_and_bandwidth_from_two_bucketings():
     assert single.latency_s == 0 and single.fitted_to == ("none",)
     assert _communication_ms(traces["none"], single.network()) == pytest.approx(measured["none"], rel=1e-6)
 
+
+
+def test_cpu_peak_counts_the_bucket_pool_and_gradient_shards_as_held(fake_group_2):
+    # Allocated in the first step and reused after, they are invisible to the tracker of a later
+    # step: the peak must count them as held between steps, or bucketed runs look smaller.
+    config = TinyGPTConfig(n_layer=2)
+    # Gradient shards of their own (reduced in the pool, they would be rows of pool buffers).
+    overlap = thunder_overlap.OverlapConfig(reduce_in_pool=False)
+    jm = thunder_overlap.fsdp(TinyGPT(config), device="cpu", sharding_strategy="zero3", bucketing_strategy="block", config=overlap)
+    jm(torch.randint(0, config.vocab_size, (2, 16))).sum().backward()
+    bucketing = thunder_overlap.BucketingTransform.of(jm)
+    pool = sum(b.untyped_storage().nbytes() for b in bucketing.pool.buffers)
+    grad_shards = sum(g.untyped_storage().nbytes() for b in bucketing.buckets.values() for g in b.grad_shards)
+    assert pool > 0 and grad_shards > 0
+    model_bytes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*jm.parameters(), *jm.buffers()]}
+    assert persistent_bytes(jm, None) == sum(model_bytes.values()) + pool + grad_shards

@@ -1,8 +1,8 @@
 """Peak memory per rank, measured the same way for every implementation on a device type.
 
 - CUDA: ``torch.cuda.max_memory_allocated()`` over the timed iterations.
-- CPU: bytes held between steps (local parameter shards and optimizer state) plus the most that
-  one extra, untimed training step adds on top, counted by
+- CPU: bytes held between steps (local parameter shards, optimizer state, and thunder_overlap's
+  bucket pool and gradient shards) plus the most that one extra, untimed training step adds on top, counted by
   :class:`thunder_overlap.memory.LiveMemoryTracker` (every tensor storage alive at once).
 """
 
@@ -30,9 +30,25 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterable[torch.Tensor]:
     yield from model.parameters()
     yield from model.buffers()
+    yield from _bucket_buffers(model)
     if optimizer is not None:
         for state in optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _bucket_buffers(model: nn.Module) -> Iterable[torch.Tensor]:
+    """thunder_overlap's bucket pool and gradient shards: allocated in the first step and held
+    from then on, so a later step reuses them without allocating (the tracker would not see them)."""
+    from thunder.core.module import ThunderModule
+
+    from thunder_overlap import BucketingTransform
+
+    bucketing = BucketingTransform.of(model) if isinstance(model, ThunderModule) else None
+    if bucketing is None:
+        return
+    yield from bucketing.pool.buffers
+    for bucket in bucketing.buckets.values():
+        yield from bucket.grad_shards
 
 
 def persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:

@@ -36,7 +36,7 @@ from thunder_overlap.bucketing.buffers import lookup_bucket
 from thunder_overlap.bucketing.reduce_in_pool import shards_in_pool
 from thunder_overlap.scheduling.rank_agreement import agreed_subset
 
-__all__ = ["BucketChange", "BucketPathChoice", "apply_choice", "choose_buckets"]
+__all__ = ["BucketChange", "BucketPathChoice", "Layouts", "apply_choice", "choose_buckets"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def _changed(layouts: Layouts, labels: list[str], change: BucketChange) -> Layou
     return {i: change.change(layout) if layout.label in labels else layout for i, layout in layouts.items()}
 
 
-def estimate_step(forward: TraceCtx, backward: TraceCtx, layouts: Layouts) -> tuple[MemoryEstimate, MemoryEstimate]:
+def _estimate_step(forward: TraceCtx, backward: TraceCtx, layouts: Layouts) -> tuple[MemoryEstimate, MemoryEstimate]:
     """The memory estimates of ``forward`` then ``backward`` with the buckets' ``layouts``."""
     forward_memory = estimate_memory(forward, buckets=layouts.get)
     return forward_memory, estimate_memory(backward, after=forward_memory, buckets=layouts.get)
@@ -98,12 +98,12 @@ def estimate_step(forward: TraceCtx, backward: TraceCtx, layouts: Layouts) -> tu
 def _step_peak_bytes(forward: TraceCtx, backward: TraceCtx, layouts: Layouts, reduce_in_pool: bool) -> int:
     """The step's predicted peak with these layouts, reduce-scatters in the pool where they
     would go there (``OverlapConfig.reduce_in_pool``, chosen after this)."""
-    forward_memory, backward_memory = estimate_step(forward, backward, layouts)
+    forward_memory, backward_memory = _estimate_step(forward, backward, layouts)
     if reduce_in_pool:
         in_pool = shards_in_pool(backward_memory)
         if in_pool:
             in_place = {i.bucket_id: replace(layouts[i.bucket_id], reduces_in_pool=True, reduce_scatter_from_copy=False) for i in in_pool}
-            forward_memory, backward_memory = estimate_step(forward, backward, {**layouts, **in_place})
+            forward_memory, backward_memory = _estimate_step(forward, backward, {**layouts, **in_place})
     return max(forward_memory.peak_bytes, backward_memory.peak_bytes)
 
 
@@ -135,7 +135,7 @@ def choose_buckets(
     ids = {layout.label: bucket_id for bucket_id, layout in layouts.items()}
     if len(ids) != len(layouts):
         raise RuntimeError(f"thunder_overlap bucketing: bucket labels are not unique: {sorted(b.label for b in layouts.values())}")
-    _, backward_memory = estimate_step(forward, backward, layouts)
+    _, backward_memory = _estimate_step(forward, backward, layouts)
     candidates = change.candidates(layouts, backward_memory)
     if not candidates:
         return BucketPathChoice([], ids, reason=f"{change.name}: no bucket can be")
