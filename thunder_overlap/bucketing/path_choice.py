@@ -48,7 +48,7 @@ Layouts = dict[int, BucketLayout]
 class BucketChange:
     """One path a bucket can switch to, as :func:`choose_buckets` needs it."""
 
-    # What the change is, for reasons and logs ("gathered in place").
+    # What the change is, for reasons and logs ("gathered per parameter").
     name: str
     # Labels of the buckets that may change, from their layouts and the step's memory estimate.
     candidates: Callable[[Layouts, MemoryEstimate], list[str]]
