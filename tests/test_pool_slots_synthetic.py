@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -149,14 +150,20 @@ def test_gathers_in_place_never_grow_the_pool_and_the_fewest_keep_it_smallest(se
         uses.append(_use(f"b{b} reduce-scatter", issue, issue + rng.randint(1, 10)))
         candidates.append(f"b{b}")
 
-    def buffers(in_place):
-        return max_overlap(intervals_gathered_in_place(uses, in_place))[(BLOCK, "torch.float32")]
+    _assert_never_grows_and_fewest_keep_smallest(uses, candidates, intervals_gathered_in_place, fewest_per_tensor_gathers, rng)
+
+
+def _assert_never_grows_and_fewest_keep_smallest(uses, candidates, changed, fewest, rng) -> None:
+    """Changing any subset of ``candidates`` (``changed``) never grows the pool, and ``fewest``
+    keeps it as small as changing all of them, with none to spare."""
+
+    def buffers(labels):
+        return max_overlap(changed(uses, labels))[(BLOCK, "torch.float32")]
 
     smallest = buffers(candidates)
-    assert smallest <= buffers([])
     for _ in range(5):
-        assert buffers([c for c in candidates if rng.random() < 0.5]) <= buffers([])
-    chosen = fewest_per_tensor_gathers(uses, candidates)
+        assert smallest <= buffers([c for c in candidates if rng.random() < 0.5]) <= buffers([])
+    chosen = fewest(uses, candidates)
     assert buffers(chosen) == smallest
     # Minimal: dropping any one of them would need a bigger pool.
     for label in chosen:
@@ -203,14 +210,15 @@ def test_reduce_scatters_from_the_copy_never_grow_the_pool_and_the_fewest_keep_i
         ("all-gather", rng.randint(0, 60)), ("copy-out", rng.randint(0, 60)), ("reduce-scatter", rng.randint(0, 60)),
     )]  # fmt: skip
     candidates = sorted({v.user.split()[0] for v in uses})
+    _assert_never_grows_and_fewest_keep_smallest(uses, candidates, intervals_reduced_from_copy, fewest_reduce_scatters_from_copy, rng)
 
-    def buffers(from_copy):
-        return max_overlap(intervals_reduced_from_copy(uses, from_copy))[(BLOCK, "torch.float32")]
 
-    smallest = buffers(candidates)
-    for _ in range(5):
-        assert smallest <= buffers([c for c in candidates if rng.random() < 0.5]) <= buffers([])
-    chosen = fewest_reduce_scatters_from_copy(uses, candidates)
-    assert buffers(chosen) == smallest
-    for label in chosen:
-        assert buffers([c for c in chosen if c != label]) > smallest
+def test_a_reduce_scatter_from_the_copy_needs_a_backend_that_copies_and_no_reduction_in_the_pool():
+    layout = BucketLayout("b0", BLOCK, "torch.float32", 4, tensors=3, world_size=2, reduce_scatter_copies_input=True)
+    assert replace(layout, reduce_scatter_from_copy=True).reduce_scatter_from_copy
+    # On NCCL the buffer would be overwritten in flight.
+    with pytest.raises(ValueError, match=r"bucket 'b0': reduce_scatter_from_copy needs a backend that copies"):
+        replace(layout, reduce_scatter_copies_input=False, reduce_scatter_from_copy=True)
+    with pytest.raises(ValueError, match=r"bucket 'b0': a reduce-scatter runs in the pool or from the backend's copy"):
+        replace(layout, reduces_in_pool=True, reduce_scatter_from_copy=True)
+    assert not replace(layout, reduce_scatter_from_copy=True).as_on_nccl().reduce_scatter_from_copy

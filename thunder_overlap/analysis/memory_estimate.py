@@ -546,7 +546,7 @@ def _reduce_scatter_input(layout: BucketLayout, grads, books: _Books, *, coalesc
     grads = [g for g in grads if isinstance(g, TensorProxy)]
     sends = layout.sends_gradients([math.prod(int(s) for s in g.shape) for g in grads])
     held = []
-    from_copy = not (sends or coalesced) and layout.reduce_scatter_copies_input and layout.reduce_scatter_from_copy
+    from_copy = layout.reduce_scatter_from_copy and not (sends or coalesced)
     if layout.reduce_scatter_copies_input and (sends or coalesced or from_copy):
         held.append(books.new_storage(None, nbytes=layout.nbytes))
     if not sends:

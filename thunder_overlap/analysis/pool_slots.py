@@ -90,10 +90,18 @@ class BucketLayout:
     # where holding the buffer to the wait would make the pool larger than the step needs.
     reduce_scatter_from_copy: bool = False
 
+    def __post_init__(self) -> None:
+        # On a backend that reads the input while the collective runs (NCCL), handing the
+        # buffer back to the pool at the launch would let the next use overwrite it in flight.
+        if self.reduce_scatter_from_copy and not self.reduce_scatter_copies_input:
+            raise ValueError(f"bucket {self.label!r}: reduce_scatter_from_copy needs a backend that copies a reduce-scatter's input")
+        if self.reduce_scatter_from_copy and self.reduces_in_pool:
+            raise ValueError(f"bucket {self.label!r}: a reduce-scatter runs in the pool or from the backend's copy, not both")
+
     def as_on_nccl(self) -> BucketLayout:
         """This bucket as it runs on NCCL whatever the backend: coalesced launches as one, and no
         copy of a reduce-scatter's input (over gloo this runs NCCL's paths for real)."""
-        return replace(self, launches_coalesced_as_one=True, reduce_scatter_copies_input=False)
+        return replace(self, launches_coalesced_as_one=True, reduce_scatter_copies_input=False, reduce_scatter_from_copy=False)
 
     @property
     def copies_out(self) -> bool:

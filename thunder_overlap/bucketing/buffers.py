@@ -420,7 +420,7 @@ class BucketBuffers:
         launch (``async_op=False``). Gradients sent where they are go out as one launch of their own."""
         pending.mark_launch()
         group = self.process_group
-        if pending.sends is None and async_op and self.layout.reduce_scatter_copies_input and self.layout.reduce_scatter_from_copy:
+        if pending.sends is None and async_op and self.layout.reduce_scatter_from_copy:
             # gloo copies the whole input at the launch, in this thread, and keeps no view of it:
             # the laid-out pool buffer is free for the next use at once, the copy is held to the
             # wait. Chosen where the buffer held to the wait would grow the pool.
