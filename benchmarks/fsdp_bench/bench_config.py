@@ -92,6 +92,9 @@ class BenchmarkConfig:
     profiler_stop: int = _option(15, "last profiled iteration (inclusive)")
     dump_traces: bool = _option(False, "write the final forward/backward execution traces next to the JSON (Thunder impls)")
     json_path: str | None = _option(None, "where rank 0 writes the result JSON; printed to stdout when not given")
+    cuda_peak_json: str | None = _option(
+        None, "CUDA only: where rank 0 writes what one more step had alive at its peak, by the trace line that allocated it"
+    )
     seed: int = _option(1337, "seed of the token batches")
 
     def __post_init__(self) -> None:
@@ -115,6 +118,8 @@ class BenchmarkConfig:
                 f"--profiler_start={self.profiler_start} and --profiler_stop={self.profiler_stop} must satisfy "
                 f"0 <= start <= stop < --max_iters={self.max_iters}"
             )
+        if self.cuda_peak_json is not None and self.device == "cpu":
+            raise ValueError("--cuda_peak_json records the CUDA caching allocator; it needs --device cuda or auto, not cpu")
         if self.dump_traces and self.json_path is None:
             raise ValueError("--dump_traces writes the traces next to the result JSON; give --json_path too")
 

@@ -35,6 +35,11 @@ class BenchmarkResult:
     final_loss: float
     # Per trace ("forward", "backward") schedule figures of the Thunder impls; empty otherwise.
     schedule: dict[str, dict]
+    # Bytes of each bucket pool buffer (held for the module's life, so a bucketed peak pays them
+    # above an unbucketed one): as the steps grew it, and as planned from the final traces.
+    # Empty without buckets.
+    bucket_pool_bytes: list[int]
+    bucket_pool_plan_bytes: list[int]
 
     @property
     def median_iter_time_ms(self) -> float:
@@ -76,7 +81,14 @@ class BenchmarkResult:
                 f"TFLOP/s: {self.model_tflop_per_sec:.4f}",
                 f"Peak memory per rank: {self.peak_memory_bytes / 2**20:.2f} MiB ({self.peak_memory_method})",
             ]
+            + self._pool_lines()
         )
+
+    def _pool_lines(self) -> list[str]:
+        if not self.bucket_pool_bytes:
+            return []
+        mib = ", ".join(f"{b / 2**20:.2f}" for b in self.bucket_pool_bytes)
+        return [f"Bucket pool: {len(self.bucket_pool_bytes)} buffers ({mib} MiB; planned {len(self.bucket_pool_plan_bytes)})"]
 
     def write(self, path: str | Path) -> None:
         path = Path(path)

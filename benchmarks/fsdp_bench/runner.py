@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -10,10 +11,11 @@ import thunder
 import torch
 from thunder.core.module import ThunderModule
 
-from thunder_overlap import OverlapScheduleTransform, schedule_picture, schedule_stats
+from thunder_overlap import BucketingTransform, OverlapScheduleTransform, schedule_picture, schedule_stats
 
 from fsdp_bench.bench_config import BenchmarkConfig
 from fsdp_bench.bench_models import ModelSpec, build_model, train_flops_per_step
+from fsdp_bench.cuda_peak import record_step_peak
 from fsdp_bench.distributed import RunContext
 from fsdp_bench.impls import ModelStep, make_step
 from fsdp_bench.peak_memory import CPU_METHOD, CUDA_METHOD, cpu_peak_bytes
@@ -49,6 +51,16 @@ def _schedule(model: torch.nn.Module) -> dict[str, dict]:
     return schedule
 
 
+def _bucket_pool_bytes(model: torch.nn.Module) -> tuple[list[int], list[int]]:
+    """The bucket pool's buffers as the steps grew them and as planned from the final traces."""
+    bucketing = BucketingTransform.of(model) if isinstance(model, ThunderModule) else None
+    if bucketing is None:
+        return [], []
+    grown = sorted((slot.nbytes for slot in bucketing.pool.slots), reverse=True)
+    planned = sorted((slot.nbytes for slot in bucketing.slot_plan(model).slots), reverse=True)
+    return grown, planned
+
+
 def _dump_traces(model: torch.nn.Module, json_path: str) -> None:
     if not isinstance(model, ThunderModule):
         print(f"--dump_traces: {type(model).__name__} is not a Thunder module; no traces to write")
@@ -58,6 +70,15 @@ def _dump_traces(model: torch.nn.Module, json_path: str) -> None:
         path = stem.with_name(f"{stem.name}.{name}_trace.py")
         path.write_text(str(traces[-1]))
         print(f"wrote the final {name} execution trace to {path}")
+
+
+def _write_cuda_peak(path: str, one_step, ctx: RunContext) -> None:
+    if not ctx.is_cuda:
+        raise ValueError(f"--cuda_peak_json records the CUDA caching allocator; this run is on {ctx.device.type}")
+    peak = record_step_peak(one_step, ctx.device)  # every rank steps: the collectives need them all
+    if ctx.rank == 0:
+        Path(path).write_text(json.dumps(peak.to_json(), indent=1))
+        print(f"wrote the peak of one step, {peak.peak_over_start_bytes / 2**20:.1f} MiB over its start, to {path}")
 
 
 def _peak_memory(model, step, batch, ctx: RunContext) -> tuple[int, str]:
@@ -105,7 +126,10 @@ def run_benchmark(cfg: BenchmarkConfig, ctx: RunContext) -> BenchmarkResult:
 
     if cfg.dump_traces and ctx.rank == 0:
         _dump_traces(model, cfg.json_path)
+    if cfg.cuda_peak_json is not None:
+        _write_cuda_peak(cfg.cuda_peak_json, lambda: step(*untimed_batch), ctx)
     optimizer_ms = getattr(step, "optimizer_ms", [])[cfg.warmup_iters : cfg.max_iters]
+    pool_bytes, pool_plan_bytes = _bucket_pool_bytes(model)
     return BenchmarkResult(
         impl=cfg.impl,
         model_name=cfg.model_name,
@@ -126,4 +150,6 @@ def run_benchmark(cfg: BenchmarkConfig, ctx: RunContext) -> BenchmarkResult:
         peak_memory_method=method,
         final_loss=loss_value,
         schedule=_schedule(model),
+        bucket_pool_bytes=pool_bytes,
+        bucket_pool_plan_bytes=pool_plan_bytes,
     )
