@@ -19,6 +19,7 @@ from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 # fsdp_bench is importable through pytest's pythonpath (pyproject.toml), as the scripts import
 # it from their own directory.
 from fsdp_bench.bench_config import BenchmarkConfig, parse_args
+from fsdp_bench.cuda_peak import LiveGroup, step_peak
 from fsdp_bench.peak_memory import persistent_bytes
 from fsdp_bench.testbed_summary import SlowLinkCalibration, calibrate, format_table, summarize, target_checks
 
@@ -28,12 +29,13 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 RUN_TIMEOUT_S = 180
 
 
-def _run_benchmark(tmp_path: Path, impl: str, shard_mode: str) -> dict:
+def _run_benchmark(tmp_path: Path, impl: str, shard_mode: str, bucketing_mode: str = "none") -> dict:
     json_path = tmp_path / f"{impl}.json"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         str(BENCHMARKS / "benchmark_fsdp.py"),
         "--device", "cpu", "--model_name", "tiny-gpt", "--impl", impl, "--shard_mode", shard_mode,
+        "--bucketing_mode", bucketing_mode,
         "--max_iters", "2", "--warmup_iters", "1", "--json_path", str(json_path), "--dump_traces",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
@@ -44,7 +46,8 @@ def _run_benchmark(tmp_path: Path, impl: str, shard_mode: str) -> dict:
 
 @pytest.mark.parametrize("impl", ["thunder_overlap", "fsdp2", "compute_with_comm"])
 def test_benchmark_writes_sane_json(tmp_path, impl):
-    result = _run_benchmark(tmp_path, impl, "zero3")
+    bucketing_mode = "block" if impl == "thunder_overlap" else "none"
+    result = _run_benchmark(tmp_path, impl, "zero3", bucketing_mode)
     assert (result["impl"], result["world_size"], result["device"], result["shard_mode"]) == (impl, 2, "cpu", "zero3")
     assert len(result["iter_times_ms"]) == 1 and 0 < result["median_iter_time_ms"] < RUN_TIMEOUT_S * 1e3
     tokens = 2 * result["micro_batch_size"] * result["block_size"]
@@ -63,8 +66,13 @@ def test_benchmark_writes_sane_json(tmp_path, impl):
         assert backward["allgathers"] > 0, "ZeRO3 re-gathers parameters in backward"
         assert backward["reduce_scatters"] > 0
         assert (tmp_path / "thunder_overlap.backward_trace.py").read_text().startswith("#")
+        # The pool the steps grew is the one planned from the final traces.
+        assert len(result["bucket_pool_bytes"]) >= 2 and min(result["bucket_pool_bytes"]) > 0
+        assert result["bucket_pool_bytes"] == result["bucket_pool_plan_bytes"]
     else:
         assert result["schedule"] == {}
+    if impl != "thunder_overlap":
+        assert result["bucket_pool_bytes"] == result["bucket_pool_plan_bytes"] == []
 
 
 def test_bad_options_name_the_value_and_the_accepted_ones():
@@ -78,6 +86,8 @@ def test_bad_options_name_the_value_and_the_accepted_ones():
         BenchmarkConfig(network="slow")
     with pytest.raises(ValueError, match=r"--warmup_iters=5 must be in \[0, --max_iters=5\)"):
         BenchmarkConfig(max_iters=5, warmup_iters=5)
+    with pytest.raises(ValueError, match=r"--cuda_peak_json .*needs --device cuda or auto, not cpu"):
+        BenchmarkConfig(device="cpu", cuda_peak_json="peak.json")
     with pytest.raises(SystemExit):
         parse_args(["--shard_mode", "zero1"])
     assert parse_args(["--impl", "fsdp2", "--n_layers", "3"]) == BenchmarkConfig(impl="fsdp2", n_layers=3)
@@ -110,6 +120,30 @@ def test_benchmark_schedules_thunder_overlap_for_the_named_link():
     assert testbed.network == "custom:1000:0.05:ring:2"  # gloo runs two launches at once
     with pytest.raises(ValueError, match=r"--link-latency-us=-1.0 .*accepted are a latency >= 0"):
         TestbedConfig(link_latency_us=-1.0)
+
+
+def test_cuda_peak_names_what_was_alive_at_the_step_peak():
+    def alloc(addr, size, line):
+        return {"action": "alloc", "addr": addr, "size": size, "frames": [{"filename": "x.py", "line": line, "name": "f"}]}
+
+    def free(addr, action="free_requested"):
+        return {"action": action, "addr": addr, "size": 0}
+
+    events = [
+        alloc(1, 100, 10),
+        alloc(2, 50, 20),
+        free(1),
+        alloc(3, 300, 30),  # the peak: 50 + 300 alive
+        free(3),  # memory_allocated falls here, though another stream may still hold the block
+        alloc(4, 250, 10),  # 300: below the peak (600 if the free counted only once completed)
+        free(3, "free_completed"),
+        free(4),
+    ]
+    peak = step_peak(events, start_bytes=1000)
+    assert (peak.start_bytes, peak.peak_over_start_bytes, peak.peak_event, peak.events) == (1000, 350, 3, 8)
+    assert peak.peak_allocation == "x.py:30 f"
+    assert peak.live_at_peak == [LiveGroup("x.py:30 f", 300, 1), LiveGroup("x.py:20 f", 50, 1)]
+    assert step_peak([], start_bytes=7).peak_over_start_bytes == 0
 
 
 def _run(times_ms: list[float], optimizer_ms: list[float] = (), peak: int = 1) -> dict:
@@ -198,9 +232,11 @@ def test_link_fit_recovers_latency_and_bandwidth_from_two_bucketings():
 
 
 
-def test_cpu_peak_counts_the_bucket_pool_and_gradient_shards_as_held(fake_group_2):
-    # Allocated in the first step and reused after, they are invisible to the tracker of a later
-    # step: the peak must count them as held between steps, or bucketed runs look smaller.
+def test_cpu_peak_counts_the_bucket_pool_as_held_and_gradient_shards_only_while_grad_holds_them(fake_group_2):
+    # The pool is allocated in the first step and reused after, invisible to the tracker of a
+    # later step: the peak must count it as held between steps, or bucketed runs look smaller.
+    # Gradient shards are the gradients: allocated in the step (the tracker sees them), given
+    # back by zero_grad, never held by the bucket.
     config = TinyGPTConfig(n_layer=2)
     # Gradient shards of their own (reduced in the pool, they would be rows of pool buffers).
     overlap = thunder_overlap.OverlapConfig(reduce_in_pool=False)
@@ -208,7 +244,10 @@ def test_cpu_peak_counts_the_bucket_pool_and_gradient_shards_as_held(fake_group_
     jm(torch.randint(0, config.vocab_size, (2, 16))).sum().backward()
     bucketing = thunder_overlap.BucketingTransform.of(jm)
     pool = sum(b.untyped_storage().nbytes() for b in bucketing.pool.buffers)
-    grad_shards = sum(g.untyped_storage().nbytes() for b in bucketing.buckets.values() for g in b.grad_shards)
-    assert pool > 0 and grad_shards > 0
+    shards = {ptr: n for b in bucketing.buckets.values() for ptr, n in b.grad_shard_storages().items()}
+    grads = {p.grad.untyped_storage().data_ptr() for p in jm.parameters() if p.grad is not None}
+    assert pool > 0 and len(shards) == len(bucketing.buckets) - 1 and set(shards) == grads  # wpe is frozen
     model_bytes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*jm.parameters(), *jm.buffers()]}
-    assert persistent_bytes(jm, None) == sum(model_bytes.values()) + pool + grad_shards
+    assert persistent_bytes(jm, None) == sum(model_bytes.values()) + pool
+    jm.zero_grad(set_to_none=True)
+    assert [s for b in bucketing.buckets.values() for s in b.grad_shard_storages()] == []

@@ -150,10 +150,14 @@ def test_auto_buckets_on_two_gloo_ranks_follow_the_cost_model(runs):
 
 
 @pytest.mark.parametrize(("sharding", "bucketing"), CASES)
-def test_steady_state_step_allocates_nothing_and_copies_at_most_once_per_bucket_and_direction(runs, sharding, bucketing):
+def test_steady_state_step_allocates_only_gradient_shards_and_copies_at_most_once_per_bucket_and_direction(runs, sharding, bucketing):
     census = runs[sharding, bucketing][0][0].bucket_census
     assert census.allocations_after_last_step == census.allocations_after_first_step
     assert census.bucket_allocations == 0
+    # The one allocation per bucket: its gradient shard, as the gradient of an unbucketed
+    # reduce-scatter is (given back between steps by zero_grad); rows of the pool allocate none.
+    trainable = census.buckets - census.frozen_buckets
+    assert census.gradient_shard_allocations == trainable - len(census.reduced_in_pool)
     copies = dict(census.bucket_copies)
     # Copy-out after a gather: one per multi-parameter bucket and gather (single ones are views),
     # but those gathered per tensor (over gloo, where the pool would otherwise hold a buffer the

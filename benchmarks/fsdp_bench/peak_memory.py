@@ -2,7 +2,7 @@
 
 - CUDA: ``torch.cuda.max_memory_allocated()`` over the timed iterations.
 - CPU: bytes held between steps (local parameter shards, optimizer state, and thunder_overlap's
-  bucket pool and gradient shards) plus the most that one extra, untimed training step adds on top, counted by
+  bucket pool) plus the most that one extra, untimed training step adds on top, counted by
   :class:`thunder_overlap.memory.LiveMemoryTracker` (every tensor storage alive at once).
 """
 
@@ -37,8 +37,9 @@ def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Itera
 
 
 def _bucket_buffers(model: nn.Module) -> Iterable[torch.Tensor]:
-    """thunder_overlap's bucket pool and gradient shards: allocated in the first step and held
-    from then on, so a later step reuses them without allocating (the tracker would not see them)."""
+    """thunder_overlap's bucket pool: allocated in the first step and held from then on, so a
+    later step reuses it without allocating (the tracker would not see it). Gradient shards are
+    not held: allocated in each step, as gradients, they are given back by zero_grad."""
     from thunder.core.module import ThunderModule
 
     from thunder_overlap import BucketingTransform
@@ -47,8 +48,6 @@ def _bucket_buffers(model: nn.Module) -> Iterable[torch.Tensor]:
     if bucketing is None:
         return
     yield from bucketing.pool.buffers
-    for bucket in bucketing.buckets.values():
-        yield from bucket.grad_shards
 
 
 def persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:

@@ -1,17 +1,20 @@
 """Persistent bucket buffers and the bucketed collectives that run on them.
 
-Each bucket (see :mod:`thunder_overlap.bucketing.plan`) owns, for the life of the module:
+Each bucket (see :mod:`thunder_overlap.bucketing.plan`) owns ``flat_shard`` for the life of the
+module: this rank's shards back to back. The module's parameters are views of it, so the
+optimizer updates it in place and the all-gather sends it with no copy-in.
 
-- ``flat_shard``: this rank's shards back to back. The module's parameters are views of it, so
-  the optimizer updates it in place and the all-gather sends it with no copy-in.
-- gradient shards: the reduce-scatter writes into one, and its views become ``.grad`` (autograd
-  keeps the tensor it is given when ``.grad`` is None). A second one is used only while ``.grad``
-  still aliases the first, which is what accumulation and ``zero_grad(set_to_none=False)`` do.
-  A bucket whose reduce-scatter comes when a pool buffer would sit idle to the end of the step
-  (ZeRO2's gathered buffers once their block's backward is done) reduces in place in that
-  buffer instead, and its row is the gradient shard (``BucketLayout.reduces_in_pool``); the
-  buffer is busy while ``.grad`` aliases it, so a gradient kept across steps makes the pool
-  grow rather than be overwritten.
+Each step, a bucket's reduce-scatter writes into a new gradient shard, and its views become
+``.grad`` (autograd keeps the tensor it is given when ``.grad`` is None). The shard is the
+gradient, so it lives as long as ``.grad`` does: ``zero_grad(set_to_none=True)`` gives it back to
+the allocator between steps, as it does an unbucketed reduce-scatter's output. Kept by the bucket
+from one step to the next, it would cost a whole gradient (all of this rank's) at the next step's
+activation peak, which comes before any gradient is reduced. It is the one allocation a bucket
+makes per step, the gradient's own. A bucket whose reduce-scatter comes when a pool buffer would
+sit idle to the end of the step (ZeRO2's gathered buffers once their block's backward is done)
+reduces in place in that buffer instead, and its row is the gradient shard
+(``BucketLayout.reduces_in_pool``); the buffer is busy while ``.grad`` aliases it, so a gradient
+kept across steps makes the pool grow rather than be overwritten.
 
 Unsharded buffers come from a :class:`BufferPool` shared by the module's buckets. Where the
 backend runs a coalesced launch as one (NCCL: ``BucketLayout.launches_coalesced_as_one``), a
@@ -28,7 +31,7 @@ buffer to the wait would make the pool larger than the step needs, handed to glo
 a reduce-scatter's input at the launch (``BucketLayout.reduce_scatter_from_copy``). A buffer is handed out again
 only when no tensor of its storage is alive anymore. ZeRO2 keeps every gathered bucket alive
 until backward, so the pool holds one buffer per bucket; ZeRO3 frees each after its last use,
-so the pool holds no more than were alive at once. After the first step nothing is allocated.
+so the pool holds no more than were alive at once. After the first step the pool allocates nothing.
 The memory estimator plans the same buffers from the final traces
 (:mod:`thunder_overlap.analysis.pool_slots`).
 
@@ -51,6 +54,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from thunder_overlap.analysis.pool_slots import BucketLayout, PoolSlot, describe_slots
 from thunder_overlap.bucketing.plan import BucketPlan
@@ -229,15 +233,20 @@ class BucketBuffers:
         # Each parameter's shard, made once: views taken during a step would be aten ops on the
         # parameters' storage in every step (memory trackers would count it as new).
         self._shard_pieces = [flat_shard[s.offset : s.offset + s.numel] for s in plan.slots]
-        self._grad_shards: list[_Reusable] = []
-        self.allocations = 0
+        # The gradient shards handed out, weakly (data pointer -> reference to the storage):
+        # ``.grad`` owns them. A weak reference to the tensor would not do: its Python object
+        # dies while views keep the storage alive.
+        self._grad_shards: dict[int, StorageWeakRef] = {}
         # Gradients summed under no_sync, laid out like a reduce-scatter input; the next
         # reduce-scatter adds them and lets go.
         self.unsynced_grads: torch.Tensor | None = None
 
-    @property
-    def grad_shards(self) -> list[torch.Tensor]:
-        return [entry.buffer for entry in self._grad_shards]
+    def grad_shard_storages(self) -> dict[int, int]:
+        """Data pointer -> bytes of each gradient shard still alive: those some ``.grad`` (or a
+        pending collective) holds."""
+        self._grad_shards = {ptr: ref for ptr, ref in self._grad_shards.items() if not ref.expired()}
+        nbytes = self.flat_shard.numel() * self.flat_shard.element_size()
+        return dict.fromkeys(self._grad_shards, nbytes)
 
     # --- shapes -----------------------------------------------------------------------------
 
@@ -330,14 +339,13 @@ class BucketBuffers:
 
     # --- reduce-scatter ---------------------------------------------------------------------
 
-    def _free_grad_shard(self) -> torch.Tensor:
-        for entry in self._grad_shards:
-            if entry.is_idle():
-                return entry.buffer.view(-1)
-        buffer = torch.zeros_like(self.flat_shard)
-        self._grad_shards.append(_Reusable(buffer))
-        self.allocations += 1
-        return buffer.view(-1)
+    def _new_grad_shard(self) -> torch.Tensor:
+        # Every element is written by the reduce-scatter; the padding past the last slot is
+        # never read (the optimizer sees the slots' views).
+        shard = torch.empty_like(self.flat_shard)
+        self.grad_shard_storages()  # forgets the expired
+        self._grad_shards[shard.data_ptr()] = StorageWeakRef(shard.untyped_storage())
+        return shard.view(-1)
 
     def _check_gradient_count(self, grads: list[torch.Tensor]) -> None:
         if len(grads) != len(self.plan.slots):
@@ -370,7 +378,7 @@ class BucketBuffers:
         return pending
 
     def prepare_reduce_scatter(self, grads: list[torch.Tensor], divisor: float | None) -> PendingCollective:
-        """Everything before the launch: takes a free gradient shard to reduce into and, for a
+        """Everything before the launch: takes a new gradient shard to reduce into and, for a
         padded bucket, lays the gradients out (adding those summed under no_sync) and pre-averages.
 
         Gradients that need no padding are sent where they are, each into its slot of the
@@ -380,7 +388,7 @@ class BucketBuffers:
         self._check_gradient_count(grads)
         if self.layout.reduces_in_pool:
             return self._prepare_in_pool(grads, divisor)
-        shard = self._free_grad_shard()
+        shard = self._new_grad_shard()
         if self._sends_gradients(grads):
             pieces = [shard[s.offset : s.offset + s.numel] for s in self.plan.slots]
             # A gradient can come strided (a transposed matmul's); a collective needs it dense.
@@ -487,9 +495,9 @@ class BucketBuffers:
 
     def _grad_shard_holding(self, view: torch.Tensor) -> torch.Tensor:
         storage = view.untyped_storage().data_ptr()
-        for entry in self._grad_shards:
-            if entry.buffer.untyped_storage().data_ptr() == storage:
-                return entry.buffer.view(-1)
+        if storage in self.grad_shard_storages():
+            # The shard starts its storage (a tensor of its own): its whole flat view.
+            return view.new_empty(0).set_(view.untyped_storage(), 0, (self.flat_shard.numel(),))
         if self.layout.reduces_in_pool:
             for buffer in self.pool.buffers:
                 if buffer.untyped_storage().data_ptr() == storage:

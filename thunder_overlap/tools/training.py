@@ -118,8 +118,13 @@ class BucketCensus:
     # Copies the process group makes inside one reduce_scatter_tensor of its own (gloo reduces
     # into a scratch buffer and copies the rank's chunk out; NCCL makes none).
     backend_copies_per_reduce_scatter: int
-    # Ops of the step that allocated a storage which is now a bucket buffer.
+    # Ops of the step that allocated a storage which is now a persistent bucket buffer (a flat
+    # shard or the pool).
     bucket_allocations: int
+    # Gradient shards alive after the step that the step allocated (one per bucket not reduced
+    # in the pool: the gradient itself, given back when .grad is dropped). Counted by storage:
+    # an earlier temporary of the step may have had the same address.
+    gradient_shard_allocations: int
     # Every pad of the step (bucketing pads the gradients inside its _chunk_cat).
     pads: int
     allocations_after_first_step: int
@@ -342,11 +347,12 @@ def _bucket_census(
     backward,
 ) -> BucketCensus:
     storages = bucketing.buffer_storages()
+    grad_shards = bucketing.gradient_storages()
+    shards = grad_shards - storages  # the gradient shards of their own, not rows of the pool
     copies: dict[str, int] = {}
-    for record in census.touching(storages):
+    for record in census.touching(storages | grad_shards):
         if record.name in COPY_OPS:
             copies[record.name] = copies.get(record.name, 0) + 1
-    grad_shards = bucketing.gradient_storages()
     grads = [p.grad for p in jm.parameters() if p.requires_grad]
     planned = bucketing.slot_plan(jm)
     trainable = [b for b in bucketing.buckets.values() if b.plan.requires_grad]
@@ -376,6 +382,7 @@ def _bucket_census(
         bucket_copies=copies,
         backend_copies_per_reduce_scatter=_backend_copies_per_reduce_scatter(bucketing.process_group),
         bucket_allocations=sum(bool(r.outputs & storages) and r.allocated_bytes > 0 for r in census.records),
+        gradient_shard_allocations=len({ptr for r in census.records if r.allocated_bytes > 0 for ptr in r.outputs & shards}),
         pads=census.count("constant_pad_nd"),
         allocations_after_first_step=allocations_after_first_step,
         allocations_after_last_step=bucketing.allocations,

@@ -140,20 +140,22 @@ class BucketingTransform(Transform):
         return [b.plan for b in self.buckets.values()]
 
     def buffer_storages(self) -> set[int]:
-        """Data pointers of every persistent buffer: flat shards, gradient shards, the pool."""
+        """Data pointers of every persistent buffer: the flat shards and the pool."""
         storages = {b.flat_shard.untyped_storage().data_ptr() for b in self.buckets.values()}
-        return storages | self.gradient_storages()
+        return storages | {p.untyped_storage().data_ptr() for p in self.pool.buffers}
 
     def gradient_storages(self) -> set[int]:
-        """Data pointers of the buffers a reduced gradient can live in: the gradient shards, and
-        the pool (a bucket that reduces in place there: ``BucketLayout.reduces_in_pool``)."""
-        storages = {g.untyped_storage().data_ptr() for b in self.buckets.values() for g in b.grad_shards}
+        """Data pointers of the buffers a reduced gradient can live in: the gradient shards alive
+        (held by ``.grad``), and the pool (a bucket that reduces in place there:
+        ``BucketLayout.reduces_in_pool``)."""
+        storages = {ptr for b in self.buckets.values() for ptr in b.grad_shard_storages()}
         return storages | {p.untyped_storage().data_ptr() for p in self.pool.buffers}
 
     @property
     def allocations(self) -> int:
-        """Buffers allocated so far, by the pool and for gradient shards."""
-        return self.pool.allocations + sum(b.allocations for b in self.buckets.values())
+        """Pool buffers allocated so far (gradient shards, allocated every step as the
+        gradients they are, are not counted)."""
+        return self.pool.allocations
 
     def slot_plan(self, module) -> SlotPlan:
         """The pool a step of ``module``'s last compiled traces needs, planned from the live
