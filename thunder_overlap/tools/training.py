@@ -122,8 +122,7 @@ class BucketCensus:
     # shard or the pool).
     bucket_allocations: int
     # Gradient shards alive after the step that the step allocated (one per bucket not reduced
-    # in the pool: the gradient itself, given back when .grad is dropped). Counted by storage:
-    # an earlier temporary of the step may have had the same address.
+    # in the pool: the gradient itself, given back when .grad is dropped).
     gradient_shard_allocations: int
     # Every pad of the step (bucketing pads the gradients inside its _chunk_cat).
     pads: int
@@ -349,9 +348,14 @@ def _bucket_census(
     storages = bucketing.buffer_storages()
     grad_shards = bucketing.gradient_storages()
     shards = grad_shards - storages  # the gradient shards of their own, not rows of the pool
+    # A gradient shard is allocated in the step, at an address an earlier temporary of the step
+    # may have had: it is the shard only from the last op that allocated there.
+    shard_born = {ptr: i for i, r in enumerate(census.records) if r.allocated_bytes > 0 for ptr in r.outputs & shards}
     copies: dict[str, int] = {}
-    for record in census.touching(storages | grad_shards):
-        if record.name in COPY_OPS:
+    for i, record in enumerate(census.records):
+        touched = record.inputs | record.outputs
+        on_shard = any(i >= shard_born.get(ptr, 0) for ptr in touched & shards)
+        if record.name in COPY_OPS and (touched & storages or on_shard):
             copies[record.name] = copies.get(record.name, 0) + 1
     grads = [p.grad for p in jm.parameters() if p.requires_grad]
     planned = bucketing.slot_plan(jm)
@@ -382,7 +386,7 @@ def _bucket_census(
         bucket_copies=copies,
         backend_copies_per_reduce_scatter=_backend_copies_per_reduce_scatter(bucketing.process_group),
         bucket_allocations=sum(bool(r.outputs & storages) and r.allocated_bytes > 0 for r in census.records),
-        gradient_shard_allocations=len({ptr for r in census.records if r.allocated_bytes > 0 for ptr in r.outputs & shards}),
+        gradient_shard_allocations=len(shard_born),
         pads=census.count("constant_pad_nd"),
         allocations_after_first_step=allocations_after_first_step,
         allocations_after_last_step=bucketing.allocations,
