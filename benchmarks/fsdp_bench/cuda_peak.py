@@ -63,7 +63,7 @@ def _where(frames: list[dict]) -> str:
     return "(no Python frame)"
 
 
-def step_peak(events: list[dict], start_bytes: int, where: Callable[[list[dict]], str] = _where) -> StepPeak:
+def step_peak(events: list[dict], start_bytes: int) -> StepPeak:
     """The peak of one step's allocator ``events`` (a device trace of
     ``torch.cuda.memory._snapshot()``). An allocation counts from its ``alloc`` to its
     ``free_requested``, as ``memory_allocated`` does (a block kept for another stream's use is
@@ -88,7 +88,7 @@ def step_peak(events: list[dict], start_bytes: int, where: Callable[[list[dict]]
             live.pop(event["addr"], None)
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for event in live.values():
-        group = groups[where(event.get("frames", []))]
+        group = groups[_where(event.get("frames", []))]
         group[0] += event["size"]
         group[1] += 1
     ranked = sorted((LiveGroup(w, b, n) for w, (b, n) in groups.items()), key=lambda g: -g.bytes)
@@ -98,7 +98,7 @@ def step_peak(events: list[dict], start_bytes: int, where: Callable[[list[dict]]
     return StepPeak(
         start_bytes=start_bytes,
         peak_over_start_bytes=peak,
-        peak_allocation=where(events[peak_event].get("frames", [])) if peak_event >= 0 else "",
+        peak_allocation=_where(events[peak_event].get("frames", [])) if peak_event >= 0 else "",
         peak_event=peak_event,
         events=len(events),
         live_at_peak=listed,

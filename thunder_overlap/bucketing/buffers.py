@@ -241,12 +241,11 @@ class BucketBuffers:
         # reduce-scatter adds them and lets go.
         self.unsynced_grads: torch.Tensor | None = None
 
-    def grad_shard_storages(self) -> dict[int, int]:
-        """Data pointer -> bytes of each gradient shard still alive: those some ``.grad`` (or a
-        pending collective) holds."""
+    def grad_shard_storages(self) -> set[int]:
+        """Data pointers of the gradient shards still alive (each of ``flat_shard``'s size):
+        those some ``.grad`` (or a pending collective) holds."""
         self._grad_shards = {ptr: ref for ptr, ref in self._grad_shards.items() if not ref.expired()}
-        nbytes = self.flat_shard.numel() * self.flat_shard.element_size()
-        return dict.fromkeys(self._grad_shards, nbytes)
+        return set(self._grad_shards)
 
     # --- shapes -----------------------------------------------------------------------------
 

@@ -148,7 +148,7 @@ class BucketingTransform(Transform):
         """Data pointers of the buffers a reduced gradient can live in: the gradient shards alive
         (held by ``.grad``), and the pool (a bucket that reduces in place there:
         ``BucketLayout.reduces_in_pool``)."""
-        storages = {ptr for b in self.buckets.values() for ptr in b.grad_shard_storages()}
+        storages = set().union(*(b.grad_shard_storages() for b in self.buckets.values()))
         return storages | {p.untyped_storage().data_ptr() for p in self.pool.buffers}
 
     @property
