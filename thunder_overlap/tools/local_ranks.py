@@ -10,9 +10,11 @@ standard output one rank after the other when the ranks are done.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
 import queue as queue_module
+import signal
 import socket
 import sys
 import tempfile
@@ -35,6 +37,9 @@ def _free_port() -> int:
 def _worker(fn, rank, world_size, port, backend, args, results, timeout_s, output_path) -> None:
     import torch.distributed as dist
 
+    # A rank killed by a signal (a crash in native code) leaves no Python traceback for the
+    # parent to raise; this writes every thread's stack to standard error first.
+    faulthandler.enable(all_threads=True)
     sys.stdout.flush()
     output = os.open(output_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(output, 1)
@@ -80,13 +85,14 @@ def run_local_ranks(
             except queue_module.Empty:
                 crashed = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in collected]
                 if crashed:
-                    raise RuntimeError(f"ranks {crashed} exited with codes {[procs[i].exitcode for i in crashed]}") from None
+                    codes = ", ".join(_exit_status(procs[i].exitcode) for i in crashed)
+                    raise RuntimeError(f"ranks {crashed} exited: {codes} (any stack faulthandler wrote is in standard error)") from None
                 if time.monotonic() > deadline:
                     late = sorted(set(range(world_size)) - set(collected))
                     raise TimeoutError(f"ranks {late} did not finish within {timeout_s}s") from None
                 continue
             if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                raise RuntimeError(f"rank {rank} failed:\n{value}{_dead_peers(procs, rank)}")
             collected[rank] = pickle.loads(value)
     finally:
         for p in procs:
@@ -96,6 +102,28 @@ def run_local_ranks(
         _forward_outputs(outputs)
         output_dir.cleanup()
     return [collected[r] for r in range(world_size)]
+
+
+def _exit_status(code: int | None) -> str:
+    """A process's exit code in words: killed by a signal where it is negative."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _dead_peers(procs: list, failed_rank: int, grace_s: float = 5.0) -> str:
+    """Which other ranks died, for the error of a rank that failed: a rank that loses its peer
+    mid-collective fails with only "Connection reset by peer", and the cause is the peer's death
+    (a signal from native code, the OOM killer), which leaves no traceback of its own."""
+    deadline = time.monotonic() + grace_s
+    others = [i for i in range(len(procs)) if i != failed_rank]
+    while time.monotonic() < deadline and not all(procs[i].exitcode is not None for i in others):
+        time.sleep(0.1)
+    dead = [f"rank {i}: {_exit_status(procs[i].exitcode)}" for i in others if procs[i].exitcode not in (None, 0)]
+    return f"\n(meanwhile {'; '.join(dead)})" if dead else ""
 
 
 def _forward_outputs(paths: list[str]) -> None:
