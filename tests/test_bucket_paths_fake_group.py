@@ -13,7 +13,7 @@ import thunder
 import torch
 
 import thunder_overlap
-from thunder_overlap.analysis.classify import classify_trace
+from thunder_overlap.analysis.classify import NodeKind, classify_trace
 from thunder_overlap.analysis.cost_model import CostModel
 from thunder_overlap.analysis.memory_estimate import estimate_memory
 from thunder_overlap.bucketing.buffers import lookup_bucket
@@ -22,17 +22,17 @@ from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
 MODEL = TinyGPTConfig(n_layer=2, n_embd=64)
 
 
-def _block_as_over_gloo(cost_model: CostModel, sharding: str = "zero2", **options):
+def _block_as_over_gloo(cost_model: CostModel, sharding: str = "zero2", model: TinyGPTConfig = MODEL, tokens=(4, 32), **options):
     """Block buckets whose coalesced launches run one collective at a time and whose backend
     copies a reduce-scatter's input, as over gloo (the fake group otherwise stands for NCCL):
     gathered rank-major and copied out, gradients laid out, unless chosen otherwise. Two steps:
     the first compiles and grows the pool."""
     torch.manual_seed(0)
     config = thunder_overlap.OverlapConfig(cost_model=cost_model, **options)
-    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy=sharding, bucketing_strategy="block", config=config)
+    jm = thunder_overlap.fsdp(TinyGPT(model), device="cpu", sharding_strategy=sharding, bucketing_strategy="block", config=config)
     for bucket in thunder_overlap.BucketingTransform.of(jm).buckets.values():
         bucket.layout = replace(bucket.layout, launches_coalesced_as_one=False, reduce_scatter_copies_input=True)
-    tokens = torch.randint(0, MODEL.vocab_size, (4, 32))
+    tokens = torch.randint(0, model.vocab_size, tokens)
     for _ in range(2):
         jm(tokens).sum().backward()
         for p in jm.parameters():
@@ -122,3 +122,31 @@ def test_zero3_keeps_its_lay_outs_where_the_backends_copy_is_too_slow(fake_group
     assert not any(b.layout.reduce_scatter_from_copy for b in buckets)
     block_numel = max(b.layout.unsharded_numel for b in buckets)
     assert sum(b.numel() == block_numel for b in thunder_overlap.BucketingTransform.of(jm).pool.buffers) == 3
+
+
+def _pool_reduce_scatters_in_flight(trace) -> int:
+    """The most reduce-scatters holding a pool buffer (to their wait) in flight at once in ``trace``."""
+    annotated = classify_trace(trace)
+    in_flight = most = 0
+    for node in annotated.nodes:
+        if node.kind not in (NodeKind.COLLECTIVE, NodeKind.WAIT) or not annotated.collectives[node.collective].pool_bytes_to_wait:
+            continue
+        in_flight += 1 if node.kind is NodeKind.COLLECTIVE else -1
+        most = max(most, in_flight)
+    return most
+
+
+def test_over_gloo_zero3_holds_one_laid_out_reduce_scatter_at_a_time(fake_group_2):
+    # The parameter-dominated shape (a few tokens): two blocks gathered ahead in the backward.
+    # Beside them, a second lay-out held to its wait is one more block buffer in the pool.
+    shape = {"model": TinyGPTConfig(n_layer=4, n_embd=128, block_size=64), "tokens": (1, 16)}
+    cost_model = CostModel.named("cpu", "gloo-loopback")
+    results = {}
+    for blocks in (1.0, None):
+        jm = _block_as_over_gloo(cost_model, "zero3", bucket_reduce_scatter_blocks=blocks, **shape)
+        bucketing = thunder_overlap.BucketingTransform.of(jm)
+        block_numel = max(b.layout.unsharded_numel for b in bucketing.buckets.values())
+        block_buffers = sum(b.numel() == block_numel for b in bucketing.pool.buffers)
+        results[blocks] = (_pool_reduce_scatters_in_flight(thunder.last_backward_traces(jm)[-1]), block_buffers)
+    assert results[1.0] == (1, 3)
+    assert results[None][1] == 4

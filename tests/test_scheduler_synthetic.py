@@ -188,6 +188,41 @@ def test_budget_forces_the_oldest_reduce_scatter_waits():
     assert greedy_peak > loose_summary.budget_bytes
 
 
+def _most_in_flight(annotated, order, kind: CollectiveKind) -> int:
+    """The most collectives of ``kind`` issued and not yet waited on at once in ``order``."""
+    in_flight = most = 0
+    for index in order:
+        node = annotated.nodes[index]
+        if node.kind in (NodeKind.COLLECTIVE, NodeKind.WAIT) and annotated.collectives[node.collective].kind is kind:
+            in_flight += 1 if node.kind is NodeKind.COLLECTIVE else -1
+            most = max(most, in_flight)
+    return most
+
+
+@pytest.mark.parametrize("gathers", [True, False])
+@pytest.mark.parametrize("holds_pool_buffer", [True, False])
+def test_reduce_scatters_holding_a_pool_buffer_are_capped_where_the_trace_gathers(gathers, holds_pool_buffer):
+    # ZeRO3's backward gathers a weight; without it (ZeRO2's) the matmuls read the input instead.
+    program = _backward_like(5) if gathers else [s for i in range(5) for s in (("matmul", i, 0), ("scatter", i + 1))]
+    annotated = classify_trace(build_trace(program, dist.group.WORLD))
+    for collective in annotated.collectives:
+        if collective.kind is CollectiveKind.REDUCE_SCATTER and holds_pool_buffer:
+            collective.pool_bytes_to_wait = VALUE_BYTES  # as a bucket laid out in the pool would
+    # Blocks of one gradient: two reduce-scatters in flight by bytes, one by pool buffers.
+    limits = OverlapConfig().limits(VALUE_BYTES, runs_buckets=True)
+    assert (limits.max_reduce_scatter_bytes, limits.max_pool_reduce_scatter_bytes) == (2 * VALUE_BYTES, VALUE_BYTES)
+    order = OverlapScheduler(annotated, limits, _cost_model(1.0)).schedule()
+    capped = gathers and holds_pool_buffer
+    assert _most_in_flight(annotated, order, CollectiveKind.REDUCE_SCATTER) == (1 if capped else 2)
+
+
+def test_the_pool_reduce_scatter_cap_is_for_buckets_and_can_be_lifted():
+    assert OverlapConfig().limits(VALUE_BYTES).max_pool_reduce_scatter_bytes is None  # no buckets
+    assert OverlapConfig(bucket_reduce_scatter_blocks=None).limits(VALUE_BYTES, runs_buckets=True).max_pool_reduce_scatter_bytes is None
+    assert OverlapConfig(bucket_reduce_scatter_blocks=1.5).limits(100, runs_buckets=True).max_pool_reduce_scatter_bytes == 150
+    assert OverlapConfig(policy="greedy").limits(100, runs_buckets=True).max_pool_reduce_scatter_bytes is None
+
+
 def test_budget_holds_back_prefetch_that_would_not_fit():
     # Slack for one extra gathered weight: each gather is prefetched one block ahead at most.
     config = OverlapConfig(memory_slack_bytes=VALUE_BYTES, memory_slack_ratio=0.0, max_prefetch_compute_ops=None)

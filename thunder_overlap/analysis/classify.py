@@ -26,7 +26,7 @@ from thunder.core.proxies import FutureTensorProxy, Proxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
-from thunder_overlap.analysis.local_copies import backend_launches
+from thunder_overlap.analysis.local_copies import backend_launches, pool_bytes_to_wait
 
 __all__ = [
     "COALESCED_PREFIX",
@@ -108,6 +108,9 @@ class Collective:
     # parameter on a backend that runs a coalesced launch one collective at a time
     # (local_copies.backend_launches).
     launches: int = 1
+    # Bytes of bucket pool buffers it keeps busy from its issue to its wait: a bucket's
+    # gradients laid out and reduced in place in one (local_copies.pool_bytes_to_wait).
+    pool_bytes_to_wait: int = 0
 
     @property
     def group_key(self) -> int:
@@ -287,6 +290,7 @@ def _link_collectives(nodes, producer, consumers) -> list[Collective]:
                 dtype=moved[0].dtype,
                 members=_launch_members(bsym),
                 launches=backend_launches(bsym),
+                pool_bytes_to_wait=pool_bytes_to_wait(bsym),
             )
         )
     return collectives

@@ -1,5 +1,5 @@
-"""Bytes the bucketed collectives copy in local memory, on the compute stream, and the launches
-they make.
+"""Bytes the bucketed collectives copy in local memory, on the compute stream, the launches
+they make, and the pool buffers their reduce-scatters hold until the wait.
 
 A bucketed collective does more than launch: its start may lay the bucket's tensors out for the
 launch and its wait may lay the result out for its readers (:mod:`thunder_overlap.bucketing.buffers`).
@@ -40,6 +40,8 @@ A bucketed collective is one launch, except where a bucket gathers each paramete
 backend that runs a coalesced launch one collective at a time (gloo; chosen per bucket by
 :mod:`~thunder_overlap.bucketing.per_tensor_gathers`): it then pays a latency per parameter
 (:func:`backend_launches`, which :class:`~thunder_overlap.analysis.classify.Collective` records).
+A reduce-scatter that lays its gradients out into a pool buffer and reduces them in place there
+keeps that buffer busy until its wait (:func:`pool_bytes_to_wait`), which the scheduler caps.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import torch.distributed as dist
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 
-__all__ = ["LOCAL_COPY_BYTES", "WAIT_COPY_BYTES", "LocalCopyBytes", "backend_launches", "local_copy_bytes"]
+__all__ = ["LOCAL_COPY_BYTES", "WAIT_COPY_BYTES", "LocalCopyBytes", "backend_launches", "local_copy_bytes", "pool_bytes_to_wait"]
 
 # Bytes read plus bytes written by one operator's local copies, from its bound symbol.
 LocalCopyBytes = Callable[[BoundSymbol], int]
@@ -193,6 +195,27 @@ def backend_launches(bsym: BoundSymbol) -> int:
         layouts = [_layout(bucket_id) for bucket_id, _, _ in bsym.args[1]]
         return 1 + sum(layout.gather_launches() - 1 for layout in layouts if layout is not None)
     return 1
+
+
+def pool_bytes_to_wait(bsym: BoundSymbol) -> int:
+    """Bytes of bucket pool buffers a reduce-scatter's issue keeps busy until its wait
+    (``BucketLayout.reduce_scatter_holds_pool_buffer``): one unsharded buffer per bucket whose
+    gradients it lays out and reduces in place there. 0 for every other collective, and for a
+    bucket not alive (a synthetic trace)."""
+    name = bsym.sym.name
+    if name == "bucket_reduce_scatter":
+        members, coalesced = [(bsym.args[0], bsym.args[2])], False
+    elif name == "coalesced_bucket_reduce_scatter":
+        members, coalesced = [(bucket_id, grads) for (bucket_id, _, _), grads in zip(bsym.args[1], bsym.args[2], strict=True)], True
+    else:
+        return 0
+    total = 0
+    for bucket_id, grads in members:
+        layout = _layout(bucket_id)
+        numels = [math.prod(int(s) for s in g.shape) for g in _tensors(grads)]
+        if layout is not None and layout.reduce_scatter_holds_pool_buffer(numels, coalesced=coalesced):
+            total += layout.nbytes
+    return total
 
 
 def local_copy_bytes(bsym: BoundSymbol, issued_by: BoundSymbol | None = None) -> int:

@@ -126,6 +126,15 @@ class BucketLayout:
         unpadded = sum(gradient_numels) == self.unsharded_numel
         return not self.reduces_in_pool and unpadded and (self.tensors == 1 or self.launches_coalesced_as_one)
 
+    def reduce_scatter_holds_pool_buffer(self, gradient_numels: list[int], *, coalesced: bool = False) -> bool:
+        """Whether the reduce-scatter keeps a pool buffer busy from its launch to its wait: its
+        gradients laid out into it and all-reduced in place there (not sent where they are, not
+        handed to the backend's copy at the launch, which a coalesced launch does not do, and not
+        reduced in place for good, which holds the buffer to the step's end whatever the wait)."""
+        if self.reduces_in_pool or self.sends_gradients(gradient_numels):
+            return False
+        return coalesced or not self.reduce_scatter_from_copy
+
     def gather_launches(self) -> int:
         """Launches the backend pays a latency for to gather the bucket: one per parameter where
         it gathers in place on a backend that runs a coalesced launch one collective at a time."""

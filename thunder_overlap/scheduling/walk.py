@@ -3,7 +3,8 @@
 Before each compute op the walk forces the reduce-scatter waits the memory budget asks for;
 after it, it issues what is ready: all-gathers in order of first use while every limit allows
 (the first one that does not stops the queue), then every ready reduce-scatter, forcing older
-reduce-scatter waits when the in-flight limits ask for it. Waits are emitted when a reader needs
+reduce-scatter waits when the in-flight limits ask for it (all reduce-scatter bytes, and those
+that keep a bucket pool buffer busy). Waits are emitted when a reader needs
 them (:class:`~thunder_overlap.scheduling.order_builder.OrderBuilder`).
 """
 
@@ -73,6 +74,12 @@ class ScheduleWalk:
         self.summary = summary
         self.allgathers = AllGatherLimit(limits.max_allgathers, limits.max_allgather_bytes, limits.early_allgather_bytes)
         self.reduce_scatters = ReduceScatterLimit(limits.max_reduce_scatters, limits.max_reduce_scatter_bytes)
+        # Those of them that hold a bucket pool buffer until their wait, by those bytes: only
+        # where the trace gathers too (ZeRO3's backward), since a lay-out then takes a buffer
+        # beside the gathers in flight. Without gathers (ZeRO2's backward) lay-outs take buffers
+        # the forward's gathers left idle, so holding more costs no memory, only waits.
+        gathers = any(c.kind is CollectiveKind.ALL_GATHER for c in annotated.collectives)
+        self.pool_reduce_scatters = ReduceScatterLimit(None, limits.max_pool_reduce_scatter_bytes if gathers else None)
         self.issue_order = IssueOrderCursor(issue_order, annotated) if issue_order is not None else None
         self.position = 0  # the compute op emitted next
         self._ready = _ReadyQueue(annotated)
@@ -142,6 +149,8 @@ class ScheduleWalk:
                 continue
             coll = self.annotated.collectives[c]
             self._force_waits(partial(self.reduce_scatters.wait_to_make_room, coll.unsharded_bytes), "reduce-scatter bytes")
+            if coll.pool_bytes_to_wait:
+                self._force_waits(partial(self.pool_reduce_scatters.wait_to_make_room, coll.pool_bytes_to_wait), "pool buffers")
             logger.debug("issue %s %d as soon as ready, before compute op %d", coll.kind.value, c, self.position)
             self.builder.issue(c)
             self._force_waits(self.reduce_scatters.wait_over_count, "reduce-scatter count")
@@ -221,6 +230,8 @@ class ScheduleWalk:
                 self.memory.commit_prefetch(self.position, self.first_use[c], coll.unsharded_bytes)
         else:
             self.reduce_scatters.in_flight.add(c, coll.unsharded_bytes)
+            if coll.pool_bytes_to_wait:
+                self.pool_reduce_scatters.in_flight.add(c, coll.pool_bytes_to_wait)
         if c in self.feeds_collective:
             self.chained_in_flight[c] = self.position
 
@@ -229,6 +240,7 @@ class ScheduleWalk:
         if self.first_use[c] == len(self.anchors):  # only the return reads it
             self.allgathers.in_flight.discard(c)
         self.reduce_scatters.in_flight.discard(c)
+        self.pool_reduce_scatters.in_flight.discard(c)
 
     def became_ready(self, c: int) -> None:
         if self.annotated.collectives[c].kind is not CollectiveKind.ALL_GATHER:

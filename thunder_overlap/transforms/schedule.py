@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 
 from thunder.core.devices import to_torch_device
 from thunder.core.proxies import TensorProxy
@@ -121,7 +122,12 @@ class OverlapScheduleTransform(Transform):
         agreed = self.agreement.agreed_order(pass_name, keys)
         first_compile = agreed is None
         agreed_launches = self.agreement.agreed_launches(pass_name, keys)
-        scheduled = self._schedule(annotated, agreed, agreed_launches)
+        # The backward's first compile chooses which lay-outs go to the backend's copy, from a
+        # schedule whose cap on reduce-scatters holding pool buffers is lifted: capped, the
+        # choice would be made for a schedule that is about to change (see _choose_bucket_paths).
+        chooses_paths = pass_name == "backward" and first_compile and self._forward_memory is not None and annotated.runs_buckets
+        config = replace(self.config, bucket_reduce_scatter_blocks=None) if chooses_paths else self.config
+        scheduled = self._schedule(annotated, agreed, agreed_launches, config)
         if agreed is None:
             # This pass compiles for the first time, on every rank at once: agree on its order
             # and on which collectives launch together.
@@ -131,34 +137,44 @@ class OverlapScheduleTransform(Transform):
             agreed = self.agreement.agree(pass_name, keys, own, group, own_launches)
             agreed_launches = self.agreement.agreed_launches(pass_name, keys)
             if agreed != own or agreed_launches != own_launches:
-                scheduled = self._schedule(annotated, agreed, agreed_launches)
-        if pass_name == "backward" and first_compile:
-            self._choose_bucket_paths(scheduled, annotated)
+                scheduled = self._schedule(annotated, agreed, agreed_launches, config)
+        if chooses_paths:
+            scheduled = self._choose_bucket_paths(scheduled, annotated, agreed, agreed_launches)
         if scheduled.summary is not None:
             self.summaries[pass_name] = scheduled.summary
         if pass_name == "forward":
             self._forward_memory = scheduled.memory
         return scheduled.trace
 
-    def _choose_bucket_paths(self, scheduled: ScheduledTrace, annotated: AnnotatedTrace) -> None:
-        """Once, at the backward's first compile, where every rank is there to agree: buckets
+    def _choose_bucket_paths(
+        self, scheduled: ScheduledTrace, annotated: AnnotatedTrace, issue_order: list[int], launches: list[list[int]] | None
+    ) -> ScheduledTrace:
+        """Once, at the backward's first compile, where every rank is there to agree, given the
+        backward ``scheduled`` without the cap on reduce-scatters holding pool buffers: buckets
         reduce-scatter from the backend's copy where holding their lay-out to the wait would make
-        the pool hold a buffer the step can spare (``OverlapConfig.reduce_from_copy_max_slowdown``),
-        gather per parameter where their copy-out would (``per_tensor_gather_max_slowdown``),
-        then reduce in place in pool buffers idle to the step's end (``reduce_in_pool``). The
-        summaries' predicted peaks follow."""
-        if self._forward_memory is None or not annotated.runs_buckets:
-            return
+        the pool hold a buffer the step can spare (``OverlapConfig.reduce_from_copy_max_slowdown``);
+        the backward is scheduled again, capped, in the agreed issue order and launches; buckets
+        gather per parameter where their copy-out would make the pool hold a spare buffer
+        (``per_tensor_gather_max_slowdown``), then reduce in place in pool buffers idle to the
+        step's end (``reduce_in_pool``). Returns the backward as it then runs; the summaries'
+        predicted peaks follow."""
         group = self.agreement_group if self.agreement_group is not None else _process_group(annotated)
         exchange = self.config.check_ranks_agree
         memory = scheduled.memory
         self.reduce_from_copy_choice, self.reduces_from_copy = self._choose(
             REDUCE_FROM_COPY, self.config.reduce_from_copy_max_slowdown, scheduled.trace, group, exchange
         )
+        if self.config.bucket_reduce_scatter_blocks is not None:
+            # Capped now, the lay-outs still held to their wait are the ones counted: a cap
+            # applied before that choice would count those going to the backend's copy, which
+            # hold their buffer for the launch only, force waits for them that buy no buffer,
+            # and let the choice leave out a bucket it would have taken.
+            scheduled = self._schedule(classify_trace(annotated.trace), issue_order, launches, self.config)
+            memory = scheduled.memory
         self.per_tensor_gather_choice, self.per_tensor_gathers = self._choose(
             GATHER_PER_TENSOR, self.config.per_tensor_gather_max_slowdown, scheduled.trace, group, exchange
         )
-        if self.reduces_from_copy or self.per_tensor_gathers:
+        if self.per_tensor_gathers or (self.reduces_from_copy and self.config.bucket_reduce_scatter_blocks is None):
             memory = None
         if self.config.reduce_in_pool:
             memory = memory or estimate_memory(scheduled.trace, after=self._forward_memory)
@@ -167,6 +183,7 @@ class OverlapScheduleTransform(Transform):
         summary = scheduled.summary
         if memory is None and summary is not None and summary.peak_bytes is not None:
             summary.peak_bytes = estimate_memory(scheduled.trace, after=self._forward_memory).peak_bytes
+        return scheduled
 
     def _choose(
         self, change: BucketChange, max_slowdown: float | None, backward: TraceCtx, group: ProcessGroup | None, exchange: bool
@@ -186,11 +203,13 @@ class OverlapScheduleTransform(Transform):
                 forward_summary.peak_bytes = self._forward_memory.peak_bytes
         return choice, labels
 
-    def _schedule(self, annotated: AnnotatedTrace, issue_order: list[int] | None, launches: list[list[int]] | None) -> ScheduledTrace:
+    def _schedule(
+        self, annotated: AnnotatedTrace, issue_order: list[int] | None, launches: list[list[int]] | None, config: OverlapConfig
+    ) -> ScheduledTrace:
         is_backward = TraceTag.BACKWARD in annotated.trace.tags
         return schedule_trace(
             annotated,
-            self.config,
+            config,
             largest_block_bytes=self.prefetch_unit_bytes,
             cost_model=self._cost_model,
             issue_order=None if issue_order is None else IssueOrder.of_sequence(annotated, issue_order),
