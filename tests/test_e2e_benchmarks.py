@@ -78,7 +78,7 @@ def test_benchmark_writes_sane_json(tmp_path, impl):
 def test_bad_options_name_the_value_and_the_accepted_ones():
     accepted = (
         "thunder_overlap, thunder_overlap_uncoalesced, thunder_overlap_two_ahead, thunder_overlap_own_shards, "
-        "thunder_overlap_laid_out, thunder, fsdp2"
+        "thunder_overlap_laid_out, thunder_overlap_two_lay_outs, thunder, fsdp2"
     )
     with pytest.raises(ValueError, match=rf"--impl='deepspeed'.*{accepted}"):
         BenchmarkConfig(impl="deepspeed")
@@ -103,6 +103,7 @@ def test_benchmark_schedules_thunder_overlap_for_the_named_link():
     assert not overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_own_shards").reduce_in_pool
     laid_out = overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_laid_out")
     assert laid_out.per_tensor_gather_max_slowdown is None and laid_out.reduce_from_copy_max_slowdown is None
+    assert overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_two_lay_outs").bucket_reduce_scatter_blocks is None
     assert overlap_config(BenchmarkConfig(), torch.device("cpu")).cost_model is None
     # The testbed names its link to every run that traces thunder_overlap, and to no other.
     from slow_link import TestbedConfig

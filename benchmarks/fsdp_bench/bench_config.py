@@ -38,6 +38,9 @@ OVERLAP_OPTIONS: dict[str, dict[str, object]] = {
     # place until its wait, none gathered per parameter or reduce-scattered from gloo's copy
     # where the pool would hold a spare buffer: what those paths cost in time.
     "thunder_overlap_laid_out": {"per_tensor_gather_max_slowdown": None, "reduce_from_copy_max_slowdown": None},
+    # Reduce-scatters that hold a pool buffer to their wait capped by reduce-scatter bytes alone
+    # (two blocks), as before they were capped at one block: what that cap costs in time.
+    "thunder_overlap_two_lay_outs": {"bucket_reduce_scatter_blocks": None},
 }
 # What is being compared: thunder_overlap's variants, Thunder's own FSDP, PyTorch FSDP2 (eager,
 # and with each block torch.compile'd).

@@ -14,6 +14,9 @@ Training implementations (same model, data, optimizer and initialisation scheme)
   reduce-scattered from gloo's copy of its lay-out over gloo
   (``OverlapConfig(per_tensor_gather_max_slowdown=None, reduce_from_copy_max_slowdown=None)``),
   to measure what those paths cost.
+- ``thunder_overlap_two_lay_outs``: the same with reduce-scatters that hold a pool buffer to
+  their wait capped by reduce-scatter bytes alone (``OverlapConfig(bucket_reduce_scatter_blocks=None)``),
+  to measure what capping them at one block costs.
 - ``thunder``: Thunder's own ``thunder.distributed.fsdp(thunder.jit(model))``.
 - ``fsdp2``: PyTorch ``fully_shard`` on every transformer block, then on the root (eager);
   ZeRO3 is ``reshard_after_forward=True``, ZeRO2 ``False``.
