@@ -115,7 +115,7 @@ class OverlapConfig:
     # place there (gloo, or a bucket that pads), not those sent where they are (NCCL) or handed
     # to the backend's copy. The pool keeps as many buffers as were ever busy at once for the
     # whole step, and in ZeRO3's backward two such reduce-scatters beside the two gathers in
-    # flight made it one block buffer larger (the demo's parameter-dominated shape over gloo:
+    # flight made it one block buffer larger (bucket_memory.py's parameters shape over gloo:
     # peak +1.08 block buffers over unbucketed, +0.26 at one). One: the previous block's
     # reduce-scatter is waited on as the next one goes out, one block of backward after its
     # issue. Applied once the buckets reduce-scattered from the backend's copy are chosen
