@@ -171,10 +171,12 @@ class OverlapScheduleTransform(Transform):
             # and let the choice leave out a bucket it would have taken.
             scheduled = self._schedule(classify_trace(annotated.trace), issue_order, launches, self.config)
             memory = scheduled.memory
+        elif self.reduces_from_copy:
+            memory = None  # estimated before those buckets changed
         self.per_tensor_gather_choice, self.per_tensor_gathers = self._choose(
             GATHER_PER_TENSOR, self.config.per_tensor_gather_max_slowdown, scheduled.trace, group, exchange
         )
-        if self.per_tensor_gathers or (self.reduces_from_copy and self.config.bucket_reduce_scatter_blocks is None):
+        if self.per_tensor_gathers:
             memory = None
         if self.config.reduce_in_pool:
             memory = memory or estimate_memory(scheduled.trace, after=self._forward_memory)
