@@ -20,14 +20,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from thunder_overlap import CostModel, OverlapConfig
-from thunder_overlap.analysis.blocks import largest_block_bytes
-from thunder_overlap.analysis.classify import classify_trace
-from thunder_overlap.analysis.memory_estimate import estimate_memory
-from thunder_overlap.analysis.simulator import simulate
-from thunder_overlap.report.models import trace_model
-from thunder_overlap.report.report import unscheduled_trace
-from thunder_overlap.scheduling.scheduler import OverlapScheduler
-from thunder_overlap.tools.tiny_models import Llama, LlamaConfig
+from thunder_overlap._analysis.blocks import largest_block_bytes
+from thunder_overlap._analysis.classify import classify_trace
+from thunder_overlap._analysis.memory_estimate import estimate_memory
+from thunder_overlap._analysis.simulator import simulate
+from thunder_overlap._scheduling.scheduler import OverlapScheduler
+from thunder_overlap.report._builtin_models import Llama, LlamaConfig
+from thunder_overlap.report._models import trace_model
+from thunder_overlap.report._report import unscheduled_trace
 
 # Repeat the passes and keep the fastest run: the machine is shared, the minimum is the cost.
 REPEATS = 3

@@ -1,9 +1,9 @@
 """What bucketing allocates and copies per iteration, against the two usual ways of doing it.
 
 Two gloo ranks train a TinyGPT; after warm-up steps, one whole step (zero_grad, forward,
-backward, optimizer step) runs under :class:`~thunder_overlap.tools.op_census.OpCensus`, which counts
+backward, optimizer step) runs under :class:`~thunder_overlap.testing.op_census.OpCensus`, which counts
 every aten op that creates a storage and every copy op with the bytes it writes; then one more
-forward and backward runs under :class:`~thunder_overlap.tools.live_memory.LiveMemoryTracker` for the peak
+forward and backward runs under :class:`~thunder_overlap.testing.live_memory.LiveMemoryTracker` for the peak
 of live tensor bytes: what the step allocates or writes (gradient shards included) plus the bucket
 pool, counted from the step's start because it is held all along (the optimizer step is left
 out: its in-place updates would count the parameters too), with gloo's copy of each
@@ -38,7 +38,7 @@ Variants:
   latency, so over gloo only the buckets the memory estimate picks gather so, and none sends so.
 
 The variants swap only the runtime of the buckets (the class of each
-:class:`~thunder_overlap.bucketing.buffers.BucketBuffers`, or its layout); traces and schedule
+:class:`~thunder_overlap._bucketing.buffers.BucketBuffers`, or its layout); traces and schedule
 are the same.
 
     python benchmarks/bucket_memory.py --n-layer 8 --sharding zero3 --shape parameters \
@@ -61,14 +61,14 @@ import thunder
 import torch
 import torch.nn.functional as F
 
-from thunder_overlap.analysis.memory_estimate import estimate_memory
-from thunder_overlap.bucketing.buffers import BucketBuffers, PendingCollective
+from thunder_overlap._analysis.memory_estimate import estimate_memory
+from thunder_overlap._bucketing.buffers import BucketBuffers, PendingCollective
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import ShardingStrategy
-from thunder_overlap.tools.live_memory import LiveMemoryTracker
-from thunder_overlap.tools.local_ranks import run_local_ranks
-from thunder_overlap.tools.op_census import OpCensus
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.testing.live_memory import LiveMemoryTracker
+from thunder_overlap.testing.local_ranks import run_local_ranks
+from thunder_overlap.testing.op_census import OpCensus
 
 VARIANTS = (
     "none",

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 
-from thunder_overlap.analysis.blocks import largest_block_bytes
-from thunder_overlap.tools.local_ranks import run_local_ranks
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
-from thunder_overlap.tools.training import TrainSetup, train_rank
+from thunder_overlap._analysis.blocks import largest_block_bytes
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.testing.local_ranks import run_local_ranks
+from thunder_overlap.testing.training import TrainSetup, train_rank
 
 
 def main() -> None:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from thunder_overlap.tools.local_ranks import run_local_ranks
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.testing.local_ranks import run_local_ranks
 
 _REPEATS = 40
 _WARMUP = 5

@@ -2,7 +2,7 @@
 
 For each world size (with its network), sharding and bucketing strategy, traces the model once
 on the meta device over a fake process group and compares the policies with
-:func:`thunder_overlap.report.policies.compare_policies` (the same numbers as
+:func:`thunder_overlap.report._policies.compare_policies` (the same numbers as
 ``python -m thunder_overlap report --compare-policies``), with Thunder's own FSDP of the same
 model as the first row of each pass (traced by ``compare_policies``). About 80 s of tracing per
 setting for 8 layers.
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from thunder_overlap import CostModel, OverlapConfig
-from thunder_overlap.report.models import trace_model
-from thunder_overlap.report.policies import PolicyComparison, compare_policies
-from thunder_overlap.tools.tiny_models import Llama, LlamaConfig
+from thunder_overlap.report._builtin_models import Llama, LlamaConfig
+from thunder_overlap.report._models import trace_model
+from thunder_overlap.report._policies import PolicyComparison, compare_policies
 
 # (world size, network): one NVLink node, and 8 nodes over InfiniBand.
 SETTINGS = ((8, "nvlink"), (64, "infiniband"))

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.report.models import model_recipe, trace_model
-from thunder_overlap.report.report import report
-from thunder_overlap.report.thunder_baseline import fake_process_group
+from thunder_overlap.report._models import model_recipe, trace_model
+from thunder_overlap.report._report import report
+from thunder_overlap.report._thunder_baseline import fake_process_group
 
 WORLD_SIZE = 64
 N_LAYER = 4

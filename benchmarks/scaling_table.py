@@ -40,11 +40,11 @@ from pathlib import Path
 import torch
 
 from thunder_overlap import CostModel, OverlapConfig
-from thunder_overlap.analysis.network import NodeTopology
-from thunder_overlap.report.models import BUILTIN_MODELS, trace_model
-from thunder_overlap.report.policies import PolicyComparison, compare_policies
-from thunder_overlap.report.report import BASELINE
-from thunder_overlap.report.thunder_baseline import ThunderFSDPTraces, fake_process_group, trace_thunder_fsdp
+from thunder_overlap._analysis.network import NodeTopology
+from thunder_overlap.report._models import BUILTIN_MODELS, trace_model
+from thunder_overlap.report._policies import PolicyComparison, compare_policies
+from thunder_overlap.report._report import BASELINE
+from thunder_overlap.report._thunder_baseline import ThunderFSDPTraces, fake_process_group, trace_thunder_fsdp
 
 WORLD_SIZES = (8, 64, 256, 1024)
 BUCKETINGS = ("none", "layer", "block", "auto")

@@ -13,11 +13,11 @@ import torch.nn as nn
 
 import thunder_overlap
 from thunder_overlap import BucketingTransform, CostModel, OverlapConfig, OverlapScheduleTransform
-from thunder_overlap.analysis.blocks import find_blocks, largest_block_bytes, parse_block_types, unsharded_bytes
-from thunder_overlap.analysis.network import network_profile
-from thunder_overlap.bucketing.auto_plan import AutoBucketCaps, Replicas, plan_auto_buckets, saturating_bytes
-from thunder_overlap.bucketing.plan import BucketEnd, bucket_owner
-from thunder_overlap.tools.tiny_models import Block, TinyGPT, TinyGPTConfig
+from thunder_overlap._analysis.blocks import find_blocks, largest_block_bytes, parse_block_types, unsharded_bytes
+from thunder_overlap._analysis.network import network_profile
+from thunder_overlap._bucketing.auto_plan import AutoBucketCaps, Replicas, plan_auto_buckets, saturating_bytes
+from thunder_overlap._bucketing.plan import BucketEnd, bucket_owner
+from thunder_overlap.report._builtin_models import Block, TinyGPT, TinyGPTConfig
 
 WORLD_SIZE = 8
 MODEL = TinyGPTConfig(n_layer=6, vocab_size=104, n_embd=64)

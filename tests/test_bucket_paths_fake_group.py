@@ -13,11 +13,11 @@ import thunder
 import torch
 
 import thunder_overlap
-from thunder_overlap.analysis.classify import NodeKind, classify_trace
-from thunder_overlap.analysis.cost_model import CostModel
-from thunder_overlap.analysis.memory_estimate import estimate_memory
-from thunder_overlap.bucketing.buffers import lookup_bucket
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap._analysis.classify import NodeKind, classify_trace
+from thunder_overlap._analysis.cost_model import CostModel
+from thunder_overlap._analysis.memory_estimate import estimate_memory
+from thunder_overlap._bucketing.buffers import lookup_bucket
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 
 MODEL = TinyGPTConfig(n_layer=2, n_embd=64)
 

@@ -8,8 +8,8 @@ from thunder.core import devices, dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
 
-from thunder_overlap.analysis.classify import Collective, CollectiveKind
-from thunder_overlap.analysis.cost_model import (
+from thunder_overlap._analysis.classify import Collective, CollectiveKind
+from thunder_overlap._analysis.cost_model import (
     Calibration,
     CostModel,
     DeviceProfile,
@@ -167,7 +167,7 @@ def test_profiles_by_name_and_clear_errors():
 
 
 # ---------------------------------------------------------------------------------------------
-# Local copies of the bucketed collectives (thunder_overlap.analysis.local_copies)
+# Local copies of the bucketed collectives (thunder_overlap._analysis.local_copies)
 
 
 def _bucket_ops(group, *, divisor: float | None = 4.0):
@@ -176,7 +176,7 @@ def _bucket_ops(group, *, divisor: float | None = 4.0):
     bytes). Returns the bound symbols of its collectives' starts and waits by role."""
     from thunder.core.proxies import FutureTensorProxy
 
-    from thunder_overlap.transforms.executor import (
+    from thunder_overlap._transforms.executor import (
         bucket_all_gather,
         bucket_all_gather_wait,
         bucket_reduce_scatter,
@@ -201,7 +201,7 @@ def _bucket_ops(group, *, divisor: float | None = 4.0):
 
 
 def test_bucket_copies_cost_their_bytes_at_memory_bandwidth(fake_group_4):
-    from thunder_overlap.analysis.local_copies import LOCAL_COPY_BYTES, local_copy_bytes
+    from thunder_overlap._analysis.local_copies import LOCAL_COPY_BYTES, local_copy_bytes
 
     ops = _bucket_ops(fake_group_4)
     # The flat shard is the parameters' storage (no copy-in); the reduce-scatter writes the
@@ -228,7 +228,7 @@ def test_a_coalesced_bucket_reduce_scatter_costs_each_members_lay_out():
 
     from thunder.core import dtypes
 
-    from thunder_overlap.analysis.local_copies import local_copy_bytes
+    from thunder_overlap._analysis.local_copies import local_copy_bytes
 
     def grad(*shape):
         return SimpleNamespace(shape=shape, dtype=dtypes.float32)
@@ -250,7 +250,7 @@ def test_a_coalesced_bucket_all_gather_wait_costs_each_members_copy_out():
 
     from thunder.core import dtypes
 
-    from thunder_overlap.analysis.local_copies import local_copy_bytes
+    from thunder_overlap._analysis.local_copies import local_copy_bytes
 
     def shard(*shape):
         return SimpleNamespace(shape=shape, dtype=dtypes.float32)
@@ -271,7 +271,7 @@ def test_a_coalesced_bucket_all_gather_wait_costs_each_members_copy_out():
 def test_a_bucket_gathered_per_parameter_pays_a_latency_per_parameter_on_the_link():
     from dataclasses import replace
 
-    from thunder_overlap.analysis.pool_slots import BucketLayout
+    from thunder_overlap._analysis.pool_slots import BucketLayout
 
     # Three parameters on a backend that runs a coalesced launch one collective at a time (gloo).
     gloo = BucketLayout("b", 1000, "torch.float32", 4, tensors=3, world_size=2)

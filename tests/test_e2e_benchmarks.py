@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import thunder_overlap
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 
 # fsdp_bench is importable through pytest's pythonpath (pyproject.toml), as the scripts import
 # it from their own directory.
@@ -212,7 +212,7 @@ def test_calibrated_simulator_places_schedules_between_the_bounds():
 
 
 def test_link_fit_recovers_latency_and_bandwidth_from_two_bucketings():
-    from thunder_overlap.analysis.cost_model import NetworkProfile
+    from thunder_overlap._analysis.cost_model import NetworkProfile
 
     from fsdp_bench.prediction import _annotated, _communication_ms, fit_link
 

@@ -12,12 +12,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from thunder_overlap.bucketing.plan import bucket_owner, plan_buckets
+from thunder_overlap._bucketing.plan import bucket_owner, plan_buckets
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.tools.local_ranks import run_local_ranks
-from thunder_overlap.tools.op_census import OpCensus
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
-from thunder_overlap.tools.training import TrainSetup, shard_of, train_rank, train_reference
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.testing.local_ranks import run_local_ranks
+from thunder_overlap.testing.op_census import OpCensus
+from thunder_overlap.testing.training import TrainSetup, shard_of, train_rank, train_reference
 
 WORLD_SIZE = 2
 MODEL = TinyGPTConfig(n_layer=2)
@@ -297,7 +297,7 @@ def _pool_reuse_after_in_place_all_reduces(rank: int, world_size: int, rounds: i
     dropped, ``rounds`` times over: the bucket path of a laid-out reduce-scatter over gloo."""
     import torch.distributed as dist
 
-    from thunder_overlap.bucketing.buffers import BufferPool, PendingCollective, _all_reduce_in_place
+    from thunder_overlap._bucketing.buffers import BufferPool, PendingCollective, _all_reduce_in_place
 
     pool = BufferPool()
     for _ in range(rounds):
@@ -344,7 +344,7 @@ def _loss(jm, idx, targets) -> torch.Tensor:
 def _user_session(rank: int, world_size: int, bucketing: str) -> dict:
     """Accumulation with both zero_grad modes, a retrace, state dicts; the same on every model."""
     import thunder_overlap
-    from thunder_overlap.transforms import BucketingTransform
+    from thunder_overlap._transforms import BucketingTransform
 
     torch.manual_seed(0)
     jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3", bucketing_strategy=bucketing)
@@ -420,8 +420,8 @@ def _no_sync_session(rank: int, world_size: int) -> dict:
     import thunder
 
     import thunder_overlap
-    from thunder_overlap.bucketing.buffers import BucketBuffers
-    from thunder_overlap.transforms import BucketingTransform
+    from thunder_overlap._bucketing.buffers import BucketBuffers
+    from thunder_overlap._transforms import BucketingTransform
 
     # (gradient shard storage, address written) per reduce-scatter launched: a bucket that sends
     # its gradients where they are writes each into its own slot, the others the whole shard.
@@ -507,7 +507,7 @@ class _MixedPrecisionModel(nn.Module):
 @pytest.mark.parametrize("sharding", ["zero2", "zero3"])
 def test_mixed_dtypes_get_buckets_of_their_own_and_train_like_eager(one_rank_gloo_group, sharding):
     import thunder_overlap
-    from thunder_overlap.transforms import BucketingTransform
+    from thunder_overlap._transforms import BucketingTransform
 
     torch.manual_seed(0)
     eager = _MixedPrecisionModel()

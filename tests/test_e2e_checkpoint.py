@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from litgpt import GPT, Config
 
 from thunder_overlap import checkpoint
+from thunder_overlap._transforms import BucketingTransform
 from thunder_overlap.checkpoint import StateDictOptions
-from thunder_overlap.tools.local_ranks import run_local_ranks
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
-from thunder_overlap.transforms import BucketingTransform
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.testing.local_ranks import run_local_ranks
 
 WORLD_SIZE = 2
 LLAMA = Config(

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from thunder_overlap.tools.local_ranks import run_local_ranks
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
-from thunder_overlap.tools.training import (
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.testing.local_ranks import run_local_ranks
+from thunder_overlap.testing.training import (
     TrainSetup,
     global_batch,
     reference_first_grads,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from thunder_overlap import OverlapConfig
-from thunder_overlap.tools.local_ranks import run_local_ranks
-from thunder_overlap.tools.tiny_models import TinyGPTConfig
-from thunder_overlap.tools.training import TrainSetup, shard_of, train_rank, train_reference
+from thunder_overlap.report._builtin_models import TinyGPTConfig
+from thunder_overlap.testing.local_ranks import run_local_ranks
+from thunder_overlap.testing.training import TrainSetup, shard_of, train_rank, train_reference
 
 MODEL = TinyGPTConfig(n_layer=4, n_embd=64)
 # No slack: the budget is the just-in-time order's own predicted peak.

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from thunder_overlap.tools.local_ranks import run_local_ranks
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
-from thunder_overlap.tools.training import shard_of
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.testing.local_ranks import run_local_ranks
+from thunder_overlap.testing.training import shard_of
 
 WORLD_SIZE = 2
 MODEL = TinyGPTConfig(n_layer=2, n_embd=32, n_head=2)
@@ -56,7 +56,7 @@ class RankRun:
 def _issue_order(jm) -> list[str]:
     import thunder
 
-    from thunder_overlap.analysis.classify import NodeKind, classify_trace
+    from thunder_overlap._analysis.classify import NodeKind, classify_trace
 
     order = []
     for trace in (thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]):

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from thunder_overlap.analysis.blocks import largest_block_bytes
-from thunder_overlap.tools.local_ranks import run_local_ranks
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
-from thunder_overlap.tools.training import TrainSetup, shard_of, train_rank, train_reference
+from thunder_overlap._analysis.blocks import largest_block_bytes
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.testing.local_ranks import run_local_ranks
+from thunder_overlap.testing.training import TrainSetup, shard_of, train_rank, train_reference
 
 WORLD_SIZE = 2
 MODEL = TinyGPTConfig(n_layer=4)
@@ -149,7 +149,7 @@ def _issue_order(collectives: list[str]) -> list[str]:
 
 
 def test_ranks_with_rank_dependent_estimates_issue_one_order():
-    from thunder_overlap.analysis.cost_model import CostModel
+    from thunder_overlap._analysis.cost_model import CostModel
     from thunder_overlap.config import OverlapConfig
 
     cost_model = CostModel.named("cpu", "gloo-loopback", collective_estimate=RankDependentCollectiveEstimate())

@@ -11,10 +11,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import thunder_overlap
 from thunder_overlap import fsdp_transforms
-from thunder_overlap.analysis.memory_estimate import estimate_memory
+from thunder_overlap._analysis.memory_estimate import estimate_memory
+from thunder_overlap._transforms import OverlapScheduleTransform, ReplicaReduceTransform
 from thunder_overlap.options import FSDPOptions
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
-from thunder_overlap.transforms import OverlapScheduleTransform, ReplicaReduceTransform
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 
 
 def test_a_2d_mesh_shards_over_its_second_dim_and_replicates_over_its_first(fake_group_4):

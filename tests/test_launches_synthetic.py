@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from thunder_overlap.analysis.classify import CollectiveKind, NodeKind, classify_trace
-from thunder_overlap.analysis.cost_model import CostModel, DeviceProfile, NetworkProfile
-from thunder_overlap.analysis.simulator import simulate
+from thunder_overlap._analysis.classify import CollectiveKind, NodeKind, classify_trace
+from thunder_overlap._analysis.cost_model import CostModel, DeviceProfile, NetworkProfile
+from thunder_overlap._analysis.simulator import simulate
+from thunder_overlap._scheduling.dispatch import schedule_trace
+from thunder_overlap._scheduling.launches import LaunchGroup, apply_launches, candidate_runs
+from thunder_overlap._scheduling.rank_agreement import IssueOrderAgreement, collective_keys
+from thunder_overlap._scheduling.scheduler import just_in_time_order
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.scheduling.dispatch import schedule_trace
-from thunder_overlap.scheduling.launches import LaunchGroup, apply_launches, candidate_runs
-from thunder_overlap.scheduling.rank_agreement import IssueOrderAgreement, collective_keys
-from thunder_overlap.scheduling.scheduler import just_in_time_order
 
 from synthetic_traces import VALUE_BYTES, build_trace
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from thunder_overlap.tools.local_ranks import run_local_ranks
+from thunder_overlap.testing.local_ranks import run_local_ranks
 
 NUMEL = 1 << 16
 INPUT_BYTES = NUMEL * 4  # a reduce-scatter's input; its output on 2 ranks is half of it
@@ -19,7 +19,7 @@ def _measure(rank: int, world_size: int) -> dict[str, list[int]]:
     is waited on and its work released."""
     import torch.distributed as dist
 
-    from thunder_overlap.tools.live_memory import LiveMemoryTracker
+    from thunder_overlap.testing.live_memory import LiveMemoryTracker
 
     def settled(tracker: LiveMemoryTracker, floor: int) -> int:
         # gloo's worker thread lets go of a finished work (and the copy the wait touched, which

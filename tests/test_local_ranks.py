@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch.distributed as dist
 
-from thunder_overlap.tools.local_ranks import run_local_ranks
+from thunder_overlap.testing.local_ranks import run_local_ranks
 
 
 def _rank_zero_segfaults(rank: int, world_size: int) -> None:

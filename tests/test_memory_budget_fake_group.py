@@ -10,9 +10,9 @@ import torch
 
 import thunder_overlap
 from thunder_overlap import OverlapConfig, OverlapScheduleTransform
-from thunder_overlap.analysis.memory_estimate import estimate_memory
-from thunder_overlap.tools.memory_check import measure_step
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap._analysis.memory_estimate import estimate_memory
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.testing.memory_check import measure_step
 
 MODEL = TinyGPTConfig(n_layer=4, n_embd=64)
 # No slack: the budget is the just-in-time order's own predicted peak, so any prefetch that

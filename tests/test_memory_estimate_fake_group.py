@@ -10,10 +10,10 @@ import thunder
 import torch
 
 import thunder_overlap
-from thunder_overlap.analysis.memory_estimate import estimate_memory
-from thunder_overlap.tools.live_memory import LiveMemoryTracker
-from thunder_overlap.tools.memory_check import compare_memory, measure_memory, measure_step
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap._analysis.memory_estimate import estimate_memory
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.testing.live_memory import LiveMemoryTracker
+from thunder_overlap.testing.memory_check import compare_memory, measure_memory, measure_step
 
 X_BYTES = 64 * 32 * 4  # the f32[64, 32] input of the small functions below
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 
 import thunder_overlap
-from thunder_overlap.analysis.classify import NodeKind
-from thunder_overlap.transforms import zero3
+from thunder_overlap._analysis.classify import NodeKind
+from thunder_overlap._transforms import zero3
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

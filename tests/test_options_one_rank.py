@@ -69,7 +69,7 @@ def test_local_rank_without_its_gpu_is_refused(fake_nccl, monkeypatch, gloo_grou
 
 
 def test_the_default_network_is_decided_once(monkeypatch):
-    from thunder_overlap.analysis.cost_model import CostModel, default_network
+    from thunder_overlap._analysis.cost_model import CostModel, default_network
 
     assert (default_network(8), default_network(9)) == ("nvlink", "infiniband")
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from thunder_overlap.analysis.pool_slots import (
+from thunder_overlap._analysis.pool_slots import (
     BucketLayout,
     PoolInterval,
     ReduceScatterIssue,

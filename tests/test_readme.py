@@ -14,10 +14,10 @@ import sys
 
 import pytest
 
-from thunder_overlap.tools import readme_excerpts
-from thunder_overlap.tools.console import filter_known_output, without_known_output
-from thunder_overlap.tools.demo import MEASURED_PREFIX
-from thunder_overlap.tools.readme_excerpts import EXCERPTS, Excerpt, check, masked, read_block, replace_block
+from thunder_overlap._console import filter_known_output, without_known_output
+from thunder_overlap.testing import readme_excerpts
+from thunder_overlap.testing.demo import MEASURED_PREFIX
+from thunder_overlap.testing.readme_excerpts import EXCERPTS, Excerpt, check, masked, read_block, replace_block
 
 EXCERPT_BY_NAME = {e.name: e for e in EXCERPTS}
 GLOO_LINE = "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
@@ -32,7 +32,7 @@ def test_readme_excerpt_matches_a_fresh_run(name):
     excerpt = EXCERPT_BY_NAME[name]
     fresh = readme_excerpts.render(excerpt)  # raises on a failure or third-party chatter
     diff = check(_readme(), excerpt, fresh)
-    assert not diff, "README.md is stale; run python -m thunder_overlap.tools.readme_excerpts\n" + "\n".join(diff)
+    assert not diff, "README.md is stale; run python -m thunder_overlap.testing.readme_excerpts\n" + "\n".join(diff)
 
 
 def test_masking_lets_only_measured_numbers_differ():

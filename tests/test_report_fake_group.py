@@ -13,16 +13,16 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import thunder_overlap
 from thunder_overlap.__main__ import main as package_main
-from thunder_overlap.analysis.classify import NodeKind
-from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap._analysis.classify import NodeKind
+from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.report import device_choice
-from thunder_overlap.report.cli import DEFAULT_OUT, main
-from thunder_overlap.report.models import trace_model
-from thunder_overlap.report.report import BASELINE, LEGEND, OVERLAP, UNSCHEDULED, report, speed_change
-from thunder_overlap.report.schedule_view import schedule_stats
-from thunder_overlap.report.thunder_baseline import ThunderFSDPTraces, thunder_fsdp_baseline
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.report import _device_choice as device_choice
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.report._cli import DEFAULT_OUT, main
+from thunder_overlap.report._models import trace_model
+from thunder_overlap.report._report import BASELINE, LEGEND, OVERLAP, UNSCHEDULED, report, speed_change
+from thunder_overlap.report._schedule_view import schedule_stats
+from thunder_overlap.report._thunder_baseline import ThunderFSDPTraces, thunder_fsdp_baseline
 
 # The command creates (and destroys) its own fake process group; the module's traced model
 # (the ``jitted`` fixture) destroys its group before the tests read it, so any order works.
@@ -154,7 +154,7 @@ def thunder_fsdp(jitted) -> ThunderFSDPTraces:
 
 
 def test_coalescing_trades_overlap_for_latency(jitted, thunder_fsdp):
-    from thunder_overlap.report.policies import compare_policies
+    from thunder_overlap.report._policies import compare_policies
 
     cost_model = CostModel.named("cpu", "gloo-loopback")
     separate = compare_policies(
@@ -268,9 +268,9 @@ def test_report_exports(jitted, thunder_fsdp, tmp_path):
 
 
 def test_policy_comparison_puts_every_policy_side_by_side(jitted, thunder_fsdp):
-    from thunder_overlap.analysis.cost_model import CostModel
+    from thunder_overlap._analysis.cost_model import CostModel
     from thunder_overlap.config import OverlapConfig
-    from thunder_overlap.report.policies import COMPARED_POLICIES, POLICY_LEGEND, compare_policies
+    from thunder_overlap.report._policies import COMPARED_POLICIES, POLICY_LEGEND, compare_policies
 
     cost_model = CostModel.named("h100", "custom:5:1")
     # A budget with no slack at all: memory_aware may not exceed the just-in-time peak. Separate

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from thunder_overlap.analysis.classify import AnnotatedTrace, Collective, CollectiveKind, NodeKind, TraceNode
-from thunder_overlap.analysis.cost_model import CostModel, NetworkProfile, NodeTopology
-from thunder_overlap.analysis.simulator import simulate
-from thunder_overlap.report.cli import main
+from thunder_overlap._analysis.classify import AnnotatedTrace, Collective, CollectiveKind, NodeKind, TraceNode
+from thunder_overlap._analysis.cost_model import CostModel, NetworkProfile, NodeTopology
+from thunder_overlap._analysis.simulator import simulate
+from thunder_overlap.report._cli import main
 
 MB = 1_000_000
 # 1 ms per launch step, distinct bandwidths: any mix-up of the two networks changes every time.

@@ -12,13 +12,13 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from thunder_overlap.analysis.classify import CollectiveKind, NodeKind, classify_trace, is_expensive
-from thunder_overlap.analysis.cost_model import CostModel
-from thunder_overlap.analysis.memory_estimate import estimate_memory
-from thunder_overlap.analysis.simulator import simulate
+from thunder_overlap._analysis.classify import CollectiveKind, NodeKind, classify_trace, is_expensive
+from thunder_overlap._analysis.cost_model import CostModel
+from thunder_overlap._analysis.memory_estimate import estimate_memory
+from thunder_overlap._analysis.simulator import simulate
+from thunder_overlap._scheduling import IssueOrder, issue_sequence, schedule_trace, stock_order
+from thunder_overlap._scheduling.scheduler import OverlapScheduler, apply_order, just_in_time_order
 from thunder_overlap.config import SCHEDULING_POLICIES, OverlapConfig
-from thunder_overlap.scheduling import IssueOrder, issue_sequence, schedule_trace, stock_order
-from thunder_overlap.scheduling.scheduler import OverlapScheduler, apply_order, just_in_time_order
 
 from synthetic_traces import VALUE_BYTES, build_trace, valid_program
 
@@ -147,7 +147,7 @@ def test_a_second_gather_goes_out_early_only_where_one_ahead_does_not_hide_it(ma
 def test_collectives_queued_on_the_link_count_toward_what_must_go_out_now():
     # Blocks of four 1 ms matmuls; 1 ms gathers ask for 1.5 ms of compute before their use. Three
     # matmuls ahead cover one gather, not one behind two queued on the link (4.5 ms).
-    from thunder_overlap.scheduling.limits import PrefetchDistance
+    from thunder_overlap._scheduling.limits import PrefetchDistance
 
     annotated = classify_trace(build_trace(_blocks(3, 4), dist.group.WORLD))
     anchors = [n.index for n in annotated.nodes if n.kind is NodeKind.COMPUTE]
@@ -426,12 +426,12 @@ def test_schedule_trace_dispatches_by_policy():
 def test_schedule_trace_logs_its_decisions(caplog):
     annotated, group = _two_gradients()
     config = OverlapConfig(policy="just_in_time")
-    with caplog.at_level("INFO", logger="thunder_overlap.scheduling"):
+    with caplog.at_level("INFO", logger="thunder_overlap._scheduling"):
         schedule_trace(annotated, config, largest_block_bytes=None)
     assert [r.levelname for r in caplog.records] == ["INFO"]
     assert "forward just_in_time schedule of 3 collectives" in caplog.records[0].getMessage()
     caplog.clear()
-    with caplog.at_level("DEBUG", logger="thunder_overlap.scheduling"):
+    with caplog.at_level("DEBUG", logger="thunder_overlap._scheduling"):
         schedule_trace(annotated, config, largest_block_bytes=None, issue_order=IssueOrder({group: [0, 2, 1]}))
     debug = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "DEBUG")
     assert "prefetch all-gather 0" in debug
@@ -443,7 +443,7 @@ def test_a_gather_needed_now_first_issues_its_predecessors_in_the_issue_order(ca
     # Two gathers, read in trace order; the issue order asks for the second one first.
     annotated = classify_trace(build_trace([("gather",), ("gather",), ("matmul", 0, 1), ("matmul", 3, 2)], dist.group.WORLD))
     group = annotated.collectives[0].group_key
-    with caplog.at_level("DEBUG", logger="thunder_overlap.scheduling"):
+    with caplog.at_level("DEBUG", logger="thunder_overlap._scheduling"):
         order = just_in_time_order(annotated, IssueOrder({group: [1, 0]}))
     assert issue_sequence(annotated, order) == {group: [1, 0]}
     assert issue_sequence(annotated, just_in_time_order(annotated)) == {group: [0, 1]}

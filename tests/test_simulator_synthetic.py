@@ -6,15 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from thunder_overlap.analysis.classify import (
+from thunder_overlap._analysis.classify import (
     AnnotatedTrace,
     Collective,
     CollectiveKind,
     NodeKind,
     TraceNode,
 )
-from thunder_overlap.analysis.cost_model import CostModel, DeviceProfile, NetworkProfile
-from thunder_overlap.analysis.simulator import potentially_hideable, simulate
+from thunder_overlap._analysis.cost_model import CostModel, DeviceProfile, NetworkProfile
+from thunder_overlap._analysis.simulator import potentially_hideable, simulate
 
 # On 2 ranks with no latency and 1 GB/s, a collective of 4 MB takes 1/2 * 4 MB / 1 GB/s = 2 ms.
 NETWORK = NetworkProfile("test", latency_s=0.0, bus_bandwidth=1e9)
@@ -183,7 +183,7 @@ def test_order_must_be_a_permutation():
 
 
 # ---------------------------------------------------------------------------------------------
-# The one definition of hidden (thunder_overlap.analysis.overlap): the rank computes for as long
+# The one definition of hidden (thunder_overlap._analysis.overlap): the rank computes for as long
 # as the collective runs.
 
 
@@ -238,7 +238,7 @@ def test_a_collective_done_while_the_rank_stalls_on_another_is_not_hidden():
 
 
 def test_hidden_allows_one_percent_of_the_duration_uncovered():
-    from thunder_overlap.analysis.overlap import HIDDEN_UNCOVERED_FRACTION, Coverage
+    from thunder_overlap._analysis.overlap import HIDDEN_UNCOVERED_FRACTION, Coverage
 
     assert Coverage(duration_ms=2.0, covered_ms=2.0 - HIDDEN_UNCOVERED_FRACTION).hidden  # half of 1% uncovered
     assert not Coverage(duration_ms=2.0, covered_ms=1.9).hidden
@@ -258,7 +258,7 @@ def _bucket_round_trip() -> AnnotatedTrace:
     from thunder.core.proxies import FutureTensorProxy, TensorProxy
     from thunder.core.trace import TraceCtx, tracectx
 
-    from thunder_overlap.transforms.executor import (
+    from thunder_overlap._transforms.executor import (
         bucket_all_gather,
         bucket_all_gather_wait,
         bucket_reduce_scatter,
@@ -296,7 +296,7 @@ def _bucket_round_trip() -> AnnotatedTrace:
 
 
 def test_bucket_copies_take_their_bytes_over_memory_bandwidth_on_the_compute_stream():
-    from thunder_overlap.analysis.local_copies import local_copy_bytes
+    from thunder_overlap._analysis.local_copies import local_copy_bytes
 
     trace = _bucket_round_trip()
     cost_model = _cost_model()  # 1 GB/s of memory at 80% efficiency: 1.25 ms per MB

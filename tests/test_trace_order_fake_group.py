@@ -15,10 +15,10 @@ import torch.distributed as dist
 
 import thunder_overlap
 from thunder_overlap import FSDPOverlap, OverlapConfig, schedule_stats
-from thunder_overlap.analysis.blocks import largest_block_bytes
-from thunder_overlap.analysis.classify import AnnotatedTrace, Collective, CollectiveKind, NodeKind, classify_trace, is_expensive
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
-from thunder_overlap.tools.training import collective_sequence
+from thunder_overlap._analysis.blocks import largest_block_bytes
+from thunder_overlap._analysis.classify import AnnotatedTrace, Collective, CollectiveKind, NodeKind, classify_trace, is_expensive
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.testing.training import collective_sequence
 
 MODEL = TinyGPTConfig(n_layer=3, n_embd=32)
 COLLECTIVE_WORDS = ("all_gather", "reduce_scatter", "wait")

@@ -12,22 +12,22 @@ saves and loads the sharded state at any world size; ``tools`` holds the scaffol
 benchmarks and the demo.
 """
 
-from thunder_overlap.tools import console as _console
+from thunder_overlap import _console
 
 # `python -m thunder_overlap ...` imports this package (and so thunder) before any command runs;
 # only there are Thunder's known import-time warnings dropped. Programs using the library see them.
 if _console.invoked_as_command():
     _console.silence_known_warnings()
 
-from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap._analysis.cost_model import CostModel
+from thunder_overlap._transforms import BucketingTransform, OverlapScheduleTransform, ReplicaReduceTransform, Zero3Transform
 from thunder_overlap.api import fsdp, fsdp_transforms
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import BucketingStrategy, FSDPOptions, ShardingStrategy
 from thunder_overlap.plugin import FSDPOverlap
 from thunder_overlap.plugin import register as _register_plugin
-from thunder_overlap.report.report import Report, report
-from thunder_overlap.report.schedule_view import ScheduleStats, schedule_picture, schedule_stats
-from thunder_overlap.transforms import BucketingTransform, OverlapScheduleTransform, ReplicaReduceTransform, Zero3Transform
+from thunder_overlap.report._report import Report, report
+from thunder_overlap.report._schedule_view import ScheduleStats, schedule_picture, schedule_stats
 
 __all__ = [
     "BucketingStrategy",

@@ -19,10 +19,10 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "demo": Command(
-        "train TinyGPT on 2 gloo ranks with Thunder's FSDP and with thunder_overlap, side by side", "thunder_overlap.tools.demo:main"
+        "train TinyGPT on 2 gloo ranks with Thunder's FSDP and with thunder_overlap, side by side", "thunder_overlap.testing.demo:main"
     ),
     "report": Command(
-        "predict overlap, step time and memory of a model at any world size, without a GPU", "thunder_overlap.report.cli:main"
+        "predict overlap, step time and memory of a model at any world size, without a GPU", "thunder_overlap.report._cli:main"
     ),
 }
 # Exit status for a command line that names no known command (argparse's convention).

@@ -15,17 +15,17 @@ from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 from thunder.transforms import MaterializationTransform
 from torch.distributed.device_mesh import DeviceMesh
 
-from thunder_overlap.analysis.blocks import find_blocks
-from thunder_overlap.config import OverlapConfig
-from thunder_overlap.options import BucketingStrategy, FSDPOptions, ShardingStrategy, options_from
-from thunder_overlap.transforms import (
+from thunder_overlap._analysis.blocks import find_blocks
+from thunder_overlap._transforms import (
     BucketingTransform,
     OverlapScheduleTransform,
     RefuseNoSyncTransform,
     ReplicaReduceTransform,
     Zero3Transform,
 )
-from thunder_overlap.transforms.executor import with_collectives_kept_visible
+from thunder_overlap._transforms.executor import with_collectives_kept_visible
+from thunder_overlap.config import OverlapConfig
+from thunder_overlap.options import BucketingStrategy, FSDPOptions, ShardingStrategy, options_from
 
 __all__ = ["fsdp", "fsdp_transforms"]
 

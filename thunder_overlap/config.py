@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from thunder_overlap.analysis.cost_model import CostModel
+from thunder_overlap._analysis.cost_model import CostModel
 
 __all__ = ["JUST_IN_TIME_LIMITS", "OverlapConfig", "ScheduleLimits", "SCHEDULING_POLICIES"]
 

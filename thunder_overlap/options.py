@@ -27,7 +27,7 @@ import torch.distributed as dist
 from thunder.distributed import FSDPBucketingStrategy, FSDPType, copy_default_process_group
 from torch.distributed.device_mesh import DeviceMesh
 
-from thunder_overlap.analysis.blocks import BlockTypes, parse_block_types
+from thunder_overlap._analysis.blocks import BlockTypes, parse_block_types
 from thunder_overlap.config import OverlapConfig
 
 __all__ = [
@@ -69,13 +69,13 @@ class ShardingStrategy(_Choice):
 
 
 class BucketingStrategy(_Choice):
-    """How parameters are grouped per collective (see :func:`~thunder_overlap.bucketing.plan.bucket_owner`)."""
+    """How parameters are grouped per collective (see :func:`~thunder_overlap._bucketing.plan.bucket_owner`)."""
 
     NONE = "none"
     LAYER = "layer"
     BLOCK = "block"
     # Sized by the cost model: contiguous buckets that saturate bandwidth within the caps
-    # (see thunder_overlap.bucketing.auto_plan). Thunder has no such strategy.
+    # (see thunder_overlap._bucketing.auto_plan). Thunder has no such strategy.
     AUTO = "auto"
 
     @property

@@ -6,9 +6,9 @@ from typing import Any
 
 from thunder import Plugin
 
+from thunder_overlap._transforms.executor import overlap_executor
 from thunder_overlap.api import fsdp_transforms
 from thunder_overlap.options import FSDPOptions, options_from
-from thunder_overlap.transforms.executor import overlap_executor
 
 __all__ = ["FSDPOverlap", "PLUGIN_NAME", "register"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
-from thunder_overlap.analysis.cost_model import network_profile
+from thunder_overlap._analysis.cost_model import network_profile
 from thunder_overlap.options import BucketingStrategy, ShardingStrategy
 
 __all__ = [

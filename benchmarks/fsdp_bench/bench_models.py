@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from thunder_overlap.report.models import UnknownModelError, litgpt_recipe
-from thunder_overlap.tools.tiny_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.report._models import UnknownModelError, litgpt_recipe
 
 __all__ = ["TINY_PRESETS", "ModelSpec", "build_model", "materialize", "math_sdpa", "train_flops_per_step", "loss_fn"]
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from thunder.core.dtypes import to_torch_dtype
 from thunder.core.trace import TraceCtx
 
-from thunder_overlap.analysis.classify import CollectiveKind, NodeKind, classify_trace
+from thunder_overlap._analysis.classify import CollectiveKind, NodeKind, classify_trace
 
 __all__ = ["CommEvent", "CommReplay", "comm_events"]
 

@@ -50,8 +50,8 @@ import torch.nn as nn
 from thunder.core.module import ThunderModule
 
 import thunder_overlap
-from thunder_overlap.analysis.blocks import find_blocks
-from thunder_overlap.analysis.cost_model import CostModel, network_profile
+from thunder_overlap._analysis.blocks import find_blocks
+from thunder_overlap._analysis.cost_model import CostModel, network_profile
 from thunder_overlap.options import parse_bucketing_strategy, parse_sharding_strategy
 
 from fsdp_bench.bench_config import OVERLAP_OPTIONS, BenchmarkConfig

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from thunder_overlap.tools.live_memory import LiveMemoryTracker
+from thunder_overlap.testing.live_memory import LiveMemoryTracker
 
 __all__ = ["CUDA_METHOD", "CPU_METHOD", "persistent_bytes", "cpu_peak_bytes"]
 

@@ -31,17 +31,17 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from thunder_overlap import CostModel, OverlapConfig
-from thunder_overlap.analysis.classify import AnnotatedTrace, classify_trace
-from thunder_overlap.analysis.cost_model import (
+from thunder_overlap._analysis.classify import AnnotatedTrace, classify_trace
+from thunder_overlap._analysis.cost_model import (
     GLOO_CONCURRENT_LAUNCHES,
     DeviceProfile,
     NetworkProfile,
     device_profile,
     network_profile,
 )
-from thunder_overlap.analysis.simulator import simulate
+from thunder_overlap._analysis.simulator import simulate
 from thunder_overlap.options import parse_sharding_strategy
-from thunder_overlap.report.models import trace_model
+from thunder_overlap.report._models import trace_model
 
 from fsdp_bench.bench_config import OVERLAP_OPTIONS
 from fsdp_bench.bench_models import build_model, math_sdpa
@@ -104,7 +104,7 @@ class LinkFit:
 
 
 def _thunder_traces(model, world_size: int, shard_mode: str, idx_shape: tuple[int, int]):
-    """Thunder's own FSDP traced on meta over a fake group, like thunder_overlap.report.models.trace_model."""
+    """Thunder's own FSDP traced on meta over a fake group, like thunder_overlap.report._models.trace_model."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         sharding = parse_sharding_strategy(shard_mode).thunder_type

@@ -10,7 +10,7 @@ state in the parameters' original shapes (DTensors sharded on dim 0, or full ten
 ``layout`` says how Thunder's padded shards map onto DTensors.
 """
 
-from thunder_overlap.checkpoint.files import load, save
-from thunder_overlap.checkpoint.state_dict import LoadResult, StateDictOptions, get_state_dict, set_state_dict
+from thunder_overlap.checkpoint._files import load, save
+from thunder_overlap.checkpoint._state_dict import LoadResult, StateDictOptions, get_state_dict, set_state_dict
 
 __all__ = ["LoadResult", "StateDictOptions", "get_state_dict", "load", "save", "set_state_dict"]

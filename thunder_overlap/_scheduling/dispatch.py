@@ -1,0 +1,126 @@
+"""One entry point from an execution trace to its scheduled trace, for the schedule transform
+and the policy comparison alike: classify, pick stock order or the scheduler by policy, resolve
+the limits from the model's block size, schedule, coalesce launches, and build the final trace."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from thunder.core.trace import TraceCtx, TraceTag
+
+from thunder_overlap._analysis.classify import AnnotatedTrace, classify_trace
+from thunder_overlap._analysis.cost_model import CostModel, default_cost_model
+from thunder_overlap._analysis.memory_estimate import MemoryEstimate, estimate_memory
+from thunder_overlap._scheduling.issue_order import IssueOrder
+from thunder_overlap._scheduling.launches import LaunchGroup, apply_launches, candidate_runs, plan_launches
+from thunder_overlap._scheduling.orders import apply_order, stock_order
+from thunder_overlap._scheduling.scheduler import OverlapScheduler
+from thunder_overlap._scheduling.summary import ScheduleSummary
+from thunder_overlap.config import OverlapConfig
+
+__all__ = ["ScheduledTrace", "schedule_trace"]
+
+logger = logging.getLogger(__name__)
+
+# A cost model, or a function building one for the trace: called only when a decision reads
+# estimates (the limits stretch prefetching by time, or some collectives could be coalesced).
+# None: default_cost_model where one is needed.
+CostModelSource = CostModel | Callable[[AnnotatedTrace], CostModel | None] | None
+
+
+@dataclass(frozen=True)
+class ScheduledTrace:
+    trace: TraceCtx  # the execution trace in ``order``, deletions regenerated
+    annotated: AnnotatedTrace
+    order: list[int]  # node indices of ``annotated``
+    summary: ScheduleSummary | None  # None where nothing was scheduled: the stock policy, or no collectives
+    # Collectives of ``order`` that ``trace`` launches together (coalesced).
+    launches: tuple[LaunchGroup, ...] = ()
+    # ``trace``'s memory estimate where the memory budget was checked (else None): a backward's
+    # schedule counts its inputs with its forward's (``memory_after``).
+    memory: MemoryEstimate | None = None
+
+
+def schedule_trace(
+    trace: TraceCtx | AnnotatedTrace,
+    config: OverlapConfig,
+    *,
+    largest_block_bytes: int | None,
+    cost_model: CostModelSource = None,
+    issue_order: IssueOrder | None = None,
+    launches: list[list[int]] | None = None,
+    memory_after: MemoryEstimate | None = None,
+) -> ScheduledTrace:
+    """Schedules ``trace`` by ``config.policy``; limits are resolved from ``largest_block_bytes``
+    (None when the model has no repeated blocks). With ``issue_order``, every process group issues
+    its collectives in that order (the stock policy must already do so, or ValueError). With
+    ``launches`` (collective indices, each list in issue order) exactly those are coalesced, as
+    agreed between ranks; otherwise, where ``config.coalesces``, the cost model decides.
+    ``memory_after``: the memory estimate of the trace that produced this one's inputs (for a
+    backward, its forward's :attr:`ScheduledTrace.memory`), so that the budget counts persistent
+    and shared inputs as the report does."""
+    annotated = trace if isinstance(trace, AnnotatedTrace) else classify_trace(trace)
+    if not annotated.collectives:
+        return ScheduledTrace(annotated.trace, annotated, stock_order(annotated), None)
+    provenance = f"thunder_overlap: {config.policy} schedule"
+    if config.policy == "stock":
+        order = stock_order(annotated)
+        if issue_order is not None and IssueOrder.of_schedule(annotated, order) != issue_order:
+            raise ValueError("the stock policy keeps Thunder's order, which does not follow the given issue order")
+        return ScheduledTrace(apply_order(annotated, order, provenance=provenance), annotated, order, None)
+    limits = config.limits(largest_block_bytes, runs_buckets=annotated.runs_buckets)
+    estimates = _CostModelOnDemand(annotated, cost_model)
+    # Prefetching stretches by time only with a given cost model; coalescing falls back to the default.
+    stretches = limits.prefetch_time_margin is not None and cost_model is not None
+    scheduler = OverlapScheduler(
+        annotated, limits, estimates.get() if stretches else None, issue_order=issue_order, memory_after=memory_after
+    )
+    order = scheduler.schedule()
+    if launches is not None:
+        planned = [LaunchGroup(tuple(members)) for members in launches]
+    elif config.coalesces and candidate_runs(annotated, order):
+        planned = plan_launches(annotated, order, estimates.get())
+    else:
+        planned = []
+    scheduled, memory = None, None
+    if planned:
+        scheduled = apply_launches(annotated, order, planned, provenance=provenance)
+        summary = scheduler.summary
+        if summary.budget_bytes is not None:
+            # A launch waits for all its members at the first one's wait, so later members'
+            # outputs live longer: the budget is checked again. Launches agreed between ranks
+            # are kept whatever this rank predicts (all ranks must launch the same).
+            coalesced_memory = estimate_memory(scheduled, after=memory_after)
+            peak = coalesced_memory.peak_bytes
+            if peak > summary.budget_bytes and launches is None:
+                logger.debug("coalesced launches would reach %d B, over the budget of %d B: not coalescing", peak, summary.budget_bytes)
+                scheduled, planned = None, []
+            else:
+                summary.peak_bytes, memory = peak, coalesced_memory
+        summary.coalesced_launches = len(planned)
+        summary.coalesced_collectives = sum(len(g.members) for g in planned)
+    if scheduled is None and scheduler.checked_trace is not None:
+        scheduled, memory = scheduler.checked_trace, scheduler.checked_memory
+    elif scheduled is None:
+        scheduled = apply_order(annotated, order, provenance=provenance)
+        if limits.memory_budget is not None:  # fell back to the just-in-time order
+            memory = estimate_memory(scheduled, after=memory_after)
+    pass_name = "backward" if TraceTag.BACKWARD in annotated.trace.tags else "forward"
+    logger.info("%s %s schedule of %d collectives: %s", pass_name, config.policy, len(annotated.collectives), scheduler.summary.describe())
+    return ScheduledTrace(scheduled, annotated, order, scheduler.summary, tuple(planned), memory)
+
+
+class _CostModelOnDemand:
+    """The cost model, built (when given as a function, or defaulted) at most once, when first needed."""
+
+    def __init__(self, annotated: AnnotatedTrace, source: CostModelSource) -> None:
+        self._annotated, self._source, self._built = annotated, source, None
+
+    def get(self) -> CostModel | None:
+        if isinstance(self._source, CostModel):
+            return self._source
+        if self._built is None:
+            self._built = self._source(self._annotated) if callable(self._source) else default_cost_model(self._annotated)
+        return self._built

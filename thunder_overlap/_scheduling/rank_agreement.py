@@ -1,0 +1,194 @@
+"""Ranks agree on one issue order of collectives, so that they pair up and never hang.
+
+Every rank must issue the same collectives in the same order on a process group. The scheduler's
+order depends on estimates (compute time, activation memory) that follow each rank's own input
+shapes, and a rank retraces alone when its batch changes shape. So the order is fixed once:
+
+1. The first time a pass (forward or backward, with a given set of collectives) compiles, every
+   rank is there: the first step runs on every rank. Ranks schedule with their own estimates,
+   then exchange their issue orders in one object all-gather. They must move the same
+   collectives (else every rank raises, naming the ranks and the first differing collective),
+   and all adopt the first rank's order.
+2. Every later compile of that pass (a retrace for a new shape, on one rank or all) schedules
+   with the agreed order as a constraint: placement around compute may follow the new shapes,
+   which collective comes before which may not. No rank communicates to do so, so a rank that
+   retraces alone cannot pair a check with its peers' collectives.
+
+Ranks agree on the coalesced launches (:mod:`~thunder_overlap._scheduling.launches`) in the same
+exchange: which collectives go out together is part of what must pair up. A retrace reproduces
+the agreed launches.
+
+The same exchange carries each rank's bucket plan digest: ranks that formed other buckets (another
+``bucket_cap_mb`` on one rank, say) raise on every rank, naming the ranks, before any collective.
+
+Collectives are identified across traces by :class:`CollectiveKey`: kind, dtype, the shape of
+what they move (parameter shapes, never activation shapes) and how many equal ones precede them
+in Thunder's own order, which follows the parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from thunder_overlap._analysis.classify import AnnotatedTrace
+
+__all__ = ["CollectiveKey", "IssueOrderAgreement", "agreed_subset", "collective_keys"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CollectiveKey:
+    """A collective's identity that does not depend on activation shapes or proxy names."""
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    # Collectives of the same kind, dtype and shape before this one in Thunder's order.
+    occurrence: int
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.dtype}{list(self.shape)} #{self.occurrence}"
+
+
+def collective_keys(annotated: AnnotatedTrace) -> list[CollectiveKey]:
+    """One key per collective of ``annotated`` (read from the trace before scheduling)."""
+    seen: Counter[tuple] = Counter()
+    keys = []
+    for collective in annotated.collectives:
+        moved = annotated.nodes[collective.start].bsym.flat_proxy_outs[0]
+        identity = (collective.kind.value, str(moved.dtype), tuple(int(s) for s in moved.shape))
+        keys.append(CollectiveKey(*identity, seen[identity]))
+        seen[identity] += 1
+    return keys
+
+
+def _exchange_is_possible(group: dist.ProcessGroup | None) -> bool:
+    return group is not None and group.size() > 1 and dist.get_backend(group) != "fake"
+
+
+def agreed_subset(mine: list[str], group: dist.ProcessGroup | None) -> list[str]:
+    """The choices of ``mine`` that every rank of ``group`` made too (one object all-gather;
+    ``mine`` unchanged where there is nobody to agree with), in ``mine``'s order. For choices
+    that change which collectives a rank launches, where any subset is safe to take."""
+    if not _exchange_is_possible(group):
+        return list(mine)
+    gathered: list[list[str] | None] = [None] * group.size()
+    dist.all_gather_object(gathered, list(mine), group=group)
+    common = set.intersection(*(set(choices) for choices in gathered))
+    return [choice for choice in mine if choice in common]
+
+
+def _first_difference(theirs: list[CollectiveKey], reference: list[CollectiveKey], rank: int) -> str:
+    """The first collective, in issue order, that one of the two ranks moves and the other does not."""
+    only_reference, only_theirs = Counter(reference) - Counter(theirs), Counter(theirs) - Counter(reference)
+    for position, key in enumerate(reference):
+        if key in only_reference:
+            return f"rank 0 issues {key} at position {position}, which rank {rank} does not"
+    for position, key in enumerate(theirs):
+        if key in only_theirs:
+            return f"rank {rank} issues {key} at position {position}, which rank 0 does not"
+    raise AssertionError("the two orders move the same collectives")
+
+
+class IssueOrderAgreement:
+    """The agreed issue order of each pass, and the one exchange that agrees on it.
+
+    ``exchange=False`` (``OverlapConfig.check_ranks_agree=False``) skips the exchange: each rank
+    keeps its own first order, which is only safe when every rank's first step has equal shapes
+    and estimates.
+    """
+
+    def __init__(self, *, exchange: bool = True, plan_digest: Callable[[], str | None] | None = None) -> None:
+        self.exchange = exchange
+        # This rank's bucket plan digest (None without buckets), read at the exchange.
+        self.plan_digest = plan_digest if plan_digest is not None else (lambda: None)
+        # (pass name, sorted keys) -> the keys in the agreed issue order.
+        self._agreed: dict[tuple[str, tuple[CollectiveKey, ...]], list[CollectiveKey]] = {}
+        # (pass name, sorted keys) -> the agreed coalesced launches, each a list of keys in issue order.
+        self._launches: dict[tuple[str, tuple[CollectiveKey, ...]], list[list[CollectiveKey]]] = {}
+        # Pass name -> whether this rank gave up its own first order for the first rank's.
+        self.adopted: dict[str, bool] = {}
+
+    @staticmethod
+    def _entry(pass_name: str, keys: list[CollectiveKey]) -> tuple[str, tuple[CollectiveKey, ...]]:
+        return pass_name, tuple(sorted(keys, key=str))
+
+    def agreed_order(self, pass_name: str, keys: list[CollectiveKey]) -> list[int] | None:
+        """Collective indices (into ``keys``) in the order agreed for this pass, or None when
+        this pass has not compiled before."""
+        agreed = self._agreed.get(self._entry(pass_name, keys))
+        if agreed is None:
+            return None
+        index_of = {key: i for i, key in enumerate(keys)}
+        return [index_of[key] for key in agreed]
+
+    def agreed_launches(self, pass_name: str, keys: list[CollectiveKey]) -> list[list[int]] | None:
+        """The coalesced launches agreed for this pass (each a list of indices into ``keys``, in
+        issue order), or None when this pass has not compiled before."""
+        agreed = self._launches.get(self._entry(pass_name, keys))
+        if agreed is None:
+            return None
+        index_of = {key: i for i, key in enumerate(keys)}
+        return [[index_of[key] for key in launch] for launch in agreed]
+
+    def agree(
+        self,
+        pass_name: str,
+        keys: list[CollectiveKey],
+        issue_order: list[int],
+        group: dist.ProcessGroup | None,
+        launches: list[list[int]] = (),
+    ) -> list[int]:
+        """Agrees on this pass's issue order and coalesced ``launches`` at its first compile, where
+        every rank is present; returns the agreed order as indices into ``keys`` (this rank's own
+        when it is the first rank's, or when there is nobody to agree with). The agreed launches
+        are :meth:`agreed_launches`."""
+        mine = [keys[c] for c in issue_order]
+        my_launches = [[keys[c] for c in launch] for launch in launches]
+        agreed, agreed_launches = mine, my_launches
+        if self.exchange and _exchange_is_possible(group):
+            agreed, agreed_launches = self._exchange(mine, my_launches, group, self.plan_digest())
+        self._agreed[self._entry(pass_name, keys)] = agreed
+        self._launches[self._entry(pass_name, keys)] = agreed_launches
+        self.adopted[pass_name] = agreed != mine
+        logger.debug("%s: %d collectives, issue order %s", pass_name, len(agreed), "adopted from rank 0" if agreed != mine else "own")
+        index_of = {key: i for i, key in enumerate(keys)}
+        return [index_of[key] for key in agreed]
+
+    @staticmethod
+    def _exchange(
+        mine: list[CollectiveKey], my_launches: list[list[CollectiveKey]], group: dist.ProcessGroup, plan_digest: str | None
+    ) -> tuple[list[CollectiveKey], list[list[CollectiveKey]]]:
+        gathered: list[tuple | None] = [None] * group.size()
+        dist.all_gather_object(gathered, (plan_digest, mine, my_launches), group=group)
+        _check_same_bucket_plan([digest for digest, _, _ in gathered])
+        orders = [order for _, order, _ in gathered]
+        reference = orders[0]
+        differing = [rank for rank, order in enumerate(orders) if sorted(order, key=str) != sorted(reference, key=str)]
+        if differing:
+            # Every rank sees every order, so every rank raises: none is left waiting.
+            first = differing[0]
+            raise RuntimeError(
+                f"thunder_overlap: ranks {differing} of the process group would issue other collectives than rank 0, "
+                f"which would hang at the first differing one: {_first_difference(orders[first], reference, first)}. "
+                "Give every rank the same model, sharding and bucketing."
+            )
+        return reference, gathered[0][2]
+
+
+def _check_same_bucket_plan(digests: list[str | None]) -> None:
+    """Raises (on every rank: each sees every digest) when ranks planned other buckets than rank 0."""
+    differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+    if differing:
+        shown = ", ".join(f"rank {rank}: {digests[rank]}" for rank in [0, *differing])
+        raise RuntimeError(
+            f"thunder_overlap: ranks {differing} of the process group planned other buckets than rank 0 (plan digests {shown}), "
+            "so their collectives would not pair up. Give every rank the same model, bucketing_strategy, bucket_cap_mb, "
+            "block_types and OverlapConfig; BucketingTransform.of(model).summaries['plan'] lists each rank's buckets."
+        )

@@ -1,0 +1,215 @@
+"""Real ZeRO3: save sharded parameters for backward and re-gather them there.
+
+Thunder 0.2.6 runs ZERO3 like ZERO2: the forward returns unsharded parameters (and views of them,
+such as an unpadded slice or a broadcast norm weight) as saved-for-backward tensors. This transform
+rewrites the pair of execution traces:
+
+- forward: every saved tensor that is a pure function of one gathered parameter (all-gather, wait,
+  then cheap view ops) is dropped from the saved tensors, and the sharded parameter it came from is
+  saved instead; deletions are regenerated, so each unsharded parameter dies after its last
+  forward use;
+- backward: the same all-gather, wait and view ops are replayed (with the same names) after the
+  inputs are unpacked. The scheduler then moves them to where they are needed.
+
+A saved gathered parameter that cannot be replayed this way is an error naming the parameter,
+not a silent fallback to ZeRO2's memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from thunder.core import prims
+from thunder.core.proxies import TensorProxy
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
+from thunder.core.transform_common import Transform
+from thunder.core.transforms import dce
+from thunder.executors.passes import del_last_used
+
+from thunder_overlap._analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace, parameter_names_of_inputs
+
+__all__ = ["Zero3Transform", "RegatherPlan", "gathered_shards", "plan_regather"]
+
+_PARAMETER_CHAIN = (NodeKind.COLLECTIVE, NodeKind.WAIT, NodeKind.EPILOGUE, NodeKind.PROLOGUE)
+
+
+@dataclass(frozen=True)
+class RegatherPlan:
+    """What the forward stopped saving and how the backward rebuilds it."""
+
+    # Saved tensors as the backward unpacks them, in order, before and after the rewrite.
+    old_saved: tuple[TensorProxy, ...]
+    new_saved: tuple[TensorProxy, ...]
+    # Forward bound symbols (all-gathers, waits, views) that recompute the dropped tensors.
+    replay: tuple[BoundSymbol, ...]
+    # Saved gathered parameters (or views of them) that cannot be replayed: (tensor, why).
+    unreplayable: tuple[tuple[TensorProxy, str], ...] = ()
+
+
+def _recompute_slice(annotated: AnnotatedTrace, name: str) -> tuple[set[int] | None, str | None]:
+    """Nodes that compute ``name`` from trace inputs through a gathered-parameter chain only, or
+    None and why not (it depends on an activation, an expensive op, another collective)."""
+    nodes = annotated.nodes
+    needed: set[int] = set()
+    stack = [name]
+    has_allgather = False
+    while stack:
+        name = stack.pop()
+        if annotated.is_input(name):
+            continue
+        p = annotated.producer[name]
+        if p in needed:
+            continue
+        node = nodes[p]
+        if node.kind not in _PARAMETER_CHAIN:
+            return None, f"{name} comes from {node.name}, a {node.kind.value} op ZeRO3 does not replay"
+        if node.kind is NodeKind.COLLECTIVE:
+            if annotated.collectives[node.collective].kind is not CollectiveKind.ALL_GATHER:
+                return None, f"{name} comes from {node.name}, which is not an all-gather"
+            has_allgather = True
+        needed.add(p)
+        stack.extend(node.inputs)
+    return (needed, None) if has_allgather else (None, "no all-gather computes it")
+
+
+def _is_gathered_parameter(annotated: AnnotatedTrace, name: str) -> bool:
+    """A gathered parameter or a cheap function of gathered parameters only (a view, a cast)."""
+    p = annotated.producer.get(name)
+    return p is not None and annotated.nodes[p].kind in (NodeKind.WAIT, NodeKind.EPILOGUE)
+
+
+def gathered_shards(annotated: AnnotatedTrace, name: str) -> list[str]:
+    """Names of the trace inputs that all-gathers ``name`` depends on gathered, in trace order."""
+    shards: set[str] = set()
+    seen: set[int] = set()
+    stack = [name]
+    while stack:
+        p = annotated.producer.get(stack.pop())
+        if p is None or p in seen:
+            continue
+        seen.add(p)
+        node = annotated.nodes[p]
+        if node.kind is NodeKind.COLLECTIVE and annotated.collectives[node.collective].kind is CollectiveKind.ALL_GATHER:
+            shards.update(i for i in node.inputs if annotated.is_input(i))
+        stack.extend(node.inputs)
+    return sorted(shards, key=lambda n: annotated.consumers.get(n, [0])[0])
+
+
+def plan_regather(annotated: AnnotatedTrace) -> RegatherPlan:
+    """Finds the saved tensors of a forward trace that a re-gather in backward can replace, and
+    the gathered parameters among them that it cannot."""
+    ret = next(n for n in annotated.nodes if n.kind is NodeKind.RETURN)
+    saved_tensors, _ = ret.bsym.args[1]
+    dropped: set[str] = set()
+    replay: set[int] = set()
+    unreplayable: list[tuple[TensorProxy, str]] = []
+    for t in saved_tensors:
+        chain, why_not = _recompute_slice(annotated, t.name)
+        if chain is not None:
+            dropped.add(t.name)
+            replay |= chain
+        elif _is_gathered_parameter(annotated, t.name):
+            unreplayable.append((t, why_not))
+
+    kept = [t for t in saved_tensors if t.name not in dropped]
+    kept_names = {t.name for t in kept}
+    sharded_inputs: list[TensorProxy] = []
+    for i in sorted(replay):
+        for a in annotated.nodes[i].bsym.flat_proxy_args:
+            if isinstance(a, TensorProxy) and annotated.is_input(a.name) and a.name not in kept_names:
+                kept_names.add(a.name)
+                sharded_inputs.append(a)
+    return RegatherPlan(
+        old_saved=tuple(saved_tensors),
+        new_saved=tuple(kept + sharded_inputs),
+        replay=tuple(annotated.nodes[i].bsym for i in sorted(replay)),
+        unreplayable=tuple(unreplayable),
+    )
+
+
+def _rewrite_forward(trace: TraceCtx, plan: RegatherPlan) -> TraceCtx:
+    new_trace = from_trace(trace)
+    bsyms = []
+    for bsym in trace.bound_symbols:
+        if bsym.sym.id is prims.PrimIDs.DEL:  # regenerated below, after dead code is gone
+            continue
+        if bsym.sym.id is prims.PrimIDs.RETURN:
+            outputs, (_, saved_other) = bsym.args
+            bsym = bsym.from_bsym(args=(outputs, (plan.new_saved, saved_other)))
+        bsyms.append(bsym)
+    new_trace.bound_symbols = bsyms
+    # Views that only fed the dropped tensors would otherwise keep their gathered parameter alive.
+    new_trace = del_last_used(dce(new_trace))
+    new_trace.set_provenance(TraceProvenance("thunder_overlap: ZeRO3 saves sharded parameters"))
+    return new_trace
+
+
+def _rewrite_backward(trace: TraceCtx, plan: RegatherPlan) -> TraceCtx:
+    """Unpacks ``plan.new_saved`` instead of the old saved tensors and replays the re-gathers
+    right after that unpack; the scheduler then moves each to where it is needed."""
+    old_names = [t.name for t in plan.old_saved]
+    new_trace = from_trace(trace)
+    bsyms: list[BoundSymbol] = []
+    for bsym in trace.bound_symbols:
+        if bsym.sym.id is prims.PrimIDs.UNPACK_SEQUENCE and [o.name for o in bsym.flat_proxy_outs] == old_names:
+            collection, _ = bsym.args
+            bsyms.append(bsym.from_bsym(args=(collection, len(plan.new_saved)), output=list(plan.new_saved)))
+            bsyms.extend(plan.replay)
+        else:
+            bsyms.append(bsym)
+    if len(bsyms) == len(trace.bound_symbols):
+        raise RuntimeError(
+            "thunder_overlap ZeRO3: the backward trace does not unpack the forward's saved tensors "
+            f"({len(old_names)} tensors starting {old_names[:3]}); cannot re-gather parameters"
+        )
+    new_trace.bound_symbols = bsyms
+    new_trace = del_last_used(new_trace, clear_mutable_collections=True)
+    new_trace.set_provenance(TraceProvenance("thunder_overlap: ZeRO3 re-gathers parameters"))
+    return new_trace
+
+
+class Zero3Transform(Transform):
+    """Makes the forward save sharded parameters and the backward re-gather them.
+
+    Raises when the forward would still save a gathered parameter that it cannot re-gather,
+    rather than quietly keeping ZeRO2's memory.
+    """
+
+    def __init__(self) -> None:
+        self._pending: RegatherPlan | None = None
+        # computation-trace input name -> parameter name, for errors that name parameters
+        self._parameter_of_input: dict[str, str] = {}
+
+    def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
+        self._parameter_of_input.update(parameter_names_of_inputs(prologue_trace, computation_trace))
+        return prologue_trace, computation_trace, epilogue_trace
+
+    def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
+        if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
+            # Thunder calls this hook for the forward, then for its backward, in one compilation.
+            annotated = classify_trace(computation_trace)
+            plan = plan_regather(annotated)
+            if plan.unreplayable:
+                raise RuntimeError(self._unreplayable_message(annotated, plan))
+            if not plan.replay:  # the forward saves no gathered parameter: nothing to re-gather
+                self._pending = None
+                return computation_trace
+            self._pending = plan
+            return _rewrite_forward(computation_trace, plan)
+        if TraceTag.BACKWARD in computation_trace.tags and self._pending is not None:
+            plan, self._pending = self._pending, None
+            return _rewrite_backward(computation_trace, plan)
+        return computation_trace
+
+    def _unreplayable_message(self, annotated: AnnotatedTrace, plan: RegatherPlan) -> str:
+        problems = []
+        for tensor, why in plan.unreplayable:
+            shards = gathered_shards(annotated, tensor.name)
+            parameters = ", ".join(self._parameter_of_input.get(s, s) for s in shards) or "an unknown parameter"
+            problems.append(f"{tensor.name} (gathered from {parameters}): {why}")
+        return (
+            "thunder_overlap ZeRO3: the forward saves these gathered parameters for backward and cannot re-gather "
+            f"them there, so they would stay unsharded between forward and backward (ZeRO2's memory): "
+            f"{'; '.join(problems)}. Use sharding_strategy='zero2' for this model."
+        )

@@ -1,0 +1,211 @@
+"""``save`` and ``load``: :mod:`torch.distributed.checkpoint` directories of the state dicts.
+
+The directory holds ``{"model": ..., "optim": ...}`` as DCP flattens it (keys such as
+``model.blocks.0.attn.weight``, ``optim.state.blocks.0.attn.weight.exp_avg``,
+``optim.param_groups``). Loading reads the checkpoint's metadata first, so that a missing,
+unexpected or differently shaped entry is named before anything is read, then lets DCP read
+every rank's rows of the original shapes, whatever world size wrote them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from thunder_overlap.checkpoint._layout import process_group_of
+from thunder_overlap.checkpoint._state_dict import LoadResult, StateDictOptions, get_state_dict, set_state_dict
+
+__all__ = ["save", "load", "MODEL_KEY", "OPTIM_KEY"]
+
+MODEL_KEY = "model"
+OPTIM_KEY = "optim"
+# DCP's file naming its index; a directory without it is no checkpoint.
+_METADATA_FILE = ".metadata"
+
+
+def _check_arguments(model: object, optimizer: object, **flags: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (what thunder_overlap.fsdp returned, or a plain one), got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def _barrier(group: dist.ProcessGroup | None) -> None:
+    if group is not None:
+        dist.barrier(group=group)
+
+
+def _is_coordinator(group: dist.ProcessGroup | None) -> bool:
+    return group is None or dist.get_rank(group) == 0
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """Drops two warnings DCP gives every call that say nothing to a user here: that one
+    process without a group saves or loads alone (it is meant to), and that its file writer
+    asks a tensor for its TypedStorage (DCP's own code)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        yield
+
+
+def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Path:
+    """Writes the model's (and optimizer's) sharded state to the directory ``path``; every rank
+    of the model's group calls it, and ``path`` must be on storage they all see.
+
+    The checkpoint is written to ``<path>.saving`` and renamed into place once every rank has
+    written it, so a crash mid-save leaves the previous checkpoint at ``path`` loadable.
+    Returns ``path``.
+    """
+    _check_arguments(model, optimizer)
+    path = Path(path)
+    staging = path.with_name(path.name + ".saving")
+    previous = path.with_name(path.name + ".previous")
+    group = process_group_of(model)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {MODEL_KEY: model_state}
+    if optimizer is not None:
+        state[OPTIM_KEY] = optim_state
+    if _is_coordinator(group):
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    _barrier(group)
+    with _quiet_dcp():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), process_group=group, no_dist=group is None)
+    _barrier(group)
+    if _is_coordinator(group):
+        # Two renames, so ``path`` is always either the old checkpoint or the new one; between
+        # them (a crash there) the old one is at ``<path>.previous``.
+        if path.exists():
+            shutil.rmtree(previous, ignore_errors=True)
+            path.rename(previous)
+        staging.rename(path)
+        shutil.rmtree(previous, ignore_errors=True)
+    _barrier(group)
+    return path
+
+
+def _read_metadata(path: Path) -> dict[str, Any]:
+    if not (path / _METADATA_FILE).is_file():
+        previous = path.with_name(path.name + ".previous")
+        hint = f"; an interrupted save left the previous checkpoint at {previous}" if (previous / _METADATA_FILE).is_file() else ""
+        what = "does not exist" if not path.exists() else f"is not a torch.distributed.checkpoint directory (it has no {_METADATA_FILE})"
+        raise FileNotFoundError(f"no checkpoint at {path}: it {what}{hint}")
+    return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+
+
+def _flat_tensors(state: dict[str, Any], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors of a nested state dict under the keys DCP flattens them to."""
+    flat: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            flat.update(_flat_tensors(value, f"{prefix}{key}."))
+        elif isinstance(value, torch.Tensor):
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _match(template: dict[str, Any], saved: dict[str, Any]) -> LoadResult:
+    """Compares the tensors ``template`` asks for with those the checkpoint has; a shape mismatch
+    raises at once, naming the key and both shapes."""
+    wanted = _flat_tensors(template, "")
+    result = LoadResult()
+    for key, tensor in wanted.items():
+        entry = saved.get(key)
+        if entry is None:
+            result.missing_keys.append(key)
+        elif isinstance(entry, TensorStorageMetadata) and tuple(entry.size) != tuple(tensor.shape):
+            raise ValueError(f"{key}: the checkpoint has shape {tuple(entry.size)}, the model expects {tuple(tensor.shape)}")
+    loading = {k.split(".", 1)[0] for k in template}
+    result.unexpected_keys += [
+        k for k, entry in saved.items() if isinstance(entry, TensorStorageMetadata) and k.split(".", 1)[0] in loading and k not in wanted
+    ]
+    return result
+
+
+def _drop(template: dict[str, Any], missing: set[str], prefix: str = "") -> dict[str, Any]:
+    kept: dict[str, Any] = {}
+    for key, value in template.items():
+        if isinstance(value, dict):
+            inner = _drop(value, missing, f"{prefix}{key}.")
+            if inner:
+                kept[key] = inner
+        elif f"{prefix}{key}" not in missing:
+            kept[key] = value
+    return kept
+
+
+def _initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Gives every trainable parameter its optimizer state (as torch does): one step with zero
+    gradients at learning rate 0, which creates the state tensors and changes no parameter. A
+    frozen parameter never has a gradient, so torch gives it no state, and neither does this."""
+    trainable = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if all(p in optimizer.state for p in trainable):
+        return
+    saved = [(p, p.grad) for p in trainable]
+    learning_rates = [group["lr"] for group in optimizer.param_groups]
+    for parameter, _ in saved:
+        parameter.grad = torch.zeros_like(parameter)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, learning_rates, strict=True):
+            group["lr"] = lr
+        for parameter, grad in saved:
+            parameter.grad = grad
+
+
+def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, strict: bool = True) -> LoadResult:
+    """Loads a checkpoint written by :func:`save` into ``model`` (and ``optimizer``), whatever
+    world size, sharding strategy or bucketing wrote it; ``model`` may also be a plain
+    ``nn.Module`` in one process. Every rank of the model's group calls it.
+
+    Missing or unexpected keys raise ``KeyError`` naming them, unless ``strict`` is False: then
+    what matches is loaded and the rest returned. A tensor of another shape raises ``ValueError``
+    naming the key and both shapes; a path that holds no checkpoint, ``FileNotFoundError``.
+    """
+    _check_arguments(model, optimizer, strict=strict)
+    path = Path(path)
+    saved = _read_metadata(path)
+    group = process_group_of(model)
+    if optimizer is not None:
+        if not any(k.startswith(f"{OPTIM_KEY}.") for k in saved):
+            raise KeyError(
+                f"the checkpoint at {path} has no optimizer state (it was saved without an optimizer); load it with optimizer=None"
+            )
+        _initialize_optimizer_state(optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    template: dict[str, Any] = {MODEL_KEY: model_state}
+    if optimizer is not None:
+        template[OPTIM_KEY] = optim_state
+    result = _match(template, saved)
+    if strict and result:
+        raise KeyError(result.error_message("strict=False"))
+    template = _drop(template, set(result.missing_keys))
+    with _quiet_dcp():
+        dcp.load(template, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=group is None)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=template.get(MODEL_KEY, {}),
+        optim_state_dict=template.get(OPTIM_KEY),
+        options=StateDictOptions(strict=False),
+    )
+    return result

@@ -1,0 +1,239 @@
+"""``python -m thunder_overlap report``: predicted overlap and memory at any world size, no GPU.
+
+The model is built on the meta device and traced (never run) in one process that pretends to be
+rank 0 of ``--world-size`` ranks through PyTorch's ``fake`` process group, so a 1024-rank
+Llama-2-7B report needs neither GPUs nor memory for the weights. The same model is traced twice:
+with thunder_overlap's FSDP and with Thunder's own (the baseline). Thunder's tracing dominates the
+run time (about 5 s per transformer layer and FSDP here); a heartbeat shows it is still going.
+
+``--shard-group-size N`` predicts hybrid sharding (HSDP): a 2-D device mesh (world / N replicas,
+shard groups of N consecutive ranks) passed to ``thunder_overlap.fsdp``. With ``--network auto``
+each process group is costed on its own network: NVLink when its ranks lie in one node of
+``--gpus-per-node`` consecutive ranks, InfiniBand when they span nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from thunder_overlap._analysis.network import DEFAULT_GPUS_PER_NODE, NodeTopology
+from thunder_overlap.options import BucketingStrategy, ShardingStrategy, parse_bucketing_strategy, parse_sharding_strategy
+from thunder_overlap.report._models import BUILTIN_MODELS, model_recipe, trace_model
+
+__all__ = ["DEFAULT_OUT", "main"]
+
+# The fake process group takes any size; beyond this no FSDP job exists and shards get silly.
+MAX_WORLD_SIZE = 1 << 20
+# Seconds between progress lines while Thunder traces.
+HEARTBEAT_S = 15.0
+# Where report.json, report.trace.json and report.png go unless --out says otherwise.
+DEFAULT_OUT = "thunder_overlap_report"
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class UsageError(ValueError):
+    """A bad command-line value; printed without a traceback."""
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    from thunder_overlap._analysis.cost_model import DEVICE_PROFILES, NETWORK_PROFILES
+
+    parser = argparse.ArgumentParser(prog="python -m thunder_overlap report", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", default="llama-2-7b", help=f"built-in {sorted(BUILTIN_MODELS)} or a litgpt config name (default: llama-2-7b)"
+    )
+    parser.add_argument("--n-layer", type=int, default=None, help="override the number of transformer layers")
+    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument(
+        "--shard-group-size",
+        type=int,
+        default=None,
+        help="hybrid sharding (HSDP): shard within groups of N consecutive ranks and all-reduce gradients across the "
+        "world-size / N replicas; N must divide --world-size (default: shard over the whole world)",
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=DEFAULT_GPUS_PER_NODE,
+        help=f"consecutive ranks per node, for --network auto (default: {DEFAULT_GPUS_PER_NODE})",
+    )
+    parser.add_argument("--sharding", default="zero3", help=f"{' or '.join(ShardingStrategy.names())} (default: zero3)")
+    parser.add_argument("--bucketing", default="none", help=f"{', '.join(BucketingStrategy.names())} (default: none)")
+    parser.add_argument("--device-profile", default="h100", help=f"one of {sorted(DEVICE_PROFILES)}")
+    parser.add_argument(
+        "--network",
+        default="auto",
+        help=(
+            "auto (each process group over nvlink when its ranks lie in one node, else infiniband), "
+            f"{sorted(NETWORK_PROFILES)}, or custom:<latency_us>:<GB/s>[:ring|tree[:<concurrent launches>]] for every group"
+        ),
+    )
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES), help="parameter and activation dtype")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the model's block size")
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, help=f"directory for report.json, report.trace.json and report.png (default: ./{DEFAULT_OUT})"
+    )
+    parser.add_argument("--steps", type=int, default=0, help="also print the first N rows of the per-step table")
+    parser.add_argument(
+        "--compare-policies",
+        action="store_true",
+        help="also schedule with every policy (stock, just_in_time, heuristic, greedy, memory_aware) and print them side by side",
+    )
+    args = parser.parse_args(argv)
+    if not 1 <= args.world_size <= MAX_WORLD_SIZE:
+        raise UsageError(f"--world-size {args.world_size} is impossible; accepted: 1 to {MAX_WORLD_SIZE} ranks")
+    if args.n_layer is not None and args.n_layer < 1:
+        raise UsageError(f"--n-layer {args.n_layer} is impossible; a model needs at least 1 layer")
+    if args.gpus_per_node < 1:
+        raise UsageError(f"--gpus-per-node {args.gpus_per_node} is impossible; accepted: 1 or more ranks per node")
+    if args.shard_group_size is not None and (args.shard_group_size < 1 or args.world_size % args.shard_group_size):
+        raise UsageError(
+            f"--shard-group-size {args.shard_group_size} does not divide --world-size {args.world_size}; "
+            f"accepted: a divisor of {args.world_size} ({_divisors(args.world_size)})"
+        )
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size {args.batch_size} must be at least 1")
+    try:
+        args.sharding = parse_sharding_strategy(args.sharding, flag="--sharding")
+        args.bucketing = parse_bucketing_strategy(args.bucketing, flag="--bucketing")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    # auto: a topology gives each process group its network; the default network (the one
+    # bucket sizing and the report's header use) is the group parameters are sharded over's.
+    args.topology = None
+    if args.network == "auto":
+        args.topology = NodeTopology("nvlink", "infiniband", args.gpus_per_node)
+        args.network = args.topology.network_of_ranks(range(args.shard_group_size or args.world_size)).name
+    return args
+
+
+def _divisors(n: int, shown: int = 12) -> str:
+    """The divisors of ``n``, the first and last few of them when there are many."""
+    divisors = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    divisors = sorted({*divisors, *(n // d for d in divisors)})
+    if len(divisors) <= shown:
+        return ", ".join(map(str, divisors))
+    return f"{', '.join(map(str, divisors[: shown // 2]))}, ..., {', '.join(map(str, divisors[-shown // 2 :]))}"
+
+
+class _Heartbeat:
+    """Prints elapsed time every ``HEARTBEAT_S`` seconds while a long step runs."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+
+    def _beat(self) -> None:
+        start = time.perf_counter()
+        while not self._stop.wait(HEARTBEAT_S):
+            print(f"  ... {self.what}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> _Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _topology_words(topology: NodeTopology) -> str:
+    return f"{topology.intra_node.name} inside a node of {topology.gpus_per_node}, {topology.inter_node.name} across nodes"
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the report command; returns the process exit status."""
+    from thunder_overlap._analysis.cost_model import CostModel
+    from thunder_overlap.config import OverlapConfig
+    from thunder_overlap.report._policies import compare_policies
+    from thunder_overlap.report._report import report
+    from thunder_overlap.report._thunder_baseline import fake_process_group, thunder_fsdp_baseline
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = _parse(argv)
+        cost_model = CostModel.named(args.device_profile, args.network, topology=args.topology)
+        spec = model_recipe(args.model, args.n_layer)
+        seq_len = args.seq_len or spec.block_size
+        if not 1 <= seq_len <= spec.block_size:
+            raise UsageError(f"--seq-len {seq_len} must be between 1 and the model's block size {spec.block_size}")
+    except ValueError as e:  # UsageError, UnknownModelError, an unknown profile or network
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    start = time.perf_counter()
+    _progress(f"building {args.model} ({args.n_layer or 'all'} layers) on the meta device")
+    with torch.device("meta"):
+        model = spec.build().to(_DTYPES[args.dtype])
+    layers = args.n_layer or "all"
+    hybrid = f", hybrid: {args.world_size // args.shard_group_size} replicas of {args.shard_group_size}" if args.shard_group_size else ""
+    _progress(
+        f"tracing forward and backward at world size {args.world_size}{hybrid}, {args.sharding} (about 5 s per layer, {layers} layers)"
+    )
+    networks = args.network if args.topology is None else _topology_words(args.topology)
+    # One fake group for tracing and simulating: the topology reads each group's ranks.
+    with fake_process_group(args.world_size):
+        with _Heartbeat("tracing"):
+            jm = trace_model(
+                model,
+                world_size=args.world_size,
+                sharding=args.sharding,
+                bucketing=args.bucketing,
+                idx_shape=(args.batch_size, seq_len),
+                config=OverlapConfig(cost_model=cost_model),
+                shard_group_size=args.shard_group_size,
+            )
+            traced = time.perf_counter()
+            _progress(f"traced in {traced - start:.1f} s; tracing the same model with Thunder's own FSDP, the baseline")
+            thunder_fsdp = thunder_fsdp_baseline(jm)
+        baseline_traced = time.perf_counter()
+        _progress(f"traced in {baseline_traced - traced:.1f} s; simulating with {args.device_profile} / {networks}")
+        result = report(jm, cost_model=cost_model, thunder_fsdp=thunder_fsdp)
+        _progress(f"analysed in {time.perf_counter() - baseline_traced:.2f} s")
+        comparison = None
+        if args.compare_policies:
+            config = OverlapConfig(cost_model=cost_model)
+            comparison = compare_policies(jm, cost_model=cost_model, config=config, thunder_fsdp=thunder_fsdp)
+
+    print(result)
+    if args.bucketing is BucketingStrategy.AUTO:
+        from thunder_overlap._transforms import BucketingTransform
+
+        # Which buckets the cost model chose for this world size and network, and why.
+        print(BucketingTransform.of(jm).summaries["plan"])
+    if args.steps:
+        print(result["forward"].step_table(max_rows=args.steps))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result.to_json(out / "report.json")
+    result.to_chrome_trace(out / "report.trace.json")
+    written = ["report.json", "report.trace.json"]
+    if comparison is not None:
+        print(comparison)
+        comparison.to_json(out / "policies.json")
+        written.append("policies.json")
+    try:
+        result.to_png(out / "report.png")
+        written.append("report.png")
+    except RuntimeError as e:  # no matplotlib: the text and JSON are still useful
+        _progress(f"skipped the PNG: {e}")
+    _progress(f"wrote {', '.join(w for w in written)} to {out.resolve()}{' (the default --out)' if args.out == DEFAULT_OUT else ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

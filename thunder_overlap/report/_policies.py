@@ -1,0 +1,156 @@
+"""Every scheduling policy on one model's traces, side by side: overlap, time and memory.
+
+The traces Thunder produced before thunder_overlap's scheduling pass (see
+:func:`~thunder_overlap.report._report.unscheduled_trace`) are scheduled again by each policy of
+:data:`~thunder_overlap.config.SCHEDULING_POLICIES` with the same cost model the report
+simulates with, then simulated and memory-estimated like the report's own orders. The first row
+of each pass is Thunder's own FSDP (the report's baseline, ``thunder 0.2.6``), which every policy
+is compared with; ``stock`` is thunder_overlap's traces unscheduled. The ``just_in_time`` row is
+the memory budget's baseline; ``greedy`` shows what unbounded overlap costs in memory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import thunder
+
+from thunder_overlap._analysis.blocks import largest_block_bytes
+from thunder_overlap._analysis.cost_model import CostModel
+from thunder_overlap._analysis.memory_estimate import MemoryEstimate
+from thunder_overlap._scheduling.dispatch import schedule_trace
+from thunder_overlap._scheduling.summary import ScheduleSummary
+from thunder_overlap._transforms.schedule import OverlapScheduleTransform
+from thunder_overlap.config import OverlapConfig
+from thunder_overlap.report._report import BASELINE, LEGEND, OrderReport, analyze_trace, speed_change, unscheduled_trace
+from thunder_overlap.report._thunder_baseline import ThunderFSDPTraces, thunder_fsdp_baseline
+
+__all__ = ["COMPARED_POLICIES", "PolicyComparison", "PolicyResult", "compare_policies"]
+
+COMPARED_POLICIES = ("stock", "just_in_time", "heuristic", "greedy", "memory_aware")
+_MIB = 2**20
+POLICY_LEGEND = """\
+max(C,M) ms: the bound ms below; gap: predicted ms over it, minus one.
+vs JIT: predicted peak memory over the just-in-time order's in the same pass, minus one."""
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    policy: str  # a scheduling policy, or BASELINE for Thunder's own FSDP
+    pass_name: str  # "forward" or "backward"
+    report: OrderReport
+    summary: ScheduleSummary | None  # None where nothing was scheduled (Thunder's own FSDP, stock)
+
+    @property
+    def bound_gap(self) -> float:
+        """Predicted time over max(compute, communication), minus one: 0 is ideal overlap."""
+        return self.report.predicted_ms / self.report.bound_ms - 1 if self.report.bound_ms else 0.0
+
+
+@dataclass(frozen=True)
+class PolicyComparison:
+    results: tuple[PolicyResult, ...]
+    device: str
+    network: str
+    world_size: int
+
+    def result(self, policy: str, pass_name: str) -> PolicyResult:
+        for r in self.results:
+            if (r.policy, r.pass_name) == (policy, pass_name):
+                return r
+        raise KeyError(f"no result for policy {policy!r} in pass {pass_name!r}")
+
+    def peak_over_just_in_time(self, result: PolicyResult) -> float:
+        """``result``'s predicted peak over the just-in-time order's in the same pass, minus one."""
+        baseline = self.result("just_in_time", result.pass_name).report.peak_bytes
+        return result.report.peak_bytes / baseline - 1 if baseline else 0.0
+
+    def step_ms(self, policy: str) -> float:
+        return sum(r.report.predicted_ms for r in self.results if r.policy == policy)
+
+    def __str__(self) -> str:
+        head = (
+            f"{'pass':<9} {'policy':<14} {'hidden/hideable':>15} {'exposed ms':>10} {'predicted ms':>12} "
+            f"{'max(C,M) ms':>11} {'gap':>6} {'peak MiB':>9} {'vs JIT':>7}"
+        )
+        lines = [f"world size {self.world_size}, device {self.device}, network {self.network}", head, "-" * len(head)]
+        for r in self.results:
+            o = r.report
+            lines.append(
+                f"{r.pass_name:<9} {r.policy:<14} {f'{o.hidden}/{o.hideable}':>15} {o.exposed_ms:>10.3f} {o.predicted_ms:>12.3f} "
+                f"{o.bound_ms:>11.3f} {r.bound_gap:>6.1%} {o.peak_bytes / _MIB:>9.1f} {self.peak_over_just_in_time(r):>+7.1%}"
+            )
+        policies = list(dict.fromkeys(r.policy for r in self.results))
+        lines.append("predicted step (forward + backward): " + ", ".join(f"{p} {self.step_ms(p):.3f} ms" for p in policies))
+        if BASELINE in policies:
+            base = self.step_ms(BASELINE)
+            lines += [f"  {p} against {BASELINE}: {speed_change(base, self.step_ms(p))}" for p in policies if p != BASELINE]
+        return "\n".join([*lines, "", POLICY_LEGEND, LEGEND])
+
+    def to_json(self, path: str | Path | None = None) -> dict:
+        data = {
+            "device": self.device,
+            "network": self.network,
+            "world_size": self.world_size,
+            "results": [
+                {"policy": r.policy, "pass": r.pass_name, **r.report.summary(), "bound_gap": r.bound_gap,
+                 "peak_over_just_in_time": self.peak_over_just_in_time(r),
+                 "forced_waits": r.summary.forced_waits if r.summary else 0}
+                for r in self.results
+            ],
+        }  # fmt: skip
+        if path is not None:
+            Path(path).write_text(json.dumps(data, indent=1))
+        return data
+
+
+def compare_policies(
+    jm,
+    *,
+    cost_model: CostModel,
+    config: OverlapConfig | None = None,
+    policies: tuple[str, ...] = COMPARED_POLICIES,
+    thunder_fsdp: ThunderFSDPTraces | None = None,
+) -> PolicyComparison:
+    """Schedules ``jm``'s last forward and backward traces with each policy and reports them
+    beside Thunder's own FSDP.
+
+    ``config`` supplies the limits (its ``policy`` is replaced by each compared one); the
+    prefetch byte limits are sized from ``jm``'s largest block as in training. ``thunder_fsdp``
+    as in :func:`~thunder_overlap.report._report.report` (default: traced here).
+    """
+    config = config if config is not None else OverlapConfig()
+    if "just_in_time" not in policies:
+        policies = ("just_in_time", *policies)
+    forward, backward = thunder.last_traces(jm), thunder.last_backward_traces(jm)
+    if not forward:
+        raise ValueError("the module has not been run or traced yet: call it once (or trace it) before compare_policies()")
+    # The limits' unit as training resolves it (the largest block, or bucket where larger).
+    schedule = OverlapScheduleTransform.of(jm)
+    block_bytes = schedule.prefetch_unit_bytes if schedule is not None else largest_block_bytes(jm._model)
+    passes = [("forward", unscheduled_trace(forward))] + ([("backward", unscheduled_trace(backward))] if backward else [])
+    thunder_fsdp = thunder_fsdp if thunder_fsdp is not None else thunder_fsdp_baseline(jm)
+    results = []
+    forward_memory: dict[str, MemoryEstimate] = {}
+    baseline_passes = [("forward", thunder_fsdp.forward)] + ([("backward", thunder_fsdp.backward)] if backward else [])
+    for pass_name, trace in baseline_passes:
+        report = analyze_trace(trace, cost_model, order=BASELINE, after=forward_memory.get(BASELINE))
+        if pass_name == "forward":
+            forward_memory[BASELINE] = report.memory
+        results.append(PolicyResult(BASELINE, pass_name, report, None))
+    for policy in policies:
+        for pass_name, trace in passes:
+            policy_config = replace(config, policy=policy)
+            scheduled = schedule_trace(
+                trace, policy_config, largest_block_bytes=block_bytes, cost_model=cost_model, memory_after=forward_memory.get(policy)
+            )
+            report = analyze_trace(scheduled.trace, cost_model, order=policy, after=forward_memory.get(policy))
+            if pass_name == "forward":
+                forward_memory[policy] = report.memory
+            results.append(PolicyResult(policy, pass_name, report, scheduled.summary))
+    rows = (BASELINE, *policies)
+    results.sort(key=lambda r: (r.pass_name != "forward", rows.index(r.policy)))
+    # The ranks of the job: the baseline's (under hybrid sharding Thunder's FSDP takes the whole world).
+    return PolicyComparison(tuple(results), cost_model.device.name, cost_model.network.name, thunder_fsdp.world_size)

@@ -1,0 +1,431 @@
+"""A short, deterministic training run on one rank, shared by the demo, the tests and benchmarks.
+
+``train_rank`` trains :class:`~thunder_overlap.report._builtin_models.TinyGPT` with either thunder_overlap or
+Thunder's own FSDP and reports losses, step times, measured peak memory, the final shards and
+the schedule of the final traces. ``train_reference`` runs the same steps in one process without
+any sharding: the ground truth for numerics.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import thunder
+import torch
+import torch.nn.functional as F
+from thunder.core.proxies import FutureTensorProxy
+
+from thunder_overlap._analysis.classify import NodeKind, classify_trace
+from thunder_overlap._analysis.memory_estimate import estimate_memory
+from thunder_overlap._bucketing.buffers import lookup_bucket
+from thunder_overlap._transforms import BucketingTransform
+from thunder_overlap.api import fsdp as overlap_fsdp
+from thunder_overlap.config import OverlapConfig
+from thunder_overlap.options import BucketingStrategy, ShardingStrategy, parse_bucketing_strategy, parse_sharding_strategy
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.report._schedule_view import ScheduleStats, schedule_picture, schedule_stats
+from thunder_overlap.testing.live_memory import LiveMemoryTracker
+from thunder_overlap.testing.op_census import COPY_OPS, OpCensus
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "BucketCensus",
+    "RankResult",
+    "TrainSetup",
+    "collective_groups",
+    "collective_sequence",
+    "global_batch",
+    "reference_first_grads",
+    "shard_group_rank",
+    "train_rank",
+    "train_reference",
+]
+
+IMPLEMENTATIONS = ("thunder_overlap", "thunder")
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    impl: str = "thunder_overlap"
+    # Strings (any case) or enums; parsed into ShardingStrategy / BucketingStrategy.
+    sharding: ShardingStrategy | str = ShardingStrategy.ZERO3
+    bucketing: BucketingStrategy | str = BucketingStrategy.NONE
+    model: TinyGPTConfig = field(default_factory=TinyGPTConfig)
+    micro_batch: int = 2
+    seq_len: int = 32
+    steps: int = 3
+    lr: float = 0.05
+    seed: int = 0
+    config: OverlapConfig | None = None
+    # One extra forward+backward after training, under LiveMemoryTracker (not timed).
+    measure_memory: bool = True
+    # Above 1: hybrid sharding over a (replicas, world_size // replicas) device mesh.
+    replicas: int = 1
+    optimizer: str = "sgd"  # or "adamw"
+    adamw_eps: float = 1e-8
+    # Buckets run as they do on NCCL whatever the backend (BucketLayout.as_on_nccl): parameters
+    # gathered in place and unpadded gradients reduce-scattered where they are, each a coalesced
+    # launch (over gloo this runs those paths for real, one collective after another).
+    buckets_as_on_nccl: bool = False
+
+    def __post_init__(self) -> None:
+        if self.impl not in IMPLEMENTATIONS:
+            raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {self.impl!r}")
+        object.__setattr__(self, "sharding", parse_sharding_strategy(self.sharding))
+        object.__setattr__(self, "bucketing", parse_bucketing_strategy(self.bucketing))
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.seq_len > self.model.block_size:
+            raise ValueError(f"seq_len={self.seq_len} exceeds the model's block_size={self.model.block_size}")
+
+
+@dataclass
+class BucketCensus:
+    """What the last training step (not the first) did to the bucket buffers, op by op."""
+
+    # Bucketed collectives in the final traces.
+    forward_all_gathers: int
+    backward_all_gathers: int
+    reduce_scatters: int
+    buckets: int
+    frozen_buckets: int
+    # Buckets of more than one parameter (only those need a copy-out after gathering).
+    multi_parameter_buckets: int
+    # Trainable buckets that lay their gradients out for the reduce-scatter: those with a
+    # parameter Thunder padded, and those of several tensors where the backend runs coalesced
+    # reduce-scatters one by one (gloo). The others send their gradients where they are.
+    laid_out_buckets: int
+    # Laid-out buckets that all-reduce their own buffer in place and copy their row out (where
+    # the backend's reduce-scatter would copy its input: gloo), outside coalesced launches.
+    reduced_in_place: int
+    # Labels of the laid-out buckets that hand their buffer to the backend's copy instead, as
+    # chosen from the memory estimate (BucketLayout.reduce_scatter_from_copy).
+    reduces_from_copy: tuple[str, ...]
+    # Labels of the buckets that reduce in place in a pool buffer whose row is their gradient
+    # shard (BucketLayout.reduces_in_pool): all-reduced in place, they copy no row out.
+    reduced_in_pool: tuple[str, ...]
+    # Labels of the buckets that, over a backend running a coalesced launch one collective at a
+    # time, gather each parameter in place, as chosen from the memory estimate
+    # (BucketLayout.per_tensor_gather).
+    per_tensor_gathers: tuple[str, ...]
+    # reduce_scatter_tensor calls per step: one per other laid-out bucket, one per gradient of the rest.
+    reduce_scatter_calls: int
+    # Copy ops that read or wrote a bucket buffer, by aten op name.
+    bucket_copies: dict[str, int]
+    # Copies the process group makes inside one reduce_scatter_tensor of its own (gloo reduces
+    # into a scratch buffer and copies the rank's chunk out; NCCL makes none).
+    backend_copies_per_reduce_scatter: int
+    # Ops of the step that allocated a storage which is now a persistent bucket buffer (a flat
+    # shard or the pool).
+    bucket_allocations: int
+    # Gradient shards alive after the step that the step allocated (one per bucket not reduced
+    # in the pool: the gradient itself, given back when .grad is dropped).
+    gradient_shard_allocations: int
+    # Every pad of the step (bucketing pads the gradients inside its _chunk_cat).
+    pads: int
+    allocations_after_first_step: int
+    allocations_after_last_step: int
+    # The shared pool of unsharded buffers: numel -> how many buffers of that size it holds,
+    # and each bucket's unsharded numel.
+    pool_buffers: dict[int, int]
+    # Per pool buffer, what used it ("blocks.0 all-gather", "blocks.0 reduce-scatter", ...).
+    pool_users: list[tuple[str, ...]]
+    # The same, as the memory estimator plans them from the final traces (BucketingTransform.slot_plan).
+    planned_pool_buffers: dict[int, int]
+    planned_pool_users: list[tuple[str, ...]]
+    bucket_numels: list[int]
+    # Whether every .grad after the step is a view of its bucket's gradient shard.
+    grads_are_bucket_views: bool
+
+
+@dataclass
+class RankResult:
+    rank: int
+    losses: list[float]
+    step_ms: list[float]
+    # Peak live bytes of one more forward and backward (LiveMemoryTracker: what the step
+    # allocates or writes, the bucket pool and the backend's copies), and the memory estimator's
+    # prediction of it from the final traces (persistent inputs left out, as the tracker does).
+    peak_step_bytes: int | None
+    predicted_peak_step_bytes: int | None
+    forward_picture: str
+    backward_picture: str
+    forward_stats: ScheduleStats
+    backward_stats: ScheduleStats
+    # "all_gather f32[64, 64]"-like entries, forward then backward, in trace order.
+    collectives: list[str]
+    # Local shards after training (name -> tensor, padded as Thunder pads).
+    shards: dict[str, torch.Tensor]
+    # Saved-for-backward tensors that are gathered parameters or views of them (ZeRO3: none).
+    saved_unsharded: list[str]
+    bucket_census: BucketCensus | None = None
+    # Per collective of the final forward and backward: (kind, the global ranks of its
+    # process group, numel of its future).
+    forward_groups: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
+    backward_groups: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
+    # Local gradient shards after the first backward (name -> tensor, padded), before any step.
+    first_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+
+
+def _optimizer(setup: TrainSetup, parameters) -> torch.optim.Optimizer:
+    trainable = [p for p in parameters if p.requires_grad]
+    if setup.optimizer == "adamw":
+        return torch.optim.AdamW(trainable, lr=setup.lr, eps=setup.adamw_eps)
+    return OPTIMIZERS[setup.optimizer](trainable, lr=setup.lr)
+
+
+def shard_group_rank(rank: int, world_size: int, setup: TrainSetup) -> tuple[int, int]:
+    """(rank within its shard group, the shard group's size): a device mesh (replicas, shards)
+    puts consecutive ranks in one shard group."""
+    shards = world_size // setup.replicas
+    return rank % shards, shards
+
+
+def global_batch(setup: TrainSetup, world_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(setup.seed * 1000 + step)
+    shape = (setup.micro_batch * world_size, setup.seq_len + 1)
+    tokens = torch.randint(0, setup.model.vocab_size, shape, generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _build_model(setup: TrainSetup) -> TinyGPT:
+    torch.manual_seed(setup.seed)
+    return TinyGPT(setup.model)
+
+
+def saved_unsharded(forward) -> list[str]:
+    annotated = classify_trace(forward)
+    saved, _ = forward.bound_symbols[-1].args[1]
+    gathered = (NodeKind.WAIT, NodeKind.EPILOGUE)
+    return [
+        t.name
+        for t in saved
+        if t.name in annotated.producer and annotated.nodes[annotated.producer[t.name]].kind in gathered
+    ]
+
+
+def collective_sequence(trace) -> list[str]:
+    """Each collective and wait as ``name(input) dtype[shape]``, in trace order. Input names come
+    from parameter names, so two ranks that order equally shaped blocks differently differ here."""
+    annotated = classify_trace(trace)
+    sequence = []
+    for node in annotated.nodes:
+        if node.kind in (NodeKind.COLLECTIVE, NodeKind.WAIT):
+            out = node.bsym.flat_proxy_outs[0]
+            sequence.append(f"{node.name}({node.inputs[0]}) {out.dtype} {list(out.shape)}")
+    return sequence
+
+
+def collective_groups(trace) -> list[tuple[str, tuple[int, ...], int]]:
+    """Each collective of ``trace``: kind, its group's global ranks and the numel of its future
+    (an all-gather's gathered output, a reduce-scatter's reduced shard)."""
+    annotated = classify_trace(trace)
+    groups = []
+    for c in annotated.collectives:
+        future = next(o for o in annotated.nodes[c.start].bsym.flat_proxy_outs if isinstance(o, FutureTensorProxy))
+        ranks = tuple(torch.distributed.get_process_group_ranks(c.process_group)) if c.process_group is not None else ()
+        groups.append((c.kind.value, ranks, int(future.numel)))
+    return groups
+
+
+def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
+    """Trains on this rank's slice of each global batch; call inside an initialised process group."""
+    model = _build_model(setup)
+    unsharded_numels = {name: p.numel() for name, p in model.named_parameters()}
+    device = torch.device("cpu")
+    if setup.impl == "thunder_overlap":
+        mesh = None
+        if setup.replicas > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (setup.replicas, world_size // setup.replicas))
+        jm = overlap_fsdp(
+            model,
+            device=device,
+            sharding_strategy=setup.sharding,
+            bucketing_strategy=setup.bucketing,
+            config=setup.config,
+            device_mesh=mesh,
+        )
+    else:
+        jm = thunder.distributed.fsdp(
+            thunder.jit(model),
+            device=device,
+            sharding_strategy=setup.sharding.thunder_type,
+            bucketing_strategy=setup.bucketing.thunder_type,
+        )
+    optimizer = _optimizer(setup, jm.parameters())
+
+    rows = slice(rank * setup.micro_batch, (rank + 1) * setup.micro_batch)
+    bucketing = BucketingTransform.of(jm) if setup.impl == "thunder_overlap" else None
+    if setup.buckets_as_on_nccl and bucketing is not None:
+        for bucket in bucketing.buckets.values():
+            bucket.layout = bucket.layout.as_on_nccl()
+    census, allocations_after_first_step = OpCensus(), None
+    losses, step_ms, first_grads = [], [], {}
+    for step in range(setup.steps):
+        idx, targets = global_batch(setup, world_size, step)
+        counted = bucketing is not None and step == setup.steps - 1 and step > 0
+        start = time.perf_counter()
+        with census if counted else contextlib.nullcontext():
+            optimizer.zero_grad(set_to_none=True)
+            loss = _loss(jm(idx[rows]), targets[rows])
+            loss.backward()
+            if step == 0:
+                first_grads = {n: p.grad.clone() for n, p in jm.named_parameters() if p.grad is not None}
+            optimizer.step()
+        step_ms.append((time.perf_counter() - start) * 1e3)
+        losses.append(loss.item())
+        if bucketing is not None and step == 0:
+            allocations_after_first_step = bucketing.allocations
+    bucket_census = None
+    if census.records:
+        backward = thunder.last_backward_traces(jm)[-1]
+        bucket_census = _bucket_census(jm, bucketing, census, allocations_after_first_step, unsharded_numels, backward)
+
+    shards = {name: p.detach().clone() for name, p in jm.named_parameters()}
+    peak = predicted_peak = None
+    forward, backward = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
+    if setup.measure_memory:
+        idx, targets = global_batch(setup, world_size, setup.steps)
+        optimizer.zero_grad(set_to_none=True)
+        with LiveMemoryTracker() as tracker:
+            for buffer in bucketing.pool.buffers if bucketing is not None else ():
+                tracker.track(buffer)  # held all along, as the estimate counts it
+            _loss(jm(idx[rows]), targets[rows]).backward()
+        peak = tracker.peak_bytes
+        optimizer.zero_grad(set_to_none=True)
+        forward_memory = estimate_memory(forward)
+        backward_memory = estimate_memory(backward, after=forward_memory)
+        predicted_peak = max(forward_memory.peak_beyond_inputs_bytes, backward_memory.peak_beyond_inputs_bytes)
+
+    return RankResult(
+        rank=rank,
+        losses=losses,
+        step_ms=step_ms,
+        peak_step_bytes=peak,
+        predicted_peak_step_bytes=predicted_peak,
+        forward_picture=schedule_picture(forward),
+        backward_picture=schedule_picture(backward),
+        forward_stats=schedule_stats(forward),
+        backward_stats=schedule_stats(backward),
+        collectives=collective_sequence(forward) + collective_sequence(backward),
+        shards=shards,
+        saved_unsharded=saved_unsharded(forward),
+        bucket_census=bucket_census,
+        first_grads=first_grads,
+        forward_groups=collective_groups(forward),
+        backward_groups=collective_groups(backward),
+    )
+
+
+def _backend_copies_per_reduce_scatter(group) -> int:
+    world = group.size()
+    source, out = torch.ones(world * 4), torch.empty(4)
+    with OpCensus() as census:
+        torch.distributed.reduce_scatter_tensor(out, source, group=group)
+    return len(census.copies)
+
+
+def _bucket_census(
+    jm,
+    bucketing: BucketingTransform,
+    census: OpCensus,
+    allocations_after_first_step: int,
+    unsharded_numels: dict[str, int],
+    backward,
+) -> BucketCensus:
+    storages = bucketing.buffer_storages()
+    grad_shards = bucketing.gradient_storages()
+    shards = grad_shards - storages  # the gradient shards of their own, not rows of the pool
+    # A gradient shard is allocated in the step, at an address an earlier temporary of the step
+    # may have had: it is the shard only from the last op that allocated there.
+    shard_born = {ptr: i for i, r in enumerate(census.records) if r.allocated_bytes > 0 for ptr in r.outputs & shards}
+    copies: dict[str, int] = {}
+    for i, record in enumerate(census.records):
+        touched = record.inputs | record.outputs
+        on_shard = any(i >= shard_born.get(ptr, 0) for ptr in touched & shards)
+        if record.name in COPY_OPS and (touched & storages or on_shard):
+            copies[record.name] = copies.get(record.name, 0) + 1
+    grads = [p.grad for p in jm.parameters() if p.requires_grad]
+    planned = bucketing.slot_plan(jm)
+    trainable = [b for b in bucketing.buckets.values() if b.plan.requires_grad]
+    # The gradients have the parameters' unsharded sizes (Thunder pads only the gathered shards).
+    laid_out = [b for b in trainable if not b.layout.sends_gradients([unsharded_numels[s.name] for s in b.plan.slots])]
+    in_coalesced_launch = {
+        id(lookup_bucket(bucket_id))
+        for bsym in backward.bound_symbols
+        if bsym.sym.name == "coalesced_bucket_reduce_scatter"
+        for bucket_id, _, _ in bsym.args[1]
+    }
+    lone = [b for b in laid_out if b.layout.reduce_scatter_copies_input and id(b) not in in_coalesced_launch]
+    in_place = [b for b in lone if not b.layout.reduce_scatter_from_copy]
+    return BucketCensus(
+        forward_all_gathers=bucketing.summaries["forward"].all_gathers,
+        backward_all_gathers=bucketing.summaries["backward"].all_gathers,
+        reduce_scatters=bucketing.summaries["backward"].reduce_scatters,
+        buckets=len(bucketing.plans),
+        frozen_buckets=sum(not p.requires_grad for p in bucketing.plans),
+        multi_parameter_buckets=sum(len(p.slots) > 1 for p in bucketing.plans),
+        laid_out_buckets=len(laid_out),
+        reduced_in_place=len(in_place),
+        reduces_from_copy=tuple(b.plan.label for b in lone if b.layout.reduce_scatter_from_copy),
+        reduced_in_pool=tuple(b.plan.label for b in trainable if b.layout.reduces_in_pool),
+        per_tensor_gathers=tuple(b.plan.label for b in bucketing.buckets.values() if b.layout.per_tensor_gather),
+        reduce_scatter_calls=len(laid_out) - len(in_place) + sum(b.layout.tensors for b in trainable if b not in laid_out),
+        bucket_copies=copies,
+        backend_copies_per_reduce_scatter=_backend_copies_per_reduce_scatter(bucketing.process_group),
+        bucket_allocations=sum(bool(r.outputs & storages) and r.allocated_bytes > 0 for r in census.records),
+        gradient_shard_allocations=len(shard_born),
+        pads=census.count("constant_pad_nd"),
+        allocations_after_first_step=allocations_after_first_step,
+        allocations_after_last_step=bucketing.allocations,
+        pool_buffers=dict(collections.Counter(b.numel() for b in bucketing.pool.buffers)),
+        pool_users=[slot.users for slot in bucketing.pool.slots],
+        planned_pool_buffers=dict(collections.Counter(slot.numel for slot in planned.slots)),
+        planned_pool_users=[slot.users for slot in planned.slots],
+        bucket_numels=[b.world_size * b.plan.shard_numel for b in bucketing.buckets.values()],
+        grads_are_bucket_views=all(g is not None and g.untyped_storage().data_ptr() in grad_shards for g in grads),
+    )
+
+
+def train_reference(setup: TrainSetup, world_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same steps on one process over the whole global batch, with no sharding."""
+    model = _build_model(setup)
+    optimizer = _optimizer(setup, model.parameters())
+    losses = []
+    for step in range(setup.steps):
+        idx, targets = global_batch(setup, world_size, step)
+        optimizer.zero_grad(set_to_none=True)
+        loss = _loss(model(idx), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def reference_first_grads(setup: TrainSetup, world_size: int) -> dict[str, torch.Tensor]:
+    """The gradients of the first step in one process over the whole global batch."""
+    model = _build_model(setup)
+    idx, targets = global_batch(setup, world_size, 0)
+    _loss(model(idx), targets).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def shard_of(full: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, int]:
+    """Rank's dim-0 chunk of ``full`` as Thunder shards it, and how many of its rows are real
+    (the rest is padding)."""
+    chunk = -(-full.shape[0] // world_size)
+    start = min(rank * chunk, full.shape[0])
+    real = full[start : start + chunk]
+    return real, real.shape[0]
