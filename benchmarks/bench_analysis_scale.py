@@ -24,6 +24,7 @@ from thunder_overlap._analysis.blocks import largest_block_bytes
 from thunder_overlap._analysis.classify import classify_trace
 from thunder_overlap._analysis.memory_estimate import estimate_memory
 from thunder_overlap._analysis.simulator import simulate
+from thunder_overlap._scheduling.limits import resolve_limits
 from thunder_overlap._scheduling.scheduler import OverlapScheduler
 from thunder_overlap.report._builtin_models import Llama, LlamaConfig
 from thunder_overlap.report._models import trace_model
@@ -66,7 +67,7 @@ def measure(n_layer: int, world_size: int, seq_len: int) -> ScaleRow:
 
     with torch.device("meta"):
         model = Llama(replace(LlamaConfig(), n_layer=n_layer)).to(torch.bfloat16)
-    limits = OverlapConfig().limits(largest_block_bytes(model))
+    limits = resolve_limits(OverlapConfig(), largest_block_bytes(model))
     start = time.perf_counter()
     jm = trace_model(model, world_size=world_size, sharding="zero3", bucketing="none", idx_shape=(1, seq_len))
     tracing = time.perf_counter() - start

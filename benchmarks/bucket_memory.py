@@ -63,7 +63,7 @@ import torch.nn.functional as F
 
 from thunder_overlap._analysis.memory_estimate import estimate_memory
 from thunder_overlap._bucketing.buffers import BucketBuffers, PendingCollective
-from thunder_overlap.config import OverlapConfig
+from thunder_overlap.config import OverlapConfig, Tuning
 from thunder_overlap.options import ShardingStrategy
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.testing.live_memory import LiveMemoryTracker
@@ -187,7 +187,7 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
     strategy, _, runtime = variant.partition(":")
     torch.manual_seed(0)
     # The reimplementations of the usual ways, and laid_out, run every bucket as gloo suggests.
-    laid_out = OverlapConfig(per_tensor_gather_max_slowdown=None, reduce_from_copy_max_slowdown=None)
+    laid_out = OverlapConfig(_tuning=Tuning(per_tensor_gather_max_slowdown=None, reduce_from_copy_max_slowdown=None))
     config = laid_out if runtime in ("laid_out", *RUNTIMES) else None
     jm = thunder_overlap.fsdp(TinyGPT(model), device="cpu", sharding_strategy=sharding, bucketing_strategy=strategy, config=config)
     for bucket in thunder_overlap.BucketingTransform.of(jm).buckets.values() if runtime in ("as_on_nccl", *RUNTIMES) else ():

@@ -41,6 +41,7 @@ import torch
 
 from thunder_overlap import CostModel, OverlapConfig
 from thunder_overlap._analysis.network import NodeTopology
+from thunder_overlap._scheduling.limits import resolve_limits
 from thunder_overlap.report._models import BUILTIN_MODELS, trace_model
 from thunder_overlap.report._policies import PolicyComparison, compare_policies
 from thunder_overlap.report._report import BASELINE
@@ -111,7 +112,7 @@ HEADER = (
 def _order_row(comparison: PolicyComparison, order: str, config: OverlapConfig, **setting) -> ScalingRow:
     results = [r for r in comparison.results if r.policy == order]
     just_in_time = [r for r in comparison.results if r.policy == "just_in_time"] if order != BASELINE else []
-    budget = config.limits(None).memory_budget if order == "memory_aware" else None
+    budget = resolve_limits(config, None).memory_budget if order == "memory_aware" else None
     within_budget = None
     if budget is not None:
         within_budget = all(

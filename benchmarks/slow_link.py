@@ -43,11 +43,13 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from thunder_overlap._backends import GLOO
+
 from fsdp_bench.bench_config import BUCKETING_MODES, SHARD_MODES, TRAINING_IMPLS
 from fsdp_bench.bench_models import TINY_PRESETS
 from fsdp_bench.launch import run_on_link
 from fsdp_bench.netns import LinkSpec, SlowLink
-from fsdp_bench.prediction import GLOO_CONCURRENT_LAUNCHES, TestbedSetting, predict_testbed_step_ms
+from fsdp_bench.prediction import TestbedSetting, predict_testbed_step_ms
 from fsdp_bench.results import load_results
 from fsdp_bench.testbed_summary import calibrate, format_table, summarize, target_checks
 
@@ -102,7 +104,7 @@ class TestbedConfig:
     def network(self) -> str:
         """The link as a cost-model network: ``custom:<latency_us>:<GB/s>:ring:2``, a ring on
         which gloo runs two launches at once."""
-        return f"custom:{self.link_latency_us:g}:{self.rate_mbit / 8e3:g}:ring:{GLOO_CONCURRENT_LAUNCHES}"
+        return f"custom:{self.link_latency_us:g}:{self.rate_mbit / 8e3:g}:ring:{GLOO.concurrent_launches}"
 
     @property
     def bucketings(self) -> tuple[str, ...]:

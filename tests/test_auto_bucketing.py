@@ -17,6 +17,8 @@ from thunder_overlap._analysis.blocks import find_blocks, largest_block_bytes, p
 from thunder_overlap._analysis.network import network_profile
 from thunder_overlap._bucketing.auto_plan import AutoBucketCaps, Replicas, plan_auto_buckets, saturating_bytes
 from thunder_overlap._bucketing.plan import BucketEnd, bucket_owner
+from thunder_overlap._scheduling.limits import resolve_limits
+from thunder_overlap.config import Tuning
 from thunder_overlap.report._builtin_models import Block, TinyGPT, TinyGPTConfig
 
 WORLD_SIZE = 8
@@ -26,7 +28,7 @@ MODEL = TinyGPTConfig(n_layer=6, vocab_size=104, n_embd=64)
 LATENCY_DOMINATED = CostModel.named("h100", "custom:1000:100")
 # Latency ~0: any bucket saturates the link.
 BANDWIDTH_DOMINATED = CostModel.named("h100", "custom:0.001:100")
-SHARE = OverlapConfig().auto_bucket_latency_share
+SHARE = Tuning().auto_bucket_latency_share
 
 
 def _shards(model: nn.Module, world_size: int = WORLD_SIZE) -> list[tuple[str, torch.Tensor]]:
@@ -201,7 +203,7 @@ def test_fsdp_auto_summarises_its_plan(fake_group_8):
     schedule = OverlapScheduleTransform.of(jm)
     largest_bucket = max(b.unsharded_bytes for b in summary.buckets)
     assert schedule.prefetch_unit_bytes == largest_bucket > schedule.largest_block_bytes
-    limits = config.limits(schedule.prefetch_unit_bytes)
+    limits = resolve_limits(config, schedule.prefetch_unit_bytes)
     assert limits.max_allgather_bytes >= 2 * largest_bucket and limits.max_reduce_scatter_bytes >= 2 * largest_bucket
     # bucket_cap_mb is a cap under auto too.
     capped = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", bucketing_strategy="auto", bucket_cap_mb=0.1, config=config)
@@ -235,7 +237,7 @@ def test_a_nonsense_cap_is_a_clear_error(fake_group_8, cap, message):
 
 def test_a_latency_share_outside_0_1_is_a_clear_error():
     with pytest.raises(ValueError, match=r"auto_bucket_latency_share must be between 0 and 1 .*got 1.5"):
-        OverlapConfig(auto_bucket_latency_share=1.5)
+        OverlapConfig(_tuning=Tuning(auto_bucket_latency_share=1.5))
 
 
 # --- block_types ---------------------------------------------------------------------------------

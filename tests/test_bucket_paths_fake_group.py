@@ -1,13 +1,11 @@
 """Bucket paths chosen over gloo where the pool would otherwise hold a spare buffer: gathers per
-parameter instead of a copy-out (bucketing/per_tensor_gathers.py) and reduce-scatters from the
-backend's copy instead of a lay-out held to the wait (bucketing/reduce_from_copy.py), on PyTorch's
+parameter instead of a copy-out and reduce-scatters from the backend's copy instead of a lay-out
+held to the wait (_bucketing/path_choice.py), on PyTorch's
 fake process group as rank 0 of 2: real traces and the real bucket runtime, with each bucket told
 that its backend runs a coalesced launch one collective at a time and copies a reduce-scatter's
 input, as gloo does (the fake group otherwise stands for NCCL)."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import thunder
 import torch
@@ -15,8 +13,11 @@ import torch
 import thunder_overlap
 from thunder_overlap._analysis.classify import NodeKind, classify_trace
 from thunder_overlap._analysis.cost_model import CostModel
+from thunder_overlap._analysis.layout import GatherPath, ReducePath
 from thunder_overlap._analysis.memory_estimate import estimate_memory
-from thunder_overlap._bucketing.buffers import lookup_bucket
+from thunder_overlap._backends import GLOO
+from thunder_overlap._bucketing.path_choice import GATHERED_PER_PARAMETER, REDUCED_FROM_COPY
+from thunder_overlap.config import Tuning
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 
 MODEL = TinyGPTConfig(n_layer=2, n_embd=64)
@@ -28,10 +29,10 @@ def _block_as_over_gloo(cost_model: CostModel, sharding: str = "zero2", model: T
     gathered rank-major and copied out, gradients laid out, unless chosen otherwise. Two steps:
     the first compiles and grows the pool."""
     torch.manual_seed(0)
-    config = thunder_overlap.OverlapConfig(cost_model=cost_model, **options)
+    config = thunder_overlap.OverlapConfig(cost_model=cost_model, _tuning=Tuning(**options))
     jm = thunder_overlap.fsdp(TinyGPT(model), device="cpu", sharding_strategy=sharding, bucketing_strategy="block", config=config)
-    for bucket in thunder_overlap.BucketingTransform.of(jm).buckets.values():
-        bucket.layout = replace(bucket.layout, launches_coalesced_as_one=False, reduce_scatter_copies_input=True)
+    bucketing = thunder_overlap.BucketingTransform.of(jm)
+    bucketing.set_layouts({bucket: layout.as_on(GLOO) for bucket, layout in bucketing.layouts.items()})
     tokens = torch.randint(0, model.vocab_size, tokens)
     for _ in range(2):
         jm(tokens).sum().backward()
@@ -46,41 +47,42 @@ def test_over_gloo_the_last_block_gathers_per_parameter_where_the_step_allows(fa
     jm = _block_as_over_gloo(CostModel.named("cpu", "gloo-loopback"))
     schedule = thunder_overlap.OverlapScheduleTransform.of(jm)
     last_block = f"blocks.{MODEL.n_layer - 1}"
-    assert last_block in schedule.per_tensor_gathers
-    choice = schedule.per_tensor_gather_choice
+    gathered_per_parameter = schedule.bucket_paths.labels(GATHERED_PER_PARAMETER)
+    assert last_block in gathered_per_parameter
+    choice = schedule.bucket_paths.outcome(GATHERED_PER_PARAMETER)
     assert choice.peak_bytes[1] < choice.peak_bytes[0] and choice.step_ms[1] <= 1.01 * choice.step_ms[0]
-    buckets = {b.plan.label: b for b in thunder_overlap.BucketingTransform.of(jm).buckets.values()}
-    assert {label for label, b in buckets.items() if b.layout.per_tensor_gather} == set(schedule.per_tensor_gathers)
+    bucketing = thunder_overlap.BucketingTransform.of(jm)
+    buckets = {b.plan.label: b for b in bucketing.buckets}
+    assert {label for label, b in buckets.items() if b.layout.gather is GatherPath.IN_PLACE} == set(gathered_per_parameter)
     # The final forward launches a collective per parameter for it, and the cost model knows.
     forward = thunder.last_traces(jm)[-1]
-    annotated = classify_trace(forward)
+    annotated = classify_trace(forward, bucketing.layouts)
     launches = {}
     for coll in annotated.collectives:
         bsym = annotated.nodes[coll.start].bsym
         if bsym.sym.name == "bucket_all_gather":
-            launches[lookup_bucket(bsym.args[0]).plan.label] = coll.launches
+            launches[bsym.args[0].label] = coll.launches
     assert launches[last_block] == buckets[last_block].layout.tensors > 1
-    assert all(n == 1 for label, n in launches.items() if label not in schedule.per_tensor_gathers)
+    assert all(n == 1 for label, n in launches.items() if label not in gathered_per_parameter)
     # The pool the steps grew is the plan from the final traces, one buffer per block: no spare
-    # rank-major buffer, and the summary's forward peak is the estimate's.
-    estimate = estimate_memory(forward)
-    backward = estimate_memory(thunder.last_backward_traces(jm)[-1], after=estimate)
-    pool = thunder_overlap.BucketingTransform.of(jm).pool
-    assert sorted(s.users for s in backward.pool.slots) == sorted(s.users for s in pool.slots)
+    # rank-major buffer, and the path choice's forward peak is the estimate's.
+    estimate = estimate_memory(forward, layouts=bucketing.layouts)
+    backward = estimate_memory(thunder.last_backward_traces(jm)[-1], layouts=bucketing.layouts, after=estimate)
+    assert sorted(s.users for s in backward.pool.slots) == sorted(s.users for s in bucketing.pool.slots)
     block_numel = buckets[last_block].layout.unsharded_numel
-    assert sum(b.numel() == block_numel for b in pool.buffers) == MODEL.n_layer
-    assert schedule.summaries["forward"].peak_bytes == estimate.peak_bytes
+    assert sum(b.numel() == block_numel for b in bucketing.pool.buffers) == MODEL.n_layer
+    assert schedule.bucket_paths.forward_memory.peak_bytes == estimate.peak_bytes
 
 
 def test_over_a_slow_link_no_bucket_gathers_per_parameter(fake_group_2):
     # 100 ms per launch: the memory would be saved, but the extra launches would hold the link.
     jm = _block_as_over_gloo(CostModel.named("cpu", "custom:100000:1:ring:2"))
     schedule = thunder_overlap.OverlapScheduleTransform.of(jm)
-    choice = schedule.per_tensor_gather_choice
-    assert schedule.per_tensor_gathers == [] and choice.labels == []
+    choice = schedule.bucket_paths.outcome(GATHERED_PER_PARAMETER)
+    assert choice.labels == ()
     assert choice.peak_bytes[1] < choice.peak_bytes[0]
     assert choice.step_ms[1] > 1.01 * choice.step_ms[0] and "slower" in choice.reason
-    assert not any(b.layout.per_tensor_gather for b in thunder_overlap.BucketingTransform.of(jm).buckets.values())
+    assert not any(b.layout.gather is GatherPath.IN_PLACE for b in thunder_overlap.BucketingTransform.of(jm).buckets)
 
 
 def test_over_gloo_zero3_hands_the_lay_outs_that_would_grow_the_pool_to_the_backends_copy(fake_group_2):
@@ -91,23 +93,24 @@ def test_over_gloo_zero3_hands_the_lay_outs_that_would_grow_the_pool_to_the_back
     jm = _block_as_over_gloo(cost_model, "zero3", per_tensor_gather_max_slowdown=None)
     schedule = thunder_overlap.OverlapScheduleTransform.of(jm)
     last_block = f"blocks.{MODEL.n_layer - 1}"
-    assert schedule.reduces_from_copy == [last_block]
-    choice = schedule.reduce_from_copy_choice
+    assert schedule.bucket_paths.labels(REDUCED_FROM_COPY) == (last_block,)
+    choice = schedule.bucket_paths.outcome(REDUCED_FROM_COPY)
     assert choice.peak_bytes[1] < choice.peak_bytes[0]
     # The simulator charges the backend's copy: a little slower, within the 2% allowed.
     assert choice.step_ms[0] < choice.step_ms[1] <= 1.02 * choice.step_ms[0]
-    buckets = {b.plan.label: b for b in thunder_overlap.BucketingTransform.of(jm).buckets.values()}
-    assert {label for label, b in buckets.items() if b.layout.reduce_scatter_from_copy} == {last_block}
+    bucketing = thunder_overlap.BucketingTransform.of(jm)
+    buckets = {b.plan.label: b for b in bucketing.buckets}
+    assert {label for label, b in buckets.items() if b.layout.reduce is ReducePath.FROM_COPY} == {last_block}
     # The runtime's pool is the plan from the final traces: two block buffers.
-    forward = estimate_memory(thunder.last_traces(jm)[-1])
-    backward = estimate_memory(thunder.last_backward_traces(jm)[-1], after=forward)
-    pool = thunder_overlap.BucketingTransform.of(jm).pool
+    forward = estimate_memory(thunder.last_traces(jm)[-1], layouts=bucketing.layouts)
+    backward = estimate_memory(thunder.last_backward_traces(jm)[-1], layouts=bucketing.layouts, after=forward)
+    pool = bucketing.pool
     assert sorted(s.users for s in backward.pool.slots) == sorted(s.users for s in pool.slots)
     block_numel = buckets[last_block].layout.unsharded_numel
     assert sum(b.numel() == block_numel for b in pool.buffers) == 2
     # The backend's copy is held from the launch to the wait, outside the pool.
     assert f"{last_block} reduce-scatter" in {u for s in pool.slots for u in s.users}
-    assert schedule.summaries["backward"].peak_bytes == backward.peak_bytes
+    assert schedule.bucket_paths.backward_memory.peak_bytes == backward.peak_bytes
 
 
 def test_zero3_keeps_its_lay_outs_where_the_backends_copy_is_too_slow(fake_group_2):
@@ -115,18 +118,18 @@ def test_zero3_keeps_its_lay_outs_where_the_backends_copy_is_too_slow(fake_group
     options = {"per_tensor_gather_max_slowdown": None, "reduce_from_copy_max_slowdown": 0.0}
     jm = _block_as_over_gloo(CostModel.named("cpu", "gloo-loopback"), "zero3", **options)
     schedule = thunder_overlap.OverlapScheduleTransform.of(jm)
-    choice = schedule.reduce_from_copy_choice
-    assert schedule.reduces_from_copy == [] and "slower" in choice.reason
+    choice = schedule.bucket_paths.outcome(REDUCED_FROM_COPY)
+    assert choice.labels == () and "slower" in choice.reason
     assert choice.peak_bytes[1] < choice.peak_bytes[0]
-    buckets = thunder_overlap.BucketingTransform.of(jm).buckets.values()
-    assert not any(b.layout.reduce_scatter_from_copy for b in buckets)
+    buckets = thunder_overlap.BucketingTransform.of(jm).buckets
+    assert not any(b.layout.reduce is ReducePath.FROM_COPY for b in buckets)
     block_numel = max(b.layout.unsharded_numel for b in buckets)
     assert sum(b.numel() == block_numel for b in thunder_overlap.BucketingTransform.of(jm).pool.buffers) == 3
 
 
-def _pool_reduce_scatters_in_flight(trace) -> int:
+def _pool_reduce_scatters_in_flight(trace, layouts) -> int:
     """The most reduce-scatters holding a pool buffer (to their wait) in flight at once in ``trace``."""
-    annotated = classify_trace(trace)
+    annotated = classify_trace(trace, layouts)
     in_flight = most = 0
     for node in annotated.nodes:
         if node.kind not in (NodeKind.COLLECTIVE, NodeKind.WAIT) or not annotated.collectives[node.collective].pool_bytes_to_wait:
@@ -145,8 +148,8 @@ def test_over_gloo_zero3_holds_one_laid_out_reduce_scatter_at_a_time(fake_group_
     for blocks in (1.0, None):
         jm = _block_as_over_gloo(cost_model, "zero3", bucket_reduce_scatter_blocks=blocks, **shape)
         bucketing = thunder_overlap.BucketingTransform.of(jm)
-        block_numel = max(b.layout.unsharded_numel for b in bucketing.buckets.values())
+        block_numel = max(b.layout.unsharded_numel for b in bucketing.buckets)
         block_buffers = sum(b.numel() == block_numel for b in bucketing.pool.buffers)
-        results[blocks] = (_pool_reduce_scatters_in_flight(thunder.last_backward_traces(jm)[-1]), block_buffers)
+        results[blocks] = (_pool_reduce_scatters_in_flight(thunder.last_backward_traces(jm)[-1], bucketing.layouts), block_buffers)
     assert results[1.0] == (1, 3)
     assert results[None][1] == 4

@@ -8,17 +8,19 @@ from thunder.core import devices, dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
 
+from thunder_overlap._analysis.calibration import _shape_key
 from thunder_overlap._analysis.classify import Collective, CollectiveKind
 from thunder_overlap._analysis.cost_model import (
     Calibration,
     CostModel,
     DeviceProfile,
     NetworkProfile,
-    _shape_key,
     network_profile,
     op_bytes,
     op_flops,
 )
+from thunder_overlap._analysis.layout import BucketLayout, GatherPath, ReducePath
+from thunder_overlap._backends import GLOO, NCCL
 
 # Round numbers, so every answer below is computed by hand: 1 TFLOP/s (both widths), 1 GB/s,
 # full efficiency and no launch overhead.
@@ -170,13 +172,30 @@ def test_profiles_by_name_and_clear_errors():
 # Local copies of the bucketed collectives (thunder_overlap._analysis.local_copies)
 
 
+def _layout(label: str, numel: int, *, tensors: int, world_size: int, backend=GLOO, padded: bool = False, itemsize: int = 4, **paths):
+    """A bucket's default layout on ``backend``, with ``paths`` (gather=, reduce=) changed."""
+    dtype = {2: "torch.bfloat16", 4: "torch.float32"}[itemsize]
+    layout = BucketLayout.default(
+        label, unsharded_numel=numel, dtype=dtype, itemsize=itemsize, tensors=tensors, world_size=world_size, backend=backend, padded=padded
+    )
+    return layout.with_paths(**paths)
+
+
+# The synthetic traces' buckets, by the key their operators name: two bf16 weights on 4 ranks,
+# laid out over gloo (the first padded); one weight alone.
+TWO = _layout("two", 96, tensors=2, world_size=4, padded=True, itemsize=2)
+ONE = _layout("one", 96, tensors=1, world_size=4, itemsize=2)
+LAYOUTS = {"two": TWO, "one": ONE}
+
+
 def _bucket_ops(group, *, divisor: float | None = 4.0):
-    """A bucket of two bf16 weights, (7, 8) and (4, 8), on the 4 ranks of ``group``: shards of
-    2 and 1 rows (the first padded from 7 to 8 rows), 24 elements per rank, 96 unsharded (192
-    bytes). Returns the bound symbols of its collectives' starts and waits by role."""
+    """Bucket ``"two"``: two bf16 weights, (7, 8) and (4, 8), on the 4 ranks of ``group``: shards
+    of 2 and 1 rows (the first padded from 7 to 8 rows), 24 elements per rank, 96 unsharded (192
+    bytes); and ``"one"``, a (12, 8) weight. Returns the bound symbols of their collectives'
+    starts and waits by role."""
     from thunder.core.proxies import FutureTensorProxy
 
-    from thunder_overlap._transforms.executor import (
+    from thunder_overlap._ops import (
         bucket_all_gather,
         bucket_all_gather_wait,
         bucket_reduce_scatter,
@@ -192,11 +211,11 @@ def _bucket_ops(group, *, divisor: float | None = 4.0):
         grads = [proxy(7, 8), proxy(4, 8)]
         reduced = FutureTensorProxy(shape=(24,), dtype=dtypes.bfloat16, device=devices.cpu)
         return {
-            "start_gather": bucket_all_gather.bind(0, group, shards, (0, 1), output=gathered),
-            "wait_gather": bucket_all_gather_wait.bind(gathered, 0, (0, 1), output=(proxy(8, 8), proxy(4, 8))),
-            "wait_whole": bucket_all_gather_wait.bind(gathered, 0, (0,), output=(proxy(12, 8),)),
-            "start_scatter": bucket_reduce_scatter.bind(0, group, grads, divisor, output=reduced),
-            "wait_scatter": bucket_reduce_scatter_wait.bind(reduced, 0, (0, 1), output=(proxy(2, 8), proxy(1, 8))),
+            "start_gather": bucket_all_gather.bind("two", group, shards, (0, 1), output=gathered),
+            "wait_gather": bucket_all_gather_wait.bind(gathered, "two", (0, 1), output=(proxy(8, 8), proxy(4, 8))),
+            "wait_whole": bucket_all_gather_wait.bind(gathered, "one", (0,), output=(proxy(12, 8),)),
+            "start_scatter": bucket_reduce_scatter.bind("two", group, grads, divisor, output=reduced),
+            "wait_scatter": bucket_reduce_scatter_wait.bind(reduced, "two", (0, 1), output=(proxy(2, 8), proxy(1, 8))),
         }
 
 
@@ -206,20 +225,28 @@ def test_bucket_copies_cost_their_bytes_at_memory_bandwidth(fake_group_4):
     ops = _bucket_ops(fake_group_4)
     # The flat shard is the parameters' storage (no copy-in); the reduce-scatter writes the
     # gradient shard in place (no copy-out).
-    assert local_copy_bytes(ops["start_gather"]) == local_copy_bytes(ops["wait_scatter"]) == 0
+    assert local_copy_bytes(ops["start_gather"], LAYOUTS) == local_copy_bytes(ops["wait_scatter"], LAYOUTS) == 0
     # split_with_sizes_copy reads and writes the 192 gathered bytes; one tensor needs views only.
-    assert local_copy_bytes(ops["wait_gather"]) == 2 * 192
-    assert local_copy_bytes(ops["wait_whole"]) == 0
+    assert local_copy_bytes(ops["wait_gather"], LAYOUTS) == 2 * 192
+    assert local_copy_bytes(ops["wait_whole"], LAYOUTS) == 0
+    # Gathered in place (NCCL, or per parameter over gloo) there is no copy-out.
+    in_place = {"two": TWO.with_paths(gather=GatherPath.IN_PLACE)}
+    assert local_copy_bytes(ops["wait_gather"], in_place) == 0
     # _chunk_cat reads the gradients (112 + 64 bytes) and writes the padded 192; the
-    # pre-average reads and writes those 192 again.
-    assert local_copy_bytes(ops["start_scatter"]) == 176 + 192 + 2 * 192
-    assert local_copy_bytes(_bucket_ops(fake_group_4, divisor=None)["start_scatter"]) == 176 + 192
+    # pre-average reads and writes those 192 again; from gloo's copy, that copy once more.
+    assert local_copy_bytes(ops["start_scatter"], LAYOUTS) == 176 + 192 + 2 * 192
+    assert local_copy_bytes(_bucket_ops(fake_group_4, divisor=None)["start_scatter"], LAYOUTS) == 176 + 192
+    from_copy = {"two": TWO.with_paths(reduce=ReducePath.FROM_COPY)}
+    assert local_copy_bytes(ops["start_scatter"], from_copy) == 176 + 192 + 2 * 192 + 2 * 192
     # 1 GB/s at full efficiency: 1 ns per byte; at 80% efficiency 1.25 ns.
-    assert CostModel(DEVICE, NETWORK).local_copy_ms(ops["start_scatter"]) == pytest.approx(752e-6)
+    assert CostModel(DEVICE, NETWORK).local_copy_ms(ops["start_scatter"], LAYOUTS) == pytest.approx(752e-6)
     slower = DeviceProfile("test", 1e12, 1e12, 1e9, bandwidth_efficiency=0.8)
-    assert CostModel(slower, NETWORK).local_copy_ms(ops["wait_gather"]) == pytest.approx(384 * 1.25e-6)
+    assert CostModel(slower, NETWORK).local_copy_ms(ops["wait_gather"], LAYOUTS) == pytest.approx(384 * 1.25e-6)
     # Per-parameter collectives and compute ops copy nothing of the kind.
-    assert CostModel(DEVICE, NETWORK).local_copy_ms(_bsym(ltorch.add, (4, 4), (4, 4))) == 0.0
+    assert CostModel(DEVICE, NETWORK).local_copy_ms(_bsym(ltorch.add, (4, 4), (4, 4)), LAYOUTS) == 0.0
+    # A bucket operator whose layout was not given is an error, not a guess.
+    with pytest.raises(ValueError, match="whose layout was not given"):
+        local_copy_bytes(ops["wait_gather"], {})
     assert set(LOCAL_COPY_BYTES) >= {"bucket_all_gather", "bucket_all_gather_wait", "bucket_reduce_scatter"}
 
 
@@ -235,14 +262,15 @@ def test_a_coalesced_bucket_reduce_scatter_costs_each_members_lay_out():
 
     # Two buckets: one of two gradients, pre-averaged (lay-out G + G, divide 2G); one of a single
     # gradient, not averaged (sent as it is: nothing copied).
+    layouts = {0: _layout("two", 36, tensors=2, world_size=1), 1: _layout("one", 128, tensors=1, world_size=1)}
     members = ((0, 2.0, (0, 1)), (1, None, (0,)))
     grads = [[grad(4, 8), grad(4)], [grad(16, 8)]]
     bsym = SimpleNamespace(sym=SimpleNamespace(name="coalesced_bucket_reduce_scatter"), args=(None, members, grads))
     two_grads_bytes = (32 + 4) * 4
-    assert local_copy_bytes(bsym) == 4 * two_grads_bytes
+    assert local_copy_bytes(bsym, layouts) == 4 * two_grads_bytes
     averaged = SimpleNamespace(sym=bsym.sym, args=(None, ((1, 2.0, (0,)),), [[grad(16, 8)]]))
     # One gradient is sent as it is and the received shard averaged (the whole of it on one rank).
-    assert local_copy_bytes(averaged) == 2 * 128 * 4
+    assert local_copy_bytes(averaged, layouts) == 2 * 128 * 4
 
 
 def test_a_coalesced_bucket_all_gather_wait_costs_each_members_copy_out():
@@ -258,28 +286,28 @@ def test_a_coalesced_bucket_all_gather_wait_costs_each_members_copy_out():
     group = SimpleNamespace(size=lambda: 4)
     # Two buckets on 4 ranks: one of two tensors (flat shard 36 floats: 4 x 144 bytes gathered,
     # read and written by the copy-out); one of a single tensor (views of the gathered buffer).
+    layouts = {0: _layout("two", 144, tensors=2, world_size=4), 1: _layout("one", 512, tensors=1, world_size=4)}
     members = ((0, (0, 1), (0, 1)), (1, (0,), (0,)))
     shards = [[shard(4, 8), shard(4)], [shard(16, 8)]]
     issue = SimpleNamespace(sym=SimpleNamespace(name="coalesced_bucket_all_gather"), args=(group, members, shards))
     wait = SimpleNamespace(sym=SimpleNamespace(name="coalesced_wait"), args=(None, ()))
-    assert local_copy_bytes(wait, issued_by=issue) == 2 * 4 * (32 + 4) * 4
+    assert local_copy_bytes(wait, layouts, issued_by=issue) == 2 * 4 * (32 + 4) * 4
     # A per-parameter coalesced launch copies nothing at its wait, and the wait alone names no bucket.
     per_parameter = SimpleNamespace(sym=SimpleNamespace(name="coalesced_all_gather"), args=(group, (0,), [shard(4, 8)]))
-    assert local_copy_bytes(wait, issued_by=per_parameter) == local_copy_bytes(wait) == 0
+    assert local_copy_bytes(wait, layouts, issued_by=per_parameter) == local_copy_bytes(wait, layouts) == 0
 
 
 def test_a_bucket_gathered_per_parameter_pays_a_latency_per_parameter_on_the_link():
     from dataclasses import replace
 
-    from thunder_overlap._analysis.pool_slots import BucketLayout
-
     # Three parameters on a backend that runs a coalesced launch one collective at a time (gloo).
-    gloo = BucketLayout("b", 1000, "torch.float32", 4, tensors=3, world_size=2)
-    assert (gloo.gather_launches(), gloo.copies_out, gloo.gathers_in_place) == (1, True, False)
-    per_parameter = replace(gloo, per_tensor_gather=True)
-    assert (per_parameter.gather_launches(), per_parameter.copies_out, per_parameter.gathers_in_place) == (3, False, True)
-    # Where a coalesced launch runs as one (NCCL), in place is one launch.
-    assert replace(gloo, launches_coalesced_as_one=True).gather_launches() == 1
+    gloo = _layout("b", 1000, tensors=3, world_size=2)
+    assert (gloo.gather_launches(), gloo.gather) == (1, GatherPath.COPY_OUT)
+    per_parameter = gloo.with_paths(gather=GatherPath.IN_PLACE)
+    assert per_parameter.gather_launches() == 3
+    # Where a coalesced launch runs as one (NCCL), in place is the default and one launch.
+    nccl = gloo.as_on(NCCL)
+    assert (nccl.gather, nccl.gather_launches()) == (GatherPath.IN_PLACE, 1)
     # The ring's latency (7 steps of 1 us on 8 ranks) once per launch; only the first is latency
     # that can pass while another launch transfers, the others hold the link.
     one = Collective(CollectiveKind.ALL_GATHER, start=0, wait=1, process_group=_Group(8), unsharded_bytes=8_000_000)

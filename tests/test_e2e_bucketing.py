@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from thunder_overlap._bucketing.plan import bucket_owner, plan_buckets
-from thunder_overlap.config import OverlapConfig
+from thunder_overlap.config import OverlapConfig, Tuning
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.testing.local_ranks import run_local_ranks
 from thunder_overlap.testing.op_census import OpCensus
@@ -212,7 +212,7 @@ def deep_runs():
     # ZeRO3 with every bucket copied out over gloo (none gathered per parameter): how gathers,
     # copy-outs and lay-outs share the pool's buffers (those that would grow the pool handed to
     # gloo's copy at the launch).
-    laid_out = OverlapConfig(per_tensor_gather_max_slowdown=None)
+    laid_out = OverlapConfig(_tuning=Tuning(per_tensor_gather_max_slowdown=None))
     setups["zero3"] = replace(setups["zero3"], config=laid_out)
     setups["zero3, two blocks ahead"] = replace(setups["zero3"], config=replace(laid_out, bucket_eager_prefetch_blocks=None))
     setups["zero3, as on NCCL"] = replace(setups["zero3"], buckets_as_on_nccl=True)

@@ -13,7 +13,7 @@ from thunder_overlap._scheduling.dispatch import schedule_trace
 from thunder_overlap._scheduling.launches import LaunchGroup, apply_launches, candidate_runs
 from thunder_overlap._scheduling.rank_agreement import IssueOrderAgreement, collective_keys
 from thunder_overlap._scheduling.scheduler import just_in_time_order
-from thunder_overlap.config import OverlapConfig
+from thunder_overlap.config import OverlapConfig, Tuning
 
 from synthetic_traces import VALUE_BYTES, build_trace
 
@@ -79,10 +79,11 @@ def test_latency_bound_networks_coalesce_and_bandwidth_bound_ones_do_not():
 def test_turned_off_and_baseline_policies_do_not_coalesce():
     annotated = _annotated()
     cost_model = _cost_model(LATENCY_BOUND)
-    for config in (OverlapConfig(policy="greedy", coalesce=False), OverlapConfig(policy="just_in_time"), OverlapConfig(policy="stock")):
+    no_coalescing = OverlapConfig(policy="greedy", _tuning=Tuning(coalesce=False))
+    for config in (no_coalescing, OverlapConfig(policy="just_in_time"), OverlapConfig(policy="stock")):
         assert schedule_trace(annotated, config, largest_block_bytes=None, cost_model=cost_model).launches == ()
     with pytest.raises(TypeError, match="coalesce must be a bool, got 'yes'"):
-        OverlapConfig(coalesce="yes")
+        Tuning(coalesce="yes")
 
 
 def test_an_agreed_launch_is_reproduced_in_a_spread_out_schedule():

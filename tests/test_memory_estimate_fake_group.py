@@ -10,7 +10,9 @@ import thunder
 import torch
 
 import thunder_overlap
+from thunder_overlap._analysis.layout import ReducePath
 from thunder_overlap._analysis.memory_estimate import estimate_memory
+from thunder_overlap._bucketing.path_choice import REDUCED_IN_POOL
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.testing.live_memory import LiveMemoryTracker
 from thunder_overlap.testing.memory_check import compare_memory, measure_memory, measure_step
@@ -166,8 +168,9 @@ def test_bucketed_step_peak_and_pool_match_the_runtime(fake_group, sharding):
         for buffer in pool.buffers:  # held all step long, also before the step first writes one
             measured.track(buffer)
         forward_backward()
-    forward = estimate_memory(thunder.last_traces(jm)[-1])
-    backward = estimate_memory(thunder.last_backward_traces(jm)[-1], after=forward)
+    layouts = thunder_overlap.BucketingTransform.of(jm).layouts
+    forward = estimate_memory(thunder.last_traces(jm)[-1], layouts=layouts)
+    backward = estimate_memory(thunder.last_backward_traces(jm)[-1], layouts=layouts, after=forward)
     # The plan is the pool the step grew, buffer for buffer.
     assert sorted(s.users for s in backward.pool.slots) == sorted(s.users for s in pool.slots)
     assert backward.pool.nbytes == pool.allocated_bytes
@@ -182,21 +185,23 @@ def _zero2_block_step(reduce_in_pool: bool):
     config = thunder_overlap.OverlapConfig(reduce_in_pool=reduce_in_pool)
     jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero2", bucketing_strategy="block", config=config)
     jm(torch.randint(0, MODEL.vocab_size, (4, 32))).sum().backward()
-    forward = estimate_memory(thunder.last_traces(jm)[-1])
-    backward = estimate_memory(thunder.last_backward_traces(jm)[-1], after=forward)
+    layouts = thunder_overlap.BucketingTransform.of(jm).layouts
+    forward = estimate_memory(thunder.last_traces(jm)[-1], layouts=layouts)
+    backward = estimate_memory(thunder.last_backward_traces(jm)[-1], layouts=layouts, after=forward)
     return jm, backward
 
 
 def test_zero2_buckets_reduce_in_the_pool_and_the_summary_counts_it(fake_group):
     jm, backward = _zero2_block_step(reduce_in_pool=True)
-    buckets = thunder_overlap.BucketingTransform.of(jm).buckets.values()
+    buckets = thunder_overlap.BucketingTransform.of(jm).buckets
     trainable = [b for b in buckets if b.plan.requires_grad]
     # Every gathered buffer is idle once its block's backward is done: every bucket takes one.
-    assert all(b.layout.reduces_in_pool for b in trainable)
+    assert all(b.layout.reduce is ReducePath.IN_POOL for b in trainable)
     assert {f"{b.plan.label} reduce-scatter in place" for b in trainable} <= {u for s in backward.pool.slots for u in s.users}
-    # The scheduler's summary predicts the step as it runs, not as it was scheduled before.
-    summary = thunder_overlap.OverlapScheduleTransform.of(jm).summaries["backward"]
-    assert summary.peak_bytes == backward.peak_bytes
+    # The path choice predicts the step as it runs, with the paths it chose.
+    paths = thunder_overlap.OverlapScheduleTransform.of(jm).bucket_paths
+    assert paths.backward_memory.peak_bytes == backward.peak_bytes
+    assert set(paths.labels(REDUCED_IN_POOL)) == {b.plan.label for b in trainable}
     _, own_shards = _zero2_block_step(reduce_in_pool=False)
     assert own_shards.pool.nbytes == backward.pool.nbytes  # the pool did not grow for it
     assert backward.peak_bytes < own_shards.peak_bytes

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import pytest
 
+from thunder_overlap._analysis.layout import BucketLayout, GatherPath, ReducePath
 from thunder_overlap._analysis.pool_slots import (
-    BucketLayout,
     PoolInterval,
     ReduceScatterIssue,
     fewest_per_tensor_gathers,
@@ -19,6 +18,7 @@ from thunder_overlap._analysis.pool_slots import (
     plan_shards_in_pool,
     plan_slots,
 )
+from thunder_overlap._backends import GLOO, NCCL
 
 BLOCK, SMALL = 1000, 10
 
@@ -61,9 +61,14 @@ def test_slots_equal_the_most_intervals_alive_at_once(seed):
     assert plan_slots(uses).counts() == max_overlap(uses)
 
 
+def _layout(label: str, backend=GLOO, *, padded: bool = False) -> BucketLayout:
+    return BucketLayout.default(
+        label, unsharded_numel=BLOCK, dtype="torch.float32", itemsize=4, tensors=3, world_size=2, backend=backend, padded=padded
+    )
+
+
 def _issue(label: str, start: int, laid_out: bool = False) -> ReduceScatterIssue:
-    layout = BucketLayout(label, BLOCK, "torch.float32", 4, tensors=3, world_size=2)
-    return ReduceScatterIssue(0, layout, start, f"{label} reduce-scatter" if laid_out else None)
+    return ReduceScatterIssue(label, _layout(label), start, f"{label} reduce-scatter" if laid_out else None)
 
 
 def test_zero2_reduces_every_bucket_in_the_buffer_its_gather_left():
@@ -213,12 +218,20 @@ def test_reduce_scatters_from_the_copy_never_grow_the_pool_and_the_fewest_keep_i
     _assert_never_grows_and_fewest_keep_smallest(uses, candidates, intervals_reduced_from_copy, fewest_reduce_scatters_from_copy, rng)
 
 
-def test_a_reduce_scatter_from_the_copy_needs_a_backend_that_copies_and_no_reduction_in_the_pool():
-    layout = BucketLayout("b0", BLOCK, "torch.float32", 4, tensors=3, world_size=2, reduce_scatter_copies_input=True)
-    assert replace(layout, reduce_scatter_from_copy=True).reduce_scatter_from_copy
-    # On NCCL the buffer would be overwritten in flight.
-    with pytest.raises(ValueError, match=r"bucket 'b0': reduce_scatter_from_copy needs a backend that copies"):
-        replace(layout, reduce_scatter_copies_input=False, reduce_scatter_from_copy=True)
-    with pytest.raises(ValueError, match=r"bucket 'b0': a reduce-scatter runs in the pool or from the backend's copy"):
-        replace(layout, reduces_in_pool=True, reduce_scatter_from_copy=True)
-    assert not replace(layout, reduce_scatter_from_copy=True).as_on_nccl().reduce_scatter_from_copy
+def test_a_layout_refuses_paths_its_backend_cannot_run():
+    # One path per direction: reducing in the pool and from the backend's copy cannot both be set.
+    gloo = _layout("b0")
+    assert (gloo.gather, gloo.reduce) == (GatherPath.COPY_OUT, ReducePath.LAID_OUT)
+    assert gloo.with_paths(reduce=ReducePath.FROM_COPY).reduce is ReducePath.FROM_COPY
+    # On NCCL the buffer would be overwritten in flight: it keeps no copy of a reduce-scatter's input.
+    nccl = gloo.as_on(NCCL)
+    assert (nccl.gather, nccl.reduce) == (GatherPath.IN_PLACE, ReducePath.SEND)
+    with pytest.raises(ValueError, match=r"bucket 'b0': nccl reads a reduce-scatter's input in flight"):
+        nccl.with_paths(reduce=ReducePath.FROM_COPY)
+    # Gradients that need padding, or several over gloo, cannot be sent where they are.
+    assert _layout("b0", NCCL, padded=True).reduce is ReducePath.LAID_OUT
+    with pytest.raises(ValueError, match=r"bucket 'b0': its gradients cannot be sent where they are"):
+        gloo.with_paths(reduce=ReducePath.SEND)
+    # Several tensors are never views of one gathered buffer.
+    with pytest.raises(ValueError, match=r"gather path 'views' with 3 tensors on 2 ranks"):
+        gloo.with_paths(gather=GatherPath.VIEWS)

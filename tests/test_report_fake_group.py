@@ -15,7 +15,7 @@ import thunder_overlap
 from thunder_overlap.__main__ import main as package_main
 from thunder_overlap._analysis.classify import NodeKind
 from thunder_overlap._analysis.cost_model import CostModel
-from thunder_overlap.config import OverlapConfig
+from thunder_overlap.config import OverlapConfig, Tuning
 from thunder_overlap.report import _device_choice as device_choice
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.report._cli import DEFAULT_OUT, main
@@ -141,7 +141,7 @@ def jitted():
     # Separate launches: these tests judge overlap, and at 8 ranks over loopback gloo latency
     # dominates this tiny model, so the default would coalesce most all-gathers into an exposed
     # launch (faster by the cost model, less overlapped; see test_coalescing_trades_overlap_for_latency).
-    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3", config=OverlapConfig(coalesce=False))
+    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3", config=OverlapConfig(_tuning=Tuning(coalesce=False)))
     jm(torch.randint(0, MODEL.vocab_size, (2, 16))).sum().backward()
     dist.destroy_process_group()  # report() reads the traces only; the CLI tests need no group alive
     yield jm
@@ -158,7 +158,7 @@ def test_coalescing_trades_overlap_for_latency(jitted, thunder_fsdp):
 
     cost_model = CostModel.named("cpu", "gloo-loopback")
     separate = compare_policies(
-        jitted, cost_model=cost_model, config=OverlapConfig(coalesce=False), policies=("greedy",), thunder_fsdp=thunder_fsdp
+        jitted, cost_model=cost_model, config=OverlapConfig(_tuning=Tuning(coalesce=False)), policies=("greedy",), thunder_fsdp=thunder_fsdp
     )
     coalesced = compare_policies(jitted, cost_model=cost_model, policies=("greedy",), thunder_fsdp=thunder_fsdp)
     for pass_name in ("forward", "backward"):
@@ -275,7 +275,7 @@ def test_policy_comparison_puts_every_policy_side_by_side(jitted, thunder_fsdp):
     cost_model = CostModel.named("h100", "custom:5:1")
     # A budget with no slack at all: memory_aware may not exceed the just-in-time peak. Separate
     # launches, as this compares overlap (coalescing: test_coalescing_trades_overlap_for_latency).
-    tight = OverlapConfig(memory_slack_bytes=0, memory_slack_ratio=0.0, coalesce=False)
+    tight = OverlapConfig(memory_slack_bytes=0, memory_slack_ratio=0.0, _tuning=Tuning(coalesce=False))
     comparison = compare_policies(jitted, cost_model=cost_model, config=tight, thunder_fsdp=thunder_fsdp)
     for pass_name in ("forward", "backward"):
         rows = {p: comparison.result(p, pass_name) for p in COMPARED_POLICIES}

@@ -17,8 +17,9 @@ from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.memory_estimate import estimate_memory
 from thunder_overlap._analysis.simulator import simulate
 from thunder_overlap._scheduling import IssueOrder, issue_sequence, schedule_trace, stock_order
+from thunder_overlap._scheduling.limits import resolve_limits
 from thunder_overlap._scheduling.scheduler import OverlapScheduler, apply_order, just_in_time_order
-from thunder_overlap.config import SCHEDULING_POLICIES, OverlapConfig
+from thunder_overlap.config import SCHEDULING_POLICIES, OverlapConfig, Tuning
 
 from synthetic_traces import VALUE_BYTES, build_trace, valid_program
 
@@ -51,7 +52,7 @@ def _blocks(n_blocks: int, matmuls_per_block: int) -> list[tuple]:
 def _schedule(program, config: OverlapConfig, matmul_ms: float = 1.0):
     annotated = classify_trace(build_trace(program, dist.group.WORLD))
     cost_model = _cost_model(matmul_ms)
-    scheduler = OverlapScheduler(annotated, config.limits(None), cost_model)
+    scheduler = OverlapScheduler(annotated, resolve_limits(config, None), cost_model)
     order = scheduler.schedule()
     return annotated, order, scheduler.summary, simulate(annotated, order, cost_model)
 
@@ -93,7 +94,7 @@ def test_just_in_time_exposes_every_gather():
 
 def test_distance_limit_bounds_prefetch_in_compute_ops():
     # Blocks of four 0.5 ms matmuls: a gather issued one matmul ahead is exposed for 0.5 ms.
-    config = OverlapConfig(max_prefetch_compute_ops=1, prefetch_time_margin=None)
+    config = OverlapConfig(_tuning=Tuning(max_prefetch_compute_ops=1, prefetch_time_margin=None))
     annotated, order, summary, sim = _schedule(_blocks(4, 4), config, matmul_ms=0.5)
     assert max(_issue_positions(annotated, order).values()) == 1
     assert summary.held_by_distance == 3
@@ -103,7 +104,7 @@ def test_distance_limit_bounds_prefetch_in_compute_ops():
 
 def test_cost_model_stretches_the_distance_until_the_gather_is_hidden():
     # Same program: a margin of 1.5 asks for 1.5 ms of compute ahead, three 0.5 ms matmuls.
-    config = OverlapConfig(max_prefetch_compute_ops=1, prefetch_time_margin=1.5)
+    config = OverlapConfig(_tuning=Tuning(max_prefetch_compute_ops=1, prefetch_time_margin=1.5))
     annotated, order, _, sim = _schedule(_blocks(4, 4), config, matmul_ms=0.5)
     between = _issue_positions(annotated, order)
     assert sorted(between.values()) == [0, 3, 3, 3]
@@ -132,7 +133,7 @@ def test_a_second_gather_goes_out_early_only_where_one_ahead_does_not_hide_it(ma
     from dataclasses import replace
 
     program = _blocks(6, matmuls_per_block)
-    limits = replace(OverlapConfig().limits(None), max_allgathers=None, max_allgather_bytes=2 * VALUE_BYTES)
+    limits = replace(resolve_limits(OverlapConfig(), None), max_allgathers=None, max_allgather_bytes=2 * VALUE_BYTES)
     eager = replace(limits, early_allgather_bytes=VALUE_BYTES)
     annotated = classify_trace(build_trace(program, dist.group.WORLD))
     cost_model = _cost_model(1.0)
@@ -151,7 +152,7 @@ def test_collectives_queued_on_the_link_count_toward_what_must_go_out_now():
 
     annotated = classify_trace(build_trace(_blocks(3, 4), dist.group.WORLD))
     anchors = [n.index for n in annotated.nodes if n.kind is NodeKind.COMPUTE]
-    distance = PrefetchDistance.estimate(annotated, anchors, OverlapConfig().limits(None), _cost_model(1.0))
+    distance = PrefetchDistance.estimate(annotated, anchors, resolve_limits(OverlapConfig(), None), _cost_model(1.0))
     last, first_use = 2, 8  # the last block's gather, read by compute op 8, considered before op 4
     assert not distance.hides_only_if_issued_now(last, 4, first_use)
     assert distance.hides_only_if_issued_now(last, 4, first_use, queued=[0, 1])
@@ -168,7 +169,7 @@ def _backward_like(n: int) -> list[tuple]:
 
 def test_budget_forces_the_oldest_reduce_scatter_waits():
     program = _backward_like(5)
-    tight = OverlapConfig(memory_slack_bytes=0, memory_slack_ratio=0.0, max_in_flight_reduce_scatter_bytes=None)
+    tight = OverlapConfig(memory_slack_bytes=0, memory_slack_ratio=0.0, _tuning=Tuning(max_in_flight_reduce_scatter_bytes=None))
     annotated, order, summary, _ = _schedule(program, tight)
     peak = estimate_memory(apply_order(annotated, order, provenance="test")).peak_bytes
     assert summary.budget_bytes == summary.baseline_peak_bytes
@@ -209,7 +210,7 @@ def test_reduce_scatters_holding_a_pool_buffer_are_capped_where_the_trace_gather
         if collective.kind is CollectiveKind.REDUCE_SCATTER and holds_pool_buffer:
             collective.pool_bytes_to_wait = VALUE_BYTES  # as a bucket laid out in the pool would
     # Blocks of one gradient: two reduce-scatters in flight by bytes, one by pool buffers.
-    limits = OverlapConfig().limits(VALUE_BYTES, runs_buckets=True)
+    limits = resolve_limits(OverlapConfig(), VALUE_BYTES, runs_buckets=True)
     assert (limits.max_reduce_scatter_bytes, limits.max_pool_reduce_scatter_bytes) == (2 * VALUE_BYTES, VALUE_BYTES)
     order = OverlapScheduler(annotated, limits, _cost_model(1.0)).schedule()
     capped = gathers and holds_pool_buffer
@@ -217,15 +218,18 @@ def test_reduce_scatters_holding_a_pool_buffer_are_capped_where_the_trace_gather
 
 
 def test_the_pool_reduce_scatter_cap_is_for_buckets_and_can_be_lifted():
-    assert OverlapConfig().limits(VALUE_BYTES).max_pool_reduce_scatter_bytes is None  # no buckets
-    assert OverlapConfig(bucket_reduce_scatter_blocks=None).limits(VALUE_BYTES, runs_buckets=True).max_pool_reduce_scatter_bytes is None
-    assert OverlapConfig(bucket_reduce_scatter_blocks=1.5).limits(100, runs_buckets=True).max_pool_reduce_scatter_bytes == 150
-    assert OverlapConfig(policy="greedy").limits(100, runs_buckets=True).max_pool_reduce_scatter_bytes is None
+    assert resolve_limits(OverlapConfig(), VALUE_BYTES).max_pool_reduce_scatter_bytes is None  # no buckets
+    uncapped, wider = (OverlapConfig(_tuning=Tuning(bucket_reduce_scatter_blocks=blocks)) for blocks in (None, 1.5))
+    assert resolve_limits(uncapped, VALUE_BYTES, runs_buckets=True).max_pool_reduce_scatter_bytes is None
+    assert resolve_limits(wider, 100, runs_buckets=True).max_pool_reduce_scatter_bytes == 150
+    # Lifted for the schedule the bucket path choice reads.
+    assert resolve_limits(OverlapConfig(), 100, runs_buckets=True, caps_pool_reduce_scatters=False).max_pool_reduce_scatter_bytes is None
+    assert resolve_limits(OverlapConfig(policy="greedy"), 100, runs_buckets=True).max_pool_reduce_scatter_bytes is None
 
 
 def test_budget_holds_back_prefetch_that_would_not_fit():
     # Slack for one extra gathered weight: each gather is prefetched one block ahead at most.
-    config = OverlapConfig(memory_slack_bytes=VALUE_BYTES, memory_slack_ratio=0.0, max_prefetch_compute_ops=None)
+    config = OverlapConfig(memory_slack_bytes=VALUE_BYTES, memory_slack_ratio=0.0, _tuning=Tuning(max_prefetch_compute_ops=None))
     annotated, order, summary, sim = _schedule(_blocks(6, 1), config)
     assert summary.held_by_memory > 0
     assert estimate_memory(apply_order(annotated, order, provenance="test")).peak_bytes <= summary.budget_bytes
@@ -243,7 +247,7 @@ def test_heuristic_policy_has_no_budget():
 def test_every_launch_pays_its_latency_however_it_is_ordered():
     annotated = classify_trace(build_trace(_blocks(3, 1), dist.group.WORLD))
     net = CostModel.named("cpu", "custom:1000:1000")  # 1 ms per ring step: latency dominates
-    greedy = OverlapScheduler(annotated, OverlapConfig(policy="greedy").limits(None)).schedule()
+    greedy = OverlapScheduler(annotated, resolve_limits(OverlapConfig(policy="greedy"), None)).schedule()
     jit = just_in_time_order(annotated)
     latency_ms = (dist.get_world_size() - 1) * 1.0
     # Greedy issues the three all-gathers back to back; separate launches still pay a latency each.
@@ -265,12 +269,15 @@ _CONFIGS = st.one_of(
     st.sampled_from([OverlapConfig(policy=p) for p in SCHEDULING_POLICIES if p != "stock"]),
     st.builds(
         OverlapConfig,
-        max_prefetch_compute_ops=st.one_of(st.none(), st.integers(0, 3)),
-        prefetch_time_margin=st.one_of(st.none(), st.sampled_from([1.0, 2.0])),
         memory_slack_bytes=st.integers(0, 3).map(lambda k: k * VALUE_BYTES),
         memory_slack_ratio=st.just(0.0),
-        max_in_flight_allgathers=st.one_of(st.none(), st.integers(1, 3)),
-        max_in_flight_reduce_scatter_bytes=st.one_of(st.none(), st.integers(1, 3).map(lambda k: k * VALUE_BYTES)),
+        _tuning=st.builds(
+            Tuning,
+            max_prefetch_compute_ops=st.one_of(st.none(), st.integers(0, 3)),
+            prefetch_time_margin=st.one_of(st.none(), st.sampled_from([1.0, 2.0])),
+            max_in_flight_allgathers=st.one_of(st.none(), st.integers(1, 3)),
+            max_in_flight_reduce_scatter_bytes=st.one_of(st.none(), st.integers(1, 3).map(lambda k: k * VALUE_BYTES)),
+        ),
     ),
 )
 
@@ -315,7 +322,7 @@ def test_every_schedule_is_a_valid_reordering(choices, config, matmul_ms):
 
     # All-gathers respect the count limit until a compute op reads them (or until their wait
     # when only collectives and the return do).
-    limit = config.limits(None).max_allgathers
+    limit = resolve_limits(config, None).max_allgathers
     if limit is not None and config.policy in ("memory_aware", "heuristic"):
         gathered = {
             nodes[coll.wait].outputs[0]: c
@@ -354,7 +361,7 @@ def test_every_schedule_is_a_valid_reordering(choices, config, matmul_ms):
 def test_a_given_issue_order_survives_other_limits_and_estimates(choices, first, second, first_ms, second_ms):
     annotated, order, _, _ = _schedule(valid_program(choices), first, first_ms)
     issue_order = IssueOrder.of_schedule(annotated, order)
-    limits = second.limits(None)
+    limits = resolve_limits(second, None)
     scheduler = OverlapScheduler(annotated, limits, _cost_model(second_ms), issue_order=issue_order)
     rescheduled = scheduler.schedule()
     assert issue_sequence(annotated, rescheduled) == issue_sequence(annotated, order)
@@ -374,7 +381,7 @@ def _two_gradients() -> tuple:
 
 def test_a_ready_reduce_scatter_waits_for_its_predecessor_in_the_issue_order():
     annotated, group = _two_gradients()
-    greedy = OverlapConfig(policy="greedy").limits(None)
+    greedy = resolve_limits(OverlapConfig(policy="greedy"), None)
     assert issue_sequence(annotated, OverlapScheduler(annotated, greedy).schedule()) == {group: [0, 1, 2]}
     scheduler = OverlapScheduler(annotated, greedy, issue_order=IssueOrder({group: [0, 2, 1]}))
     order = scheduler.schedule()
@@ -386,7 +393,7 @@ def test_a_ready_reduce_scatter_waits_for_its_predecessor_in_the_issue_order():
 def test_an_issue_order_that_needs_unrun_compute_raises():
     # The gather's first use is the first matmul, but the order puts a gradient of it first.
     annotated, group = _two_gradients()
-    scheduler = OverlapScheduler(annotated, OverlapConfig().limits(None), issue_order=IssueOrder({group: [1, 0, 2]}))
+    scheduler = OverlapScheduler(annotated, resolve_limits(OverlapConfig(), None), issue_order=IssueOrder({group: [1, 0, 2]}))
     with pytest.raises(
         ValueError, match=r"issue order \[1, 0, 2\] cannot be kept: collective 0 .* needs collective 1 .* which has not run"
     ):
@@ -398,14 +405,14 @@ def test_an_issue_order_must_list_each_collective_of_each_group_once(sequences):
     annotated, group = _two_gradients()
     issue_order = IssueOrder({group if key == "group" else group + 1: s for key, s in sequences.items()})
     with pytest.raises(ValueError, match="issue order"):
-        OverlapScheduler(annotated, OverlapConfig().limits(None), issue_order=issue_order)
+        OverlapScheduler(annotated, resolve_limits(OverlapConfig(), None), issue_order=issue_order)
 
 
 def test_schedule_trace_dispatches_by_policy():
     annotated, group = _two_gradients()
     cost_model = _cost_model(1.0)
     scheduled = schedule_trace(annotated, OverlapConfig(), largest_block_bytes=None, cost_model=cost_model)
-    assert scheduled.order == OverlapScheduler(annotated, OverlapConfig().limits(None), cost_model).schedule()
+    assert scheduled.order == OverlapScheduler(annotated, resolve_limits(OverlapConfig(), None), cost_model).schedule()
     emitted = [b for b in scheduled.trace.bound_symbols if b.sym.name not in ("python_del", "clear_mutable_collection")]
     assert emitted == [annotated.nodes[i].bsym for i in scheduled.order]
     assert scheduled.summary.budget_bytes is not None

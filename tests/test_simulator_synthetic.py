@@ -39,14 +39,16 @@ def _node(index, kind, name, inputs=(), outputs=(), collective=None) -> TraceNod
     return TraceNode(index, bsym, kind, tuple(inputs), tuple(outputs), collective)
 
 
-def _trace(nodes, collectives) -> AnnotatedTrace:
+def _trace(nodes, collectives, layouts=None) -> AnnotatedTrace:
     producer, consumers = {}, {}
     for n in nodes:
         for name in n.inputs:
             consumers.setdefault(name, []).append(n.index)
         for name in n.outputs:
             producer.setdefault(name, n.index)
-    return AnnotatedTrace(None, nodes, collectives, producer, consumers)
+    if layouts is None:
+        return AnnotatedTrace(None, nodes, collectives, producer, consumers)
+    return AnnotatedTrace(None, nodes, collectives, producer, consumers, layouts)
 
 
 def _one_gather(compute_reads_gathered: bool = False) -> AnnotatedTrace:
@@ -258,7 +260,9 @@ def _bucket_round_trip() -> AnnotatedTrace:
     from thunder.core.proxies import FutureTensorProxy, TensorProxy
     from thunder.core.trace import TraceCtx, tracectx
 
-    from thunder_overlap._transforms.executor import (
+    from thunder_overlap._analysis.layout import BucketLayout
+    from thunder_overlap._backends import GLOO
+    from thunder_overlap._ops import (
         bucket_all_gather,
         bucket_all_gather_wait,
         bucket_reduce_scatter,
@@ -273,10 +277,14 @@ def _bucket_round_trip() -> AnnotatedTrace:
         gathered, reduced = proxy(400_000, future=True), proxy(200_000, future=True)
         weights, grads = [proxy(1000, 200), proxy(1000, 200)], [proxy(1000, 200), proxy(1000, 200)]
         shards = [proxy(500, 200), proxy(500, 200)]
-        start_gather = bucket_all_gather.bind(0, None, shards, (0, 1), output=gathered)
-        wait_gather = bucket_all_gather_wait.bind(gathered, 0, (0, 1), output=tuple(weights))
-        start_scatter = bucket_reduce_scatter.bind(0, None, grads, 2.0, output=reduced)
-        wait_scatter = bucket_reduce_scatter_wait.bind(reduced, 0, (0, 1), output=tuple(shards))
+        start_gather = bucket_all_gather.bind("b", None, shards, (0, 1), output=gathered)
+        wait_gather = bucket_all_gather_wait.bind(gathered, "b", (0, 1), output=tuple(weights))
+        start_scatter = bucket_reduce_scatter.bind("b", None, grads, 2.0, output=reduced)
+        wait_scatter = bucket_reduce_scatter_wait.bind(reduced, "b", (0, 1), output=tuple(shards))
+    # Over gloo: copied out, and the gradients laid out.
+    layout = BucketLayout.default(
+        "b", unsharded_numel=400_000, dtype="torch.bfloat16", itemsize=2, tensors=2, world_size=2, backend=GLOO, padded=False
+    )
     group = _Group()
     nodes = [
         _node(0, NodeKind.HEADER, "unpack_trivial", outputs=["x", "s"]),
@@ -292,7 +300,7 @@ def _bucket_round_trip() -> AnnotatedTrace:
         Collective(CollectiveKind.ALL_GATHER, 1, 3, group, 800_000),
         Collective(CollectiveKind.REDUCE_SCATTER, 5, 6, group, 800_000),
     ]
-    return _trace(nodes, collectives)
+    return _trace(nodes, collectives, {"b": layout})
 
 
 def test_bucket_copies_take_their_bytes_over_memory_bandwidth_on_the_compute_stream():
@@ -301,8 +309,8 @@ def test_bucket_copies_take_their_bytes_over_memory_bandwidth_on_the_compute_str
     trace = _bucket_round_trip()
     cost_model = _cost_model()  # 1 GB/s of memory at 80% efficiency: 1.25 ms per MB
     bandwidth = cost_model.device.memory_bandwidth * cost_model.device.bandwidth_efficiency
-    copy_out_ms = local_copy_bytes(trace.nodes[3].bsym) / bandwidth * 1e3
-    lay_out_ms = local_copy_bytes(trace.nodes[5].bsym) / bandwidth * 1e3
+    copy_out_ms = local_copy_bytes(trace.nodes[3].bsym, trace.layouts) / bandwidth * 1e3
+    lay_out_ms = local_copy_bytes(trace.nodes[5].bsym, trace.layouts) / bandwidth * 1e3
     # The copy-out reads and writes the 800 kB gathered; the lay-out reads the 800 kB of
     # gradients, writes them, and the pre-average reads and writes them again.
     assert (copy_out_ms, lay_out_ms) == (pytest.approx(2.0), pytest.approx(4.0))

@@ -17,6 +17,7 @@ import thunder_overlap
 from thunder_overlap import FSDPOverlap, OverlapConfig, schedule_stats
 from thunder_overlap._analysis.blocks import largest_block_bytes
 from thunder_overlap._analysis.classify import AnnotatedTrace, Collective, CollectiveKind, NodeKind, classify_trace, is_expensive
+from thunder_overlap.config import Tuning
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.testing.training import collective_sequence
 
@@ -26,8 +27,8 @@ COLLECTIVE_WORDS = ("all_gather", "reduce_scatter", "wait")
 # pushed until it binds, and the policies at both ends.
 CONFIGS = {
     "default": None,
-    "count limit": OverlapConfig(max_in_flight_allgathers=2),
-    "byte limit": OverlapConfig(max_in_flight_allgather_bytes=10_000, max_in_flight_reduce_scatter_bytes=10_000),
+    "count limit": OverlapConfig(_tuning=Tuning(max_in_flight_allgathers=2)),
+    "byte limit": OverlapConfig(max_in_flight_allgather_bytes=10_000, _tuning=Tuning(max_in_flight_reduce_scatter_bytes=10_000)),
     "greedy": OverlapConfig(policy="greedy"),
     "just_in_time": OverlapConfig(policy="just_in_time"),
 }
@@ -182,7 +183,7 @@ def test_count_limit_bounds_allgathers_in_flight():
 
 def test_byte_limits_bound_bytes_in_flight():
     limit = largest_block_bytes(TinyGPT(MODEL)) // 2
-    config = OverlapConfig(max_in_flight_allgather_bytes=limit, max_in_flight_reduce_scatter_bytes=limit)
+    config = OverlapConfig(max_in_flight_allgather_bytes=limit, _tuning=Tuning(max_in_flight_reduce_scatter_bytes=limit))
     forward, backward = (schedule_stats(t) for t in _traces(config=config))
     largest_param = max(p.numel() * p.element_size() for p in TinyGPT(MODEL).parameters())
     # A single collective larger than the limit is still issued (alone); everything else fits.
@@ -284,7 +285,7 @@ class _NoBlocks(torch.nn.Module):
 
 
 def test_a_model_without_blocks_falls_back_to_a_count_limit():
-    config = OverlapConfig(fallback_in_flight_allgathers=3)
+    config = OverlapConfig(_tuning=Tuning(fallback_in_flight_allgathers=3))
     with pytest.warns(UserWarning, match="has no nn.ModuleList/nn.Sequential of blocks .* to 3"):
         jm = thunder_overlap.fsdp(_NoBlocks(), device="cpu", sharding_strategy="zero3", config=config)
     jm(torch.ones(2, 16)).sum().backward()

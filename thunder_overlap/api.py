@@ -16,6 +16,7 @@ from thunder.transforms import MaterializationTransform
 from torch.distributed.device_mesh import DeviceMesh
 
 from thunder_overlap._analysis.blocks import find_blocks
+from thunder_overlap._ops import with_collectives_kept_visible
 from thunder_overlap._transforms import (
     BucketingTransform,
     OverlapScheduleTransform,
@@ -23,7 +24,6 @@ from thunder_overlap._transforms import (
     ReplicaReduceTransform,
     Zero3Transform,
 )
-from thunder_overlap._transforms.executor import with_collectives_kept_visible
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import BucketingStrategy, FSDPOptions, ShardingStrategy, options_from
 
@@ -54,7 +54,7 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
     ]
     if options.sharding is ShardingStrategy.ZERO3:
         transforms.append(Zero3Transform())
-    plan_digest = largest_bucket_bytes = None
+    bucketing = None
     if options.bucketing.has_buckets:
         # After ZeRO3, so that its backward re-gathers are bucketed too; after materialisation,
         # which may replace the parameters the buckets hold.
@@ -67,7 +67,6 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
             replicate_group=options.replicate_group,
         )
         transforms.append(bucketing)
-        plan_digest, largest_bucket_bytes = bucketing.plan_digest, bucketing.largest_bucket_bytes
     else:
         transforms.append(RefuseNoSyncTransform())
     agreement_group = None
@@ -76,13 +75,13 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
         # scheduling, which places the all-reduces like any other collective.
         transforms.append(ReplicaReduceTransform(options.hybrid_mesh))
         agreement_group = options.world_group
-    # The ranks' first exchange compares their bucket plans too.
+    # The ranks' first exchange compares these settings, the configuration's and the bucket plans.
     transforms.append(
         OverlapScheduleTransform(
             options.config,
             block_types=options.block_types,
-            plan_digest=plan_digest,
-            largest_bucket_bytes=largest_bucket_bytes,
+            buckets=bucketing,
+            settings=options.agreed_fields(),
             agreement_group=agreement_group,
         )
     )

@@ -225,6 +225,19 @@ class FSDPOptions:
         """The group each reduced gradient shard is all-reduced over (hybrid sharding only)."""
         return None if self.hybrid_mesh is None else self.hybrid_mesh.get_group(0)
 
+    def agreed_fields(self) -> dict[str, object]:
+        """The options every rank must share, by name, for the ranks' agreement at the first
+        compile (the configuration's own: :meth:`OverlapConfig.agreed_fields`)."""
+        mesh = None if self.hybrid_mesh is None else tuple(self.hybrid_mesh.shape)
+        return {
+            "sharding_strategy": self.sharding.value,
+            "bucketing_strategy": self.bucketing.value,
+            "bucket_cap_bytes": self.bucket_cap_bytes,
+            "block_types": self.block_types,
+            "device_mesh": mesh,
+            "world_size": dist.get_world_size(self.process_group),
+        }
+
     @property
     def world_group(self) -> dist.ProcessGroup:
         """The group every rank of the model is in: ranks agree on their schedules over it."""
@@ -332,10 +345,6 @@ def options_from(options: FSDPOptions | None, option_kwargs: dict[str, object], 
     """``options`` as given, or resolved from the keywords of :meth:`FSDPOptions.resolve`: the
     two ways ``fsdp_transforms`` and ``FSDPOverlap`` accept options (``caller`` names which)."""
     if options is None:
-        if "bucket_cap_bytes" in option_kwargs:  # fsdp_transforms' keyword before FSDPOptions
-            cap = option_kwargs["bucket_cap_bytes"]
-            mb = f"{cap / 2**20}" if isinstance(cap, (int, float)) else "<MiB>"
-            raise TypeError(f"{caller}: bucket_cap_bytes={cap!r} is now bucket_cap_mb={mb} (MiB, as in fsdp)")
         return FSDPOptions.resolve(**option_kwargs)
     if not isinstance(options, FSDPOptions):
         raise TypeError(

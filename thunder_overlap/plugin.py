@@ -6,7 +6,7 @@ from typing import Any
 
 from thunder import Plugin
 
-from thunder_overlap._transforms.executor import overlap_executor
+from thunder_overlap._ops import overlap_executor
 from thunder_overlap.api import fsdp_transforms
 from thunder_overlap.options import FSDPOptions, options_from
 

@@ -4,18 +4,18 @@ Training implementations (same model, data, optimizer and initialisation scheme)
 
 - ``thunder_overlap``: :func:`thunder_overlap.fsdp` (scheduled for ``--network`` when given).
 - ``thunder_overlap_uncoalesced``: the same with every collective launched on its own
-  (``OverlapConfig(coalesce=False)``), to measure what coalesced launches save.
+  (``OverlapConfig(_tuning=Tuning(coalesce=False))``), to measure what coalesced launches save.
 - ``thunder_overlap_two_ahead``: the same with buckets prefetched two ahead, as eagerly as
-  per-parameter all-gathers (``OverlapConfig(bucket_eager_prefetch_blocks=None)``), to measure
+  per-parameter all-gathers (``OverlapConfig(_tuning=Tuning(bucket_eager_prefetch_blocks=None))``), to measure
   what the second bucket in flight buys.
 - ``thunder_overlap_own_shards``: the same with every gradient shard in a buffer of its own
   (``OverlapConfig(reduce_in_pool=False)``), to measure what reducing in idle pool buffers costs.
 - ``thunder_overlap_laid_out``: the same with no bucket gathered per parameter or
   reduce-scattered from gloo's copy of its lay-out over gloo
-  (``OverlapConfig(per_tensor_gather_max_slowdown=None, reduce_from_copy_max_slowdown=None)``),
+  (``OverlapConfig(_tuning=Tuning(per_tensor_gather_max_slowdown=None, reduce_from_copy_max_slowdown=None))``),
   to measure what those paths cost.
 - ``thunder_overlap_two_lay_outs``: the same with reduce-scatters that hold a pool buffer to
-  their wait capped by reduce-scatter bytes alone (``OverlapConfig(bucket_reduce_scatter_blocks=None)``),
+  their wait capped by reduce-scatter bytes alone (``OverlapConfig(_tuning=Tuning(bucket_reduce_scatter_blocks=None))``),
   to measure what capping them at one block costs.
 - ``thunder``: Thunder's own ``thunder.distributed.fsdp(thunder.jit(model))``.
 - ``fsdp2``: PyTorch ``fully_shard`` on every transformer block, then on the root (eager);

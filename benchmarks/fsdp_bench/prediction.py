@@ -33,20 +33,20 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from thunder_overlap import CostModel, OverlapConfig
 from thunder_overlap._analysis.classify import AnnotatedTrace, classify_trace
 from thunder_overlap._analysis.cost_model import (
-    GLOO_CONCURRENT_LAUNCHES,
     DeviceProfile,
     NetworkProfile,
     device_profile,
     network_profile,
 )
 from thunder_overlap._analysis.simulator import simulate
+from thunder_overlap._backends import GLOO
 from thunder_overlap.options import parse_sharding_strategy
 from thunder_overlap.report._models import trace_model
 
 from fsdp_bench.bench_config import OVERLAP_OPTIONS
 from fsdp_bench.bench_models import build_model, math_sdpa
 
-__all__ = ["GLOO_CONCURRENT_LAUNCHES", "LinkFit", "TestbedSetting", "fit_link", "fit_overlap_slowdown", "predict_testbed_step_ms"]
+__all__ = ["LinkFit", "TestbedSetting", "fit_link", "fit_overlap_slowdown", "predict_testbed_step_ms"]
 
 # The replay is positively homogeneous in (latency, 1 / bandwidth): scaling both scales every
 # time. So the fit searches one ratio, latency x bandwidth (bytes), in this range, and solves the
@@ -97,7 +97,7 @@ class LinkFit:
     bus_bandwidth: float  # bytes/s
     # The bucketing strategies whose communication-only runs it was fitted to.
     fitted_to: tuple[str, ...]
-    concurrent_launches: int = GLOO_CONCURRENT_LAUNCHES
+    concurrent_launches: int = GLOO.concurrent_launches
 
     def network(self) -> NetworkProfile:
         return NetworkProfile("testbed", self.latency_s, self.bus_bandwidth, concurrent_launches=self.concurrent_launches)
@@ -155,7 +155,7 @@ def _communication_ms(annotated: tuple[AnnotatedTrace, ...], network: NetworkPro
 
 def fit_link(
     comm_ms_by_trace: dict[str, tuple[float, tuple[AnnotatedTrace, ...]]],
-    concurrent_launches: int = GLOO_CONCURRENT_LAUNCHES,
+    concurrent_launches: int = GLOO.concurrent_launches,
 ) -> LinkFit:
     """Latency and bandwidth that make each strategy's collectives take its measured M.
 

@@ -26,10 +26,11 @@ from thunder.core.proxies import FutureTensorProxy, Proxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
+from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
 from thunder_overlap._analysis.local_copies import backend_launches, pool_bytes_to_wait
+from thunder_overlap._ops import BUCKET_COLLECTIVES, COALESCED_PREFIX
 
 __all__ = [
-    "COALESCED_PREFIX",
     "AnnotatedTrace",
     "Collective",
     "CollectiveKind",
@@ -63,12 +64,6 @@ _HEADER_IDS = {prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.UNPACK_SEQUENCE}
 _DROPPED_NAMES = {"python_del", "clear_mutable_collection"}
 _EXPENSIVE_TAGS = {prims.OpTags.MATMUL_OP, prims.OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD, prims.OpTags.DONT_RECOMPUTE_IN_BACKWARD}
 _COMMENT_IDS = {prims.PrimIDs.COMMENT}
-# Names of the operators of coalesced launches (transforms/executor.py): the issue operators take
-# (group, one entry per member, inputs...), and one ``coalesced_wait`` completes them all.
-COALESCED_PREFIX = "coalesced_"
-# The bucketed collectives' issue operators (transforms/executor.py), also the suffixes of their
-# coalesced launches.
-BUCKET_COLLECTIVES = ("bucket_all_gather", "bucket_reduce_scatter")
 
 
 @dataclass
@@ -104,12 +99,9 @@ class Collective:
     # Collectives launched together in it: more than one for a coalesced launch, which pays
     # the network's latency once for all of them.
     members: int = 1
-    # Launches the backend pays a latency for: more than one where a bucket gathers per
-    # parameter on a backend that runs a coalesced launch one collective at a time
-    # (local_copies.backend_launches).
+    # Launches the backend pays a latency for (local_copies.backend_launches).
     launches: int = 1
-    # Bytes of bucket pool buffers it keeps busy from its issue to its wait: a bucket's
-    # gradients laid out and reduced in place in one (local_copies.pool_bytes_to_wait).
+    # Bytes of bucket pool buffers it keeps busy from its issue to its wait (local_copies.pool_bytes_to_wait).
     pool_bytes_to_wait: int = 0
 
     @property
@@ -133,6 +125,8 @@ class AnnotatedTrace:
     producer: dict[str, int]
     # proxy name -> indices of the nodes that read it, in trace order
     consumers: dict[str, list[int]]
+    # The layouts of the buckets its operators name (empty where it runs none).
+    layouts: BucketLayouts = field(default_factory=lambda: NO_BUCKETS)
 
     def is_input(self, name: str) -> bool:
         """True for the trace's inputs: names no node computes (only the header unpacks them)."""
@@ -219,8 +213,11 @@ def find_swallowed_collectives(trace: TraceCtx) -> list[str]:
     return swallowed
 
 
-def classify_trace(trace: TraceCtx) -> AnnotatedTrace:
-    """Reads ``trace`` into nodes with roles; deletions are left out."""
+def classify_trace(trace: TraceCtx, layouts: BucketLayouts = NO_BUCKETS, *, roles_only: bool = False) -> AnnotatedTrace:
+    """Reads ``trace`` into nodes with roles; deletions are left out. ``layouts``: those of the
+    buckets its bucketed collectives name (``BucketingTransform.layouts``), which the launches and
+    pool buffers of a bucketed collective follow; ``roles_only`` reads the roles without them (the
+    collectives' launches and pool buffers are then left at one launch and none)."""
     nodes: list[TraceNode] = []
     for bsym in trace.bound_symbols:
         if bsym.sym.name in _DROPPED_NAMES or bsym.sym.id in _COMMENT_IDS:
@@ -254,13 +251,13 @@ def classify_trace(trace: TraceCtx) -> AnnotatedTrace:
             # An op that writes into its input (same name out) keeps the first producer.
             producer.setdefault(name, node.index)
 
-    collectives = _link_collectives(nodes, producer, consumers)
+    collectives = _link_collectives(nodes, producer, consumers, None if roles_only else layouts)
     _mark_prologues(nodes, collectives, producer, consumers)
     _mark_epilogues(nodes, collectives, producer)
-    return AnnotatedTrace(trace, nodes, collectives, producer, consumers)
+    return AnnotatedTrace(trace, nodes, collectives, producer, consumers, NO_BUCKETS if roles_only else layouts)
 
 
-def _link_collectives(nodes, producer, consumers) -> list[Collective]:
+def _link_collectives(nodes, producer, consumers, layouts: BucketLayouts | None) -> list[Collective]:
     collectives: list[Collective] = []
     for node in nodes:
         if node.kind is not NodeKind.COLLECTIVE:
@@ -289,8 +286,8 @@ def _link_collectives(nodes, producer, consumers) -> list[Collective]:
                 unsharded_bytes=sum(_tensor_bytes(t) for t in moved),
                 dtype=moved[0].dtype,
                 members=_launch_members(bsym),
-                launches=backend_launches(bsym),
-                pool_bytes_to_wait=pool_bytes_to_wait(bsym),
+                launches=1 if layouts is None else backend_launches(bsym, layouts),
+                pool_bytes_to_wait=0 if layouts is None else pool_bytes_to_wait(bsym, layouts),
             )
         )
     return collectives

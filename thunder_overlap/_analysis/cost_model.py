@@ -33,14 +33,10 @@ them on the compute stream at the launch and at the wait.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -48,11 +44,12 @@ from thunder.core import dtypes
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 
+from thunder_overlap._analysis.calibration import METADATA_OPS, Calibration
 from thunder_overlap._analysis.classify import AnnotatedTrace, Collective, CollectiveKind
-from thunder_overlap._analysis.local_copies import LOCAL_COPY_BYTES, local_copy_bytes
+from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
+from thunder_overlap._analysis.local_copies import local_copy_bytes
 from thunder_overlap._analysis.network import (
     DEFAULT_GPUS_PER_NODE,
-    GLOO_CONCURRENT_LAUNCHES,
     LATENCY_ALGORITHMS,
     NETWORK_PROFILES,
     NetworkProfile,
@@ -63,7 +60,6 @@ from thunder_overlap._analysis.network import (
 
 __all__ = [
     "DEVICE_PROFILES",
-    "GLOO_CONCURRENT_LAUNCHES",
     "NETWORK_PROFILES",
     "Calibration",
     "CostModel",
@@ -121,13 +117,6 @@ def device_profile(name: str | DeviceProfile) -> DeviceProfile:
 # ---------------------------------------------------------------------------------------------
 # Counting
 
-# Ops whose output aliases their input: no bytes move (see memory_estimate for the full rules).
-_METADATA_OPS = {
-    "reshape", "torch_prims_reshape_impl", "view", "permute", "transpose", "unsqueeze", "squeeze",
-    "expand", "broadcast_in_dim", "torch_slice_prim_impl", "split", "shallow_copy", "detach", "flatten",
-    "unflatten", "python_del", "clear_mutable_collection", "unpack_trivial", "unpack_sequence",
-    "python_return", "comment",
-}  # fmt: skip
 # Attention: two matmuls of (q @ k^T) and (p @ v); its backward does five, 2.5x the forward.
 _ATTENTION_BACKWARD_FACTOR = 2.5
 
@@ -164,7 +153,7 @@ def op_flops(bsym: BoundSymbol) -> int:
     flops = _matmul_flops(bsym)
     if flops is not None:
         return flops
-    if bsym.sym.name in _METADATA_OPS:
+    if bsym.sym.name in METADATA_OPS:
         return 0
     if bsym.subsymbols and bsym.sym.is_fusion:
         return sum(op_flops(s) for s in bsym.subsymbols)
@@ -173,92 +162,9 @@ def op_flops(bsym: BoundSymbol) -> int:
 
 def op_bytes(bsym: BoundSymbol) -> int:
     """Bytes read and written: tensor inputs and outputs (a fusion's intermediates stay on chip)."""
-    if bsym.sym.name in _METADATA_OPS:
+    if bsym.sym.name in METADATA_OPS:
         return 0
     return sum(_numel(t) * t.dtype.bytes for t in _tensors([*bsym.flat_args, *bsym.flat_outs]))
-
-
-def _shape_key(bsym: BoundSymbol) -> str:
-    """Identifies an op and its shapes for calibration: the same key times the same."""
-    args = [f"{t.dtype}{list(t.shape)}" if isinstance(t, TensorProxy) else repr(t) for t in bsym.flat_args]
-    return f"{bsym.sym.name}({', '.join(args)})"
-
-
-# ---------------------------------------------------------------------------------------------
-# Calibration
-
-
-class Calibration:
-    """Measured milliseconds per op shape on a real device, cached in memory and on disk.
-
-    ``measure(bsym)`` runs the op once to warm up, then ``repeats`` times, on random inputs of
-    the right shapes, and keeps the median; each distinct ``(op, shapes, constant arguments)``
-    is timed once.
-    """
-
-    def __init__(self, device: torch.device | str = "cpu", *, path: str | Path | None = None, repeats: int = 3) -> None:
-        self.device = torch.device(device)
-        self.path = Path(path) if path is not None else None
-        self.repeats = repeats
-        self.times_ms: dict[str, float] = {}
-        if self.path is not None and self.path.exists():
-            self.times_ms.update(json.loads(self.path.read_text()))
-
-    def lookup(self, bsym: BoundSymbol) -> float | None:
-        return self.times_ms.get(_shape_key(bsym))
-
-    def measure(self, bsym: BoundSymbol) -> float:
-        key = _shape_key(bsym)
-        if key not in self.times_ms:
-            self.times_ms[key] = self._time(bsym)
-        return self.times_ms[key]
-
-    def calibrate(self, trace) -> int:
-        """Times every compute op of an execution trace whose shape is not cached yet; returns
-        how many were timed. Collectives are left to the network model."""
-        from thunder_overlap._analysis.classify import NodeKind, classify_trace
-
-        before = len(self.times_ms)
-        for node in classify_trace(trace).nodes:
-            if node.kind in (NodeKind.COMPUTE, NodeKind.PROLOGUE, NodeKind.EPILOGUE) and node.name not in _METADATA_OPS:
-                self.measure(node.bsym)
-        return len(self.times_ms) - before
-
-    def save(self) -> None:
-        if self.path is None:
-            raise ValueError("this Calibration has no path to save to; pass path=... when creating it")
-        self.path.write_text(json.dumps(self.times_ms, indent=1, sort_keys=True))
-
-    def _time(self, bsym: BoundSymbol) -> float:
-        from thunder.core.codeutils import SigInfo
-        from thunder.core.trace import tracectx
-        from thunder.transforms.constant_folding import (
-            make_trace_executable,
-            trace_from_bsym_or_bsyms,
-        )
-
-        from thunder_overlap.testing.trace_runner import random_tensor
-
-        # A one-op trace, claimed by the torch executor (a no-op for ops it already runs).
-        trace = trace_from_bsym_or_bsyms(bsym)
-        # Thunder names the trace's function after the op, and a name like
-        # "torch.ops.aten.embedding_backward" is no Python identifier.
-        with tracectx(trace):
-            trace._siginfo = SigInfo.from_name_and_args("timed_op", trace.args)
-        fn = make_trace_executable(trace)
-        args = [random_tensor(a, self.device) if isinstance(a, TensorProxy) else a for a in trace.args]
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        times_ms = []
-        with torch.no_grad():
-            fn(*args)
-            sync()
-            for _ in range(self.repeats):
-                start = time.perf_counter()
-                fn(*args)
-                sync()
-                times_ms.append((time.perf_counter() - start) * 1e3)
-        # The median: one slow call (a page fault, the first use of a kernel) does not count.
-        return statistics.median(times_ms)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,21 +247,21 @@ class CostModel:
             estimate = self.user_estimate(bsym)
             if estimate is not None:
                 return float(estimate)
-        if bsym.sym.name in _METADATA_OPS:
+        if bsym.sym.name in METADATA_OPS:
             return 0.0
         if self.calibration is not None:
             measured = self.calibration.lookup(bsym)
             if measured is not None:
                 return measured
-        if bsym.sym.name in LOCAL_COPY_BYTES:  # a bucket operator that only copies (no_sync)
-            return self.local_copy_ms(bsym)
+        if bsym.sym.name == "bucket_accumulate_grads":  # a bucket operator that only copies (no_sync)
+            return self.copy_ms(local_copy_bytes(bsym, NO_BUCKETS))
         return self.roofline_ms(bsym)
 
-    def local_copy_ms(self, bsym: BoundSymbol, issued_by: BoundSymbol | None = None) -> float:
+    def local_copy_ms(self, bsym: BoundSymbol, layouts: BucketLayouts, issued_by: BoundSymbol | None = None) -> float:
         """Time of the local copies a bucketed collective's start or wait makes, on the compute
         stream: their bytes (read + written) at the device's memory bandwidth x efficiency. A
         wait's ``issued_by`` is its collective's issue (see ``local_copies.WAIT_COPY_BYTES``)."""
-        return self.copy_ms(local_copy_bytes(bsym, issued_by))
+        return self.copy_ms(local_copy_bytes(bsym, layouts, issued_by))
 
     def copy_ms(self, moved_bytes: int) -> float:
         """A memory-bound copy that reads and writes ``moved_bytes`` in all."""

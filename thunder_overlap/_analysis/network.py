@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from thunder_overlap._backends import GLOO
+
 __all__ = [
     "DEFAULT_GPUS_PER_NODE",
-    "GLOO_CONCURRENT_LAUNCHES",
     "LATENCY_ALGORITHMS",
     "NETWORK_PROFILES",
     "NetworkProfile",
@@ -84,13 +85,11 @@ class NetworkProfile:
 # "infiniband-pat" models that. gloo's algorithms are rings too, run by ProcessGroupGloo's two
 # worker threads: two launches in progress at once (on a rate-limited link two in flight move as
 # many bytes per second as one large one, while one at a time leaves it idle between launches).
-# ProcessGroupGloo's default worker threads: launches of one gloo group in progress at once.
-GLOO_CONCURRENT_LAUNCHES = 2
 NETWORK_PROFILES: dict[str, NetworkProfile] = {
     "nvlink": NetworkProfile("nvlink", 3e-6, 360e9),
     "infiniband": NetworkProfile("infiniband", 10e-6, 45e9),
     "infiniband-pat": NetworkProfile("infiniband-pat", 10e-6, 45e9, algorithm="tree"),
-    "gloo-loopback": NetworkProfile("gloo-loopback", 50e-6, 1e9, concurrent_launches=GLOO_CONCURRENT_LAUNCHES),
+    "gloo-loopback": NetworkProfile("gloo-loopback", 50e-6, 1e9, concurrent_launches=GLOO.concurrent_launches),
 }
 
 

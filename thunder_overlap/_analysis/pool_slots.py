@@ -1,29 +1,20 @@
 """The bucket pool's slot plan: which unsharded buffers a schedule needs, from its live intervals.
 
-A bucketed collective runs on flat buffers from one pool (:class:`~thunder_overlap._bucketing.buffers.BufferPool`):
-an all-gather output from its issue until its future dies (until the last view of a parameter
-dies, where the parameters are views of it: :attr:`BucketLayout.copies_out`), the
-parameter-major copy-out from the wait until the last view of a parameter dies, and a
-reduce-scatter's laid-out gradients from the issue until the future dies (unless the bucket
-sends its gradients where they are: :meth:`BucketLayout.sends_gradients`; for the launch only
-where the backend copies them: :attr:`BucketLayout.reduce_scatter_from_copy`), or, where it
-reduces in place in the pool (:attr:`BucketLayout.reduces_in_pool`), until the gradient shard
-that is a row of it dies, at the end of the step. The pool hands a
-buffer out again once it is idle, to any use of the same size and dtype, and never frees one;
-so it holds, per (numel, dtype), as many buffers as the schedule has intervals of that size
-alive at once.
+A bucketed collective runs on flat buffers from one pool (``_bucketing/buffers.py``), each busy
+for an interval of the step's timeline that its path sets (:mod:`~thunder_overlap._analysis.layout`):
+an all-gather's output until the last view of it dies, a copy-out from the wait until the last
+parameter view dies, a lay-out until the reduce-scatter's wait (for the launch only where it goes
+from the backend's copy, to the step's end where it reduces in the pool). The pool hands a buffer
+out again once it is idle, to any use of the same size and dtype, and never frees one; so it
+holds, per (numel, dtype), as many buffers as the schedule has intervals of that size alive at once.
 
 :func:`plan_slots` colours the intervals the way the pool reuses (in order of start, the first
 idle buffer of the same size): on intervals this is optimal, so the plan has exactly the maximum
-overlap of each size class, the schedule's real concurrency. The memory estimator records the
-intervals (:func:`~thunder_overlap._analysis.memory_estimate.estimate_memory`) and counts the
-planned slots as persistent, as the runtime holds them. :func:`plan_shards_in_pool` picks the
-reduce-scatters that can reduce in place in a buffer the plan leaves idle to the step's end, and
-:func:`fewest_per_tensor_gathers` the buckets that, gathered per parameter into their place
-rather than copied out (:func:`intervals_gathered_in_place`), make the pool smallest;
-:func:`fewest_reduce_scatters_from_copy` those whose reduce-scatters, handed to the backend's
-copy of their input rather than reduced in the pool buffer (:func:`intervals_reduced_from_copy`),
-do.
+overlap of each size class. The memory estimator records the intervals and counts the planned
+slots as persistent, as the runtime holds them. The rest serves the bucket path choice
+(``_bucketing/path_choice.py``): :func:`plan_shards_in_pool` picks the reduce-scatters that can
+reduce in a buffer the plan leaves idle to the step's end, and :func:`fewest_for_smallest_pool`
+the fewest buckets whose change of path makes the pool smallest.
 """
 
 from __future__ import annotations
@@ -32,8 +23,9 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
+from thunder_overlap._analysis.layout import BucketLayout
+
 __all__ = [
-    "BucketLayout",
     "PoolInterval",
     "PoolSlot",
     "ReduceScatterIssue",
@@ -48,101 +40,6 @@ __all__ = [
     "plan_shards_in_pool",
     "plan_slots",
 ]
-
-
-@dataclass(frozen=True)
-class BucketLayout:
-    """What the memory estimator needs of one bucket to follow its pool buffers."""
-
-    label: str
-    # Elements of one unsharded buffer: world size x the flat shard, padding included.
-    unsharded_numel: int
-    dtype: str
-    itemsize: int
-    tensors: int
-    world_size: int
-    # Whether the backend runs a coalesced launch of several collectives as one (NCCL's group
-    # calls; gloo runs them one after another, each paying its latency). Then a bucket of
-    # several tensors gathers each parameter straight into its place in the buffer (no
-    # copy-out) and reduce-scatters each unpadded gradient where it is (no lay-out); otherwise
-    # it gathers rank-major and copies out, and lays its gradients out into one buffer.
-    launches_coalesced_as_one: bool = False
-    # Whether the backend copies a reduce-scatter's whole input into a buffer of its own, which
-    # its Work holds until the wait: gloo does (measured with LiveMemoryTracker), NCCL does not.
-    reduce_scatter_copies_input: bool = False
-    # Whether the reduce-scatter runs in place in a pool buffer and this rank's row of it is the
-    # gradient shard, held until the gradient is let go (after the step, normally): chosen by
-    # :func:`plan_shards_in_pool` for buckets whose reduce-scatter comes when a buffer would
-    # otherwise sit idle to the end of the step. The gradients are laid out into it (one copy),
-    # so they are free as soon as the collective is launched rather than after its wait.
-    reduces_in_pool: bool = False
-    # Chosen per bucket where the backend runs a coalesced launch one collective at a time
-    # (gloo): gather each parameter into its place, as on NCCL, paying a launch per parameter
-    # instead of a copy-out and its buffer. Chosen by
-    # :mod:`~thunder_overlap._bucketing.per_tensor_gathers` only where
-    # that buffer would make the pool larger than the smallest pool the schedule allows.
-    per_tensor_gather: bool = False
-    # Where the backend copies a reduce-scatter's input at the launch (gloo): the laid-out
-    # gradients go to that copy, so the pool buffer is busy for the launch only and the copy,
-    # outside the pool, is held until the wait; otherwise the bucket all-reduces its pool buffer
-    # in place (no copy), busy until the wait. Chosen by
-    # :mod:`~thunder_overlap._bucketing.reduce_from_copy` only
-    # where holding the buffer to the wait would make the pool larger than the step needs.
-    reduce_scatter_from_copy: bool = False
-
-    def __post_init__(self) -> None:
-        # On a backend that reads the input while the collective runs (NCCL), handing the
-        # buffer back to the pool at the launch would let the next use overwrite it in flight.
-        if self.reduce_scatter_from_copy and not self.reduce_scatter_copies_input:
-            raise ValueError(f"bucket {self.label!r}: reduce_scatter_from_copy needs a backend that copies a reduce-scatter's input")
-        if self.reduce_scatter_from_copy and self.reduces_in_pool:
-            raise ValueError(f"bucket {self.label!r}: a reduce-scatter runs in the pool or from the backend's copy, not both")
-
-    def as_on_nccl(self) -> BucketLayout:
-        """This bucket as it runs on NCCL whatever the backend: coalesced launches as one, and no
-        copy of a reduce-scatter's input (over gloo this runs NCCL's paths for real)."""
-        return replace(self, launches_coalesced_as_one=True, reduce_scatter_copies_input=False, reduce_scatter_from_copy=False)
-
-    @property
-    def copies_out(self) -> bool:
-        """Whether the wait lays the gather out parameter by parameter into a second buffer.
-        With one tensor, or one rank, the parameters are views of the gather output; where a
-        coalesced launch runs as one, each parameter is gathered into its place (see
-        :attr:`gathers_in_place`)."""
-        return self.tensors > 1 and self.world_size > 1 and not (self.launches_coalesced_as_one or self.per_tensor_gather)
-
-    @property
-    def gathers_in_place(self) -> bool:
-        """Whether the all-gather is one coalesced launch of an all-gather per parameter, each
-        into the parameter's own place in the buffer: the buffer is then parameter-major as it
-        arrives, with no copy-out and no second buffer."""
-        return self.tensors > 1 and self.world_size > 1 and (self.launches_coalesced_as_one or self.per_tensor_gather)
-
-    def sends_gradients(self, gradient_numels: list[int]) -> bool:
-        """Whether the reduce-scatter reads the gradients where they are (one collective per
-        gradient, in one launch) rather than from a pool buffer they are laid out into: when no
-        gradient needs padding (they add up to the unsharded buffer) and they are one, or the
-        backend runs a launch of several as one."""
-        unpadded = sum(gradient_numels) == self.unsharded_numel
-        return not self.reduces_in_pool and unpadded and (self.tensors == 1 or self.launches_coalesced_as_one)
-
-    def reduce_scatter_holds_pool_buffer(self, gradient_numels: list[int], *, coalesced: bool = False) -> bool:
-        """Whether the reduce-scatter keeps a pool buffer busy from its launch to its wait: its
-        gradients laid out into it and all-reduced in place there (not sent where they are, not
-        handed to the backend's copy at the launch, which a coalesced launch does not do, and not
-        reduced in place for good, which holds the buffer to the step's end whatever the wait)."""
-        if self.reduces_in_pool or self.sends_gradients(gradient_numels):
-            return False
-        return coalesced or not self.reduce_scatter_from_copy
-
-    def gather_launches(self) -> int:
-        """Launches the backend pays a latency for to gather the bucket: one per parameter where
-        it gathers in place on a backend that runs a coalesced launch one collective at a time."""
-        return self.tensors if self.gathers_in_place and not self.launches_coalesced_as_one else 1
-
-    @property
-    def nbytes(self) -> int:
-        return self.unsharded_numel * self.itemsize
 
 
 @dataclass(frozen=True)
@@ -255,7 +152,8 @@ class ReduceScatterIssue:
     """A bucket's lone reduce-scatter on the step's timeline: where it is issued, and the user
     name of the pool interval its lay-out holds (None: it sends its gradients where they are)."""
 
-    bucket_id: int
+    # The bucket object the trace names (the key of its layout).
+    bucket: object
     layout: BucketLayout
     start: int
     pool_user: str | None

@@ -238,69 +238,84 @@ class _GroupLink:
         )
 
 
+class _Streams:
+    """The compute stream and the groups' links while an order is run."""
+
+    def __init__(self, annotated: AnnotatedTrace, cost_model: CostModel) -> None:
+        self.annotated, self.cost_model = annotated, cost_model
+        self.now = 0.0
+        self.compute_total = 0.0
+        self.computing = _ComputeIntervals()
+        self.streams: dict[int, int] = {}  # group key -> link
+        self.links: list[_GroupLink] = []
+        self.issued: dict[int, tuple[int, float, float, float]] = {}  # collective -> (stream, issue, start, end)
+        self.waited: dict[int, tuple[float, float]] = {}  # collective -> (reached wait, exposed)
+        self.busy: list[tuple[float, float]] = []  # every collective's (start, end), in start order
+        self.ops: list[OpTiming] = []
+
+    def compute(self, duration: float) -> None:
+        """Runs ``duration`` of work on the compute stream from ``now``."""
+        slowdown = self.cost_model.overlap_compute_slowdown
+        end = _slowed_end(self.now, duration, self.busy, slowdown) if slowdown else self.now + duration
+        self.computing.add(self.now, end)
+        self.compute_total += duration
+        self.now = end
+
+    def issue(self, index: int, node) -> None:
+        issued_from = self.now
+        cost_model = self.cost_model
+        self.compute(cost_model.local_copy_ms(node.bsym, self.annotated.layouts))  # the launch waits for its input's lay-out
+        coll = self.annotated.collectives[node.collective]
+        stream = self.streams.setdefault(coll.group_key, len(self.streams))
+        if stream == len(self.links):
+            self.links.append(_GroupLink(cost_model.network_for(coll).concurrent_launches))
+        latency = cost_model.collective_latency_ms(coll)
+        start, end = self.links[stream].run(self.now, latency, cost_model.collective_ms(coll) - latency)
+        self.issued[node.collective] = (stream, self.now, start, end)
+        if cost_model.overlap_compute_slowdown:
+            self.busy.insert(bisect.bisect(self.busy, (start, end)), (start, end))
+        self.ops.append(OpTiming(index, node.name, issued_from, self.now))
+
+    def wait(self, index: int, node) -> None:
+        reached = self.now
+        exposed = max(0.0, self.issued[node.collective][3] - self.now)
+        self.waited[node.collective] = (self.now, exposed)
+        self.now += exposed
+        issue = self.annotated.nodes[self.annotated.collectives[node.collective].start].bsym
+        self.compute(self.cost_model.local_copy_ms(node.bsym, self.annotated.layouts, issue))  # the copy-out reads the result
+        self.ops.append(OpTiming(index, node.name, reached, self.now))
+
+    def op(self, index: int, node) -> None:
+        start = self.now
+        self.compute(self.cost_model.compute_ms(node.bsym))
+        self.ops.append(OpTiming(index, node.name, start, self.now))
+
+
 def simulate(annotated: AnnotatedTrace, order: list[int], cost_model: CostModel) -> Simulation:
     """Runs ``order`` (node indices of ``annotated``) on one compute and per-group comm streams."""
     nodes = annotated.nodes
     if sorted(order) != list(range(len(nodes))):
         raise ValueError(f"order must be a permutation of the {len(nodes)} node indices of the annotated trace")
-    hideable = potentially_hideable(annotated)
-    streams: dict[int, int] = {}
-    links: list[_GroupLink] = []
-    issued: dict[int, tuple[int, float, float, float]] = {}  # collective -> (stream, issue, start, end)
-    waited: dict[int, tuple[float, float]] = {}  # collective -> (reached wait, exposed)
-    ops: list[OpTiming] = []
-    now = 0.0
-    compute_total = 0.0
-    computing = _ComputeIntervals()
-    slowdown = cost_model.overlap_compute_slowdown
-    busy: list[tuple[float, float]] = []  # every collective's (start, end), in start order
-
-    def run_compute(duration: float) -> float:
-        """Runs ``duration`` of work on the compute stream from ``now``; returns when it ends."""
-        nonlocal compute_total
-        end = _slowed_end(now, duration, busy, slowdown) if slowdown else now + duration
-        computing.add(now, end)
-        compute_total += duration
-        return end
-
+    run = _Streams(annotated, cost_model)
     for index in order:
         node = nodes[index]
         if node.kind is NodeKind.COLLECTIVE:
-            issued_from = now
-            now = run_compute(cost_model.local_copy_ms(node.bsym))  # the launch waits for its input's lay-out
-            coll = annotated.collectives[node.collective]
-            stream = streams.setdefault(coll.group_key, len(streams))
-            if stream == len(links):
-                links.append(_GroupLink(cost_model.network_for(coll).concurrent_launches))
-            latency = cost_model.collective_latency_ms(coll)
-            start, end = links[stream].run(now, latency, cost_model.collective_ms(coll) - latency)
-            issued[node.collective] = (stream, now, start, end)
-            if slowdown:
-                busy.insert(bisect.bisect(busy, (start, end)), (start, end))
-            ops.append(OpTiming(index, node.name, issued_from, now))
+            run.issue(index, node)
         elif node.kind is NodeKind.WAIT:
-            reached = now
-            end = issued[node.collective][3]
-            exposed = max(0.0, end - now)
-            waited[node.collective] = (now, exposed)
-            now += exposed
-            issue = nodes[annotated.collectives[node.collective].start].bsym
-            now = run_compute(cost_model.local_copy_ms(node.bsym, issue))  # the copy-out reads the result
-            ops.append(OpTiming(index, node.name, reached, now))
+            run.wait(index, node)
         else:
-            start = now
-            now = run_compute(cost_model.compute_ms(node.bsym))
-            ops.append(OpTiming(index, node.name, start, now))
-
-    step = max([now, *(link.link_free for link in links)])
+            run.op(index, node)
+    hideable = potentially_hideable(annotated)
     timings = []
     for c, coll in enumerate(annotated.collectives):
-        stream, issue, start, end = issued[c]
-        reached, exposed = waited.get(c, (now, max(0.0, end - now)))
+        stream, issue, start, end = run.issued[c]
+        reached, exposed = run.waited.get(c, (run.now, max(0.0, end - run.now)))
         timings.append(
             CollectiveTiming(
                 c, _KIND_LABELS[coll.kind], stream, coll.unsharded_bytes, issue, start, end, reached, exposed, hideable[c],
-                computing.between(start, end),
+                run.computing.between(start, end),
             )
         )  # fmt: skip
-    return Simulation(ops, timings, step, compute_total, max((link.busy_ms() for link in links), default=0.0))
+    step = max([run.now, *(link.link_free for link in run.links)])
+    bound = max((link.busy_ms() for link in run.links), default=0.0)
+    return Simulation(run.ops, timings, step, run.compute_total, bound)

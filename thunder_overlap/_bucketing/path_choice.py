@@ -1,174 +1,215 @@
-"""Choosing, from the final traces of a step, the buckets that switch to a path that spares a pool buffer.
+"""The bucket path choice: one step, at the backward's first compile, from the final traces of a
+step to the layouts the buckets run with from then on, and the backward as it runs with them.
 
-Over gloo some of a bucket's paths cost the pool a buffer that the step does not need: a copy-out
-(:mod:`~thunder_overlap._bucketing.per_tensor_gathers`), a lay-out held until the reduce-scatter's
-wait (:mod:`~thunder_overlap._bucketing.reduce_from_copy`). Each has an alternative that frees
-that buffer sooner for some cost in time. :func:`choose_buckets` makes the choice the same way
-for both, at the backward's first compile:
+Three changes, in this order ([Note: bucket paths] in ``docs/design.md`` says why each exists and
+why in this order):
 
-1. the candidates: the buckets whose layout allows the change;
-2. the fewest of them that make the pool as small as changing all would
-   (:func:`~thunder_overlap._analysis.pool_slots.fewest_for_smallest_pool`, on the live intervals
-   of the memory estimate);
-3. taken only if the estimate of the step (reduce-scatters in the pool included, as
-   ``OverlapConfig.reduce_in_pool`` will place them) then peaks lower, and the simulator predicts
-   the step at most ``max_slowdown`` slower.
+1. over a backend that copies a reduce-scatter's input (gloo), lay-outs held to their wait that
+   would make the pool hold a buffer the step can spare go from the backend's copy instead
+   (``ReducePath.FROM_COPY``); chosen on the backward scheduled without the cap on pool-holding
+   reduce-scatters, which is then rescheduled with it, so that the cap counts only the lay-outs
+   still held;
+2. over a backend that runs a coalesced launch one collective at a time (gloo), buckets whose
+   copy-out would do the same gather each parameter in place instead (``GatherPath.IN_PLACE``);
+3. reduce-scatters issued when a pool buffer would sit idle to the step's end reduce in place in
+   it (``ReducePath.IN_POOL``), where the pool does not grow for it (``OverlapConfig.reduce_in_pool``).
 
-:func:`apply_choice` switches the live buckets that every rank chose (the change alters what
-they launch), and they keep their layouts through retraces.
+Changes 1 and 2 take the fewest buckets that make the pool as small as changing all candidates
+would, and only where the step's predicted peak falls and the simulator predicts the step at most
+the change's ``max_slowdown`` slower. Every change is agreed between ranks (it alters what they
+launch): ``agree`` keeps the labels every rank chose, and every rank calls it once per enabled
+change, whatever it chose.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 
-import torch.distributed as dist
 from thunder.core.trace import TraceCtx
 
 from thunder_overlap._analysis.classify import AnnotatedTrace, classify_trace
 from thunder_overlap._analysis.cost_model import CostModel
+from thunder_overlap._analysis.layout import BucketLayout, BucketLayouts, GatherPath, ReducePath
 from thunder_overlap._analysis.memory_estimate import MemoryEstimate, estimate_memory
-from thunder_overlap._analysis.pool_slots import BucketLayout, PoolInterval
+from thunder_overlap._analysis.pool_slots import (
+    PoolInterval,
+    fewest_per_tensor_gathers,
+    fewest_reduce_scatters_from_copy,
+    plan_shards_in_pool,
+)
 from thunder_overlap._analysis.simulator import simulate
-from thunder_overlap._bucketing.buffers import lookup_bucket
-from thunder_overlap._bucketing.reduce_in_pool import shards_in_pool
-from thunder_overlap._scheduling.rank_agreement import agreed_subset
+from thunder_overlap._scheduling.dispatch import ScheduledTrace
 
-__all__ = ["BucketChange", "BucketPathChoice", "Layouts", "apply_choice", "choose_buckets"]
+__all__ = ["GATHERED_PER_PARAMETER", "REDUCED_FROM_COPY", "REDUCED_IN_POOL", "ChangeOutcome", "PathChoice", "choose_bucket_paths"]
+
+# The changes, by name.
+REDUCED_FROM_COPY = "reduced from gloo's copy"
+GATHERED_PER_PARAMETER = "gathered per parameter"
+REDUCED_IN_POOL = "reduced in the pool"
 
 logger = logging.getLogger(__name__)
 
-# The buckets' layouts, by bucket id.
-Layouts = dict[int, BucketLayout]
-
 
 @dataclass(frozen=True)
-class BucketChange:
-    """One path a bucket can switch to, as :func:`choose_buckets` needs it."""
+class _Change:
+    """A path some buckets can switch to, sparing a pool buffer for some time."""
 
-    # What the change is, for reasons and logs ("gathered per parameter").
     name: str
-    # Labels of the buckets that may change, from their layouts and the step's memory estimate.
-    candidates: Callable[[Layouts, MemoryEstimate], list[str]]
-    # The fewest candidates that give the smallest pool, from the estimate's pool intervals.
+    # Labels of the buckets that may change, from their layouts and the backward's memory estimate.
+    candidates: Callable[[BucketLayouts, MemoryEstimate], list[str]]
+    # The fewest candidates that give the smallest pool, from the step's pool intervals.
     fewest: Callable[[list[PoolInterval], list[str]], list[str]]
-    # A layout with the change made.
     change: Callable[[BucketLayout], BucketLayout]
 
 
-@dataclass
-class BucketPathChoice:
-    """What :func:`choose_buckets` found: the buckets, and the predictions behind them."""
+_REDUCE_FROM_COPY = _Change(
+    REDUCED_FROM_COPY,
+    lambda layouts, backward: [
+        issue.layout.label
+        for issue in backward.reduce_scatter_issues
+        if issue.pool_user is not None and issue.layout.backend.copies_reduce_scatter_input and issue.layout.reduce is ReducePath.LAID_OUT
+    ],
+    fewest_reduce_scatters_from_copy,
+    lambda layout: layout.with_paths(reduce=ReducePath.FROM_COPY),
+)
+_GATHER_PER_PARAMETER = _Change(
+    GATHERED_PER_PARAMETER,
+    lambda layouts, backward: [layout.label for layout in layouts.values() if layout.gather is GatherPath.COPY_OUT],
+    fewest_per_tensor_gathers,
+    lambda layout: layout.with_paths(gather=GatherPath.IN_PLACE),
+)
 
-    # Labels of the buckets to change.
-    labels: list[str]
-    # The buckets of the traces, by label.
-    bucket_ids: dict[str, int]
-    # Predicted step peak as they are, and with those buckets changed.
+
+@dataclass(frozen=True)
+class ChangeOutcome:
+    """What one change chose, and the predictions behind it (for the log and the report)."""
+
+    change: str
+    labels: tuple[str, ...] = ()
+    # The step's predicted peak before and after, and its predicted time (ms), where compared.
     peak_bytes: tuple[int, int] | None = None
-    # Predicted step time as they are, and with them changed (None where not simulated).
     step_ms: tuple[float, float] | None = None
-    # Why these buckets, or why none, for the log.
     reason: str = ""
 
 
-def _bucket_ids(trace: TraceCtx) -> set[int]:
-    """Ids of the buckets whose all-gathers ``trace`` issues, alone or in a coalesced launch."""
-    ids = set()
-    for bsym in trace.bound_symbols:
-        if bsym.sym.name == "bucket_all_gather":
-            ids.add(bsym.args[0])
-        elif bsym.sym.name == "coalesced_bucket_all_gather":
-            ids.update(bucket_id for bucket_id, _, _ in bsym.args[1])
-    return ids
+@dataclass
+class PathChoice:
+    """The buckets' layouts from now on, the backward as it runs with them, the step's memory
+    predicted with them, and what each change chose."""
+
+    layouts: dict[object, BucketLayout]
+    backward: ScheduledTrace
+    forward_memory: MemoryEstimate
+    backward_memory: MemoryEstimate
+    outcomes: list[ChangeOutcome] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.forward_memory.peak_bytes, self.backward_memory.peak_bytes)
+
+    def outcome(self, change: str) -> ChangeOutcome | None:
+        """What ``change`` (one of the names above) chose; None where it was not considered."""
+        return next((o for o in self.outcomes if o.change == change), None)
+
+    def labels(self, change: str) -> tuple[str, ...]:
+        """The buckets ``change`` switched (none where it was not considered)."""
+        outcome = self.outcome(change)
+        return outcome.labels if outcome is not None else ()
 
 
-def _changed(layouts: Layouts, labels: list[str], change: BucketChange) -> Layouts:
-    return {i: change.change(layout) if layout.label in labels else layout for i, layout in layouts.items()}
+@dataclass(frozen=True)
+class _Step:
+    """The final traces of one step, and how to judge them."""
+
+    forward: TraceCtx
+    backward: TraceCtx
+    cost_model: Callable[[AnnotatedTrace], CostModel]
+    reduce_in_pool: bool
+
+    def memory(self, layouts: BucketLayouts) -> tuple[MemoryEstimate, MemoryEstimate]:
+        forward = estimate_memory(self.forward, layouts=layouts)
+        return forward, estimate_memory(self.backward, layouts=layouts, after=forward)
+
+    def peak_bytes(self, layouts: BucketLayouts) -> int:
+        """The step's predicted peak, reduce-scatters in the pool where they would go there."""
+        if self.reduce_in_pool:
+            layouts = _in_pool(layouts, self.memory(layouts)[1])
+        return max(m.peak_bytes for m in self.memory(layouts))
+
+    def time_ms(self, layouts: BucketLayouts) -> float:
+        """The simulator's forward plus backward, each in its trace's order."""
+        total = 0.0
+        for trace in (self.forward, self.backward):
+            annotated = classify_trace(trace, layouts)
+            if annotated.collectives:
+                total += simulate(annotated, list(range(len(annotated.nodes))), self.cost_model(annotated)).step_ms
+        return total
 
 
-def _estimate_step(forward: TraceCtx, backward: TraceCtx, layouts: Layouts) -> tuple[MemoryEstimate, MemoryEstimate]:
-    """The memory estimates of ``forward`` then ``backward`` with the buckets' ``layouts``."""
-    forward_memory = estimate_memory(forward, buckets=layouts.get)
-    return forward_memory, estimate_memory(backward, after=forward_memory, buckets=layouts.get)
+def _in_pool(layouts: BucketLayouts, backward: MemoryEstimate) -> dict[object, BucketLayout]:
+    chosen = {issue.bucket for issue in plan_shards_in_pool(backward.pool_intervals, backward.reduce_scatter_issues, backward.timeline_end)}
+    return {bucket: layout.with_paths(reduce=ReducePath.IN_POOL) if bucket in chosen else layout for bucket, layout in layouts.items()}
 
 
-def _step_peak_bytes(forward: TraceCtx, backward: TraceCtx, layouts: Layouts, reduce_in_pool: bool) -> int:
-    """The step's predicted peak with these layouts, reduce-scatters in the pool where they
-    would go there (``OverlapConfig.reduce_in_pool``, chosen after this)."""
-    forward_memory, backward_memory = _estimate_step(forward, backward, layouts)
-    if reduce_in_pool:
-        in_pool = shards_in_pool(backward_memory)
-        if in_pool:
-            in_place = {i.bucket_id: replace(layouts[i.bucket_id], reduces_in_pool=True, reduce_scatter_from_copy=False) for i in in_pool}
-            forward_memory, backward_memory = _estimate_step(forward, backward, {**layouts, **in_place})
-    return max(forward_memory.peak_bytes, backward_memory.peak_bytes)
+def _changed(layouts: BucketLayouts, labels, change: _Change) -> dict[object, BucketLayout]:
+    return {bucket: change.change(layout) if layout.label in labels else layout for bucket, layout in layouts.items()}
 
 
-def _predicted_step_ms(forward: TraceCtx, backward: TraceCtx, cost_model: Callable[[AnnotatedTrace], CostModel]) -> float:
-    """The simulator's forward plus backward, each in its trace's order (it reads the live
-    buckets' layouts for their launches and copies)."""
-    total = 0.0
-    for trace in (forward, backward):
-        annotated = classify_trace(trace)
-        if annotated.collectives:
-            total += simulate(annotated, list(range(len(annotated.nodes))), cost_model(annotated)).step_ms
-    return total
-
-
-def choose_buckets(
-    forward: TraceCtx,
-    backward: TraceCtx,
-    change: BucketChange,
-    cost_model: Callable[[AnnotatedTrace], CostModel],
-    *,
-    max_slowdown: float,
-    reduce_in_pool: bool,
-) -> BucketPathChoice:
-    """The buckets of ``forward`` and ``backward`` (final traces of one step) to switch to
-    ``change`` (see the module docstring); ``cost_model`` gives each pass's cost model. The live
-    buckets keep their layouts."""
-    buckets = {bucket_id: lookup_bucket(bucket_id) for bucket_id in _bucket_ids(forward) | _bucket_ids(backward)}
-    layouts = {bucket_id: bucket.layout for bucket_id, bucket in buckets.items()}
-    ids = {layout.label: bucket_id for bucket_id, layout in layouts.items()}
-    if len(ids) != len(layouts):
-        raise RuntimeError(f"thunder_overlap bucketing: bucket labels are not unique: {sorted(b.label for b in layouts.values())}")
-    _, backward_memory = _estimate_step(forward, backward, layouts)
-    candidates = change.candidates(layouts, backward_memory)
-    if not candidates:
-        return BucketPathChoice([], ids, reason=f"{change.name}: no bucket can be")
-    labels = change.fewest(backward_memory.pool_intervals, candidates)
+def _choose(step: _Step, layouts: BucketLayouts, change: _Change, max_slowdown: float) -> ChangeOutcome:
+    """The buckets to switch to ``change`` (see the module docstring), without agreement."""
+    backward = step.memory(layouts)[1]
+    candidates = change.candidates(layouts, backward)
+    labels = change.fewest(backward.pool_intervals, candidates) if candidates else []
     if not labels:
-        return BucketPathChoice([], ids, reason=f"{change.name}, no bucket would shrink the pool")
-    before = _step_peak_bytes(forward, backward, layouts, reduce_in_pool)
-    after = _step_peak_bytes(forward, backward, _changed(layouts, labels, change), reduce_in_pool)
-    if after >= before:
-        return BucketPathChoice([], ids, (before, after), reason=f"{change.name}, the step would not peak lower")
-    as_they_are = _predicted_step_ms(forward, backward, cost_model)
-    # The simulator and the copy costs read the live buckets' layouts: switch them for the run.
-    try:
-        for bucket_id, layout in _changed(layouts, labels, change).items():
-            buckets[bucket_id].layout = layout
-        changed = _predicted_step_ms(forward, backward, cost_model)
-    finally:
-        for bucket_id, layout in layouts.items():
-            buckets[bucket_id].layout = layout
-    step_ms = (as_they_are, changed)
-    if changed > as_they_are * (1 + max_slowdown):
-        reason = f"{change.name}, the step would be {changed / as_they_are - 1:.1%} slower"
-        return BucketPathChoice([], ids, (before, after), step_ms, reason)
-    return BucketPathChoice(labels, ids, (before, after), step_ms, f"{change.name}, the step peaks lower")
+        return ChangeOutcome(change.name, reason="no bucket would shrink the pool")
+    changed = _changed(layouts, labels, change)
+    peaks = (step.peak_bytes(layouts), step.peak_bytes(changed))
+    if peaks[1] >= peaks[0]:
+        return ChangeOutcome(change.name, peak_bytes=peaks, reason="the step would not peak lower")
+    times = (step.time_ms(layouts), step.time_ms(changed))
+    if times[1] > times[0] * (1 + max_slowdown):
+        return ChangeOutcome(change.name, peak_bytes=peaks, step_ms=times, reason=f"the step would be {times[1] / times[0] - 1:.1%} slower")
+    return ChangeOutcome(change.name, tuple(labels), peaks, times, "the step peaks lower")
 
 
-def apply_choice(choice: BucketPathChoice, change: BucketChange, group: dist.ProcessGroup | None, *, exchange: bool) -> list[str]:
-    """Switches the live buckets chosen by every rank of ``group`` (agreed when ``exchange``:
-    every rank must call this) to ``change``; returns their labels."""
-    labels = agreed_subset(choice.labels, group) if exchange else list(choice.labels)
-    for label in labels:
-        bucket = lookup_bucket(choice.bucket_ids[label])
-        bucket.layout = change.change(bucket.layout)
-    if labels:
-        logger.info("thunder_overlap: buckets %s (%s): %s", change.name, choice.reason, labels)
-    return labels
+def choose_bucket_paths(
+    forward: TraceCtx,
+    backward: ScheduledTrace,
+    layouts: BucketLayouts,
+    *,
+    max_slowdowns: tuple[float | None, float | None],
+    reduce_in_pool: bool,
+    cost_model: Callable[[AnnotatedTrace], CostModel],
+    agree: Callable[[list[str]], list[str]],
+    reschedule: Callable[[BucketLayouts], ScheduledTrace] | None,
+) -> PathChoice:
+    """Chooses the buckets' paths from the final ``forward`` trace and the ``backward`` as
+    scheduled (see the module docstring). ``max_slowdowns``: those of reduce-from-copy and of
+    per-parameter gathers (None: never). ``reschedule`` schedules the backward again with given
+    layouts, in the agreed issue order and with the pool reduce-scatter cap; None where
+    ``backward`` was scheduled with it already (no backend path choice)."""
+    layouts = dict(layouts)
+    outcomes = []
+    for change, max_slowdown in zip((_REDUCE_FROM_COPY, _GATHER_PER_PARAMETER), max_slowdowns, strict=True):
+        if max_slowdown is not None:
+            outcome = _choose(_Step(forward, backward.trace, cost_model, reduce_in_pool), layouts, change, max_slowdown)
+            agreed = tuple(agree(list(outcome.labels)))  # every rank exchanges, whatever it chose
+            outcomes.append(ChangeOutcome(outcome.change, agreed, outcome.peak_bytes, outcome.step_ms, outcome.reason))
+            layouts = _changed(layouts, agreed, change)
+        if change is _REDUCE_FROM_COPY and reschedule is not None:
+            backward = reschedule(layouts)
+    step = _Step(forward, backward.trace, cost_model, reduce_in_pool)
+    forward_memory, backward_memory = step.memory(layouts)
+    if reduce_in_pool:
+        in_pool = _in_pool(layouts, backward_memory)
+        labels = agree([layout.label for bucket, layout in in_pool.items() if layout != layouts[bucket]])
+        outcomes.append(ChangeOutcome(REDUCED_IN_POOL, tuple(labels), reason="a pool buffer idle to the step's end"))
+        if labels:
+            layouts = {bucket: in_pool[bucket] if layout.label in labels else layout for bucket, layout in layouts.items()}
+            forward_memory, backward_memory = step.memory(layouts)
+    for outcome in outcomes:
+        if outcome.labels:
+            logger.info("thunder_overlap: buckets %s (%s): %s", outcome.change, outcome.reason, list(outcome.labels))
+    return PathChoice(layouts, backward, forward_memory, backward_memory, outcomes)

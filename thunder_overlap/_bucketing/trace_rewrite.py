@@ -11,33 +11,31 @@ In a forward or backward execution trace, :func:`rewrite_bucket_collectives` rep
   accumulation per bucket.
 
 Deletions are regenerated for the rebuilt trace. Whatever cannot be bucketed stays as it was
-and is listed, with the reason, in the returned :class:`BucketingSummary`.
-
-The operators bound here live in :mod:`thunder_overlap._transforms.executor`, which imports this
-package's buffers; they come in as :class:`BucketOperators` so that bucketing/ does not import
-transforms/.
+and is listed, with the reason, in the returned :class:`BucketingSummary`. The bucketed
+operators (``_ops.py``) name the bucket's runtime object, which the trace carries.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from thunder.core import prims
 from thunder.core.dtypes import to_torch_dtype
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
-from thunder.core.symbol import BoundSymbol, Symbol
+from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace, tracectx
 from thunder.executors.passes import del_last_used
 
+from thunder_overlap import _ops as ops
 from thunder_overlap._analysis.classify import AnnotatedTrace, Collective, CollectiveKind, classify_trace
 from thunder_overlap._bucketing.buffers import BucketBuffers
 from thunder_overlap._bucketing.plan import BucketPlan
 
-__all__ = ["BucketIndex", "BucketOperators", "BucketingSummary", "forward_input_names", "rewrite_bucket_collectives"]
+__all__ = ["BucketIndex", "BucketingSummary", "forward_input_names", "rewrite_bucket_collectives"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,22 +53,11 @@ class BucketingSummary:
 
 
 @dataclass(frozen=True)
-class BucketOperators:
-    """The bucketed operators the rewrite binds into the trace."""
-
-    all_gather: Symbol
-    all_gather_wait: Symbol
-    reduce_scatter: Symbol
-    reduce_scatter_wait: Symbol
-    accumulate_grads: Symbol
-
-
-@dataclass(frozen=True)
 class BucketIndex:
-    """What the rewrite knows of the buckets: their buffers (by registered id), the FSDP process
-    group, and which (bucket id, slot) a computation-trace input name is, if any."""
+    """What the rewrite knows of the buckets: their buffers, the FSDP process group, and which
+    (index into ``buckets``, slot) a computation-trace input name is, if any."""
 
-    buckets: Mapping[int, BucketBuffers]
+    buckets: Sequence[BucketBuffers]
     process_group: dist.ProcessGroup
     slot_of_input: Callable[[str], tuple[int, int] | None]
 
@@ -102,7 +89,6 @@ def forward_input_names(forward_trace: TraceCtx) -> list[str | None]:
 def rewrite_bucket_collectives(
     trace: TraceCtx,
     index: BucketIndex,
-    operators: BucketOperators,
     *,
     forward_inputs: list[str | None] | None = None,
     accumulate: bool = False,
@@ -116,7 +102,7 @@ def rewrite_bucket_collectives(
     Returns the rewritten trace (``trace`` itself when nothing was bucketed) and the summary.
     Raises NotImplementedError when accumulating and some gradient cannot be bucketed.
     """
-    rewrite = _Rewrite(trace, index, operators)
+    rewrite = _Rewrite(trace, index)
     rewrite.bucket_all_gathers()
     is_backward = TraceTag.BACKWARD in trace.tags
     if is_backward:
@@ -129,11 +115,10 @@ def rewrite_bucket_collectives(
 class _Rewrite:
     """One pass's edits: bucketed ops to insert (by position) and per-parameter ops to remove."""
 
-    def __init__(self, trace: TraceCtx, index: BucketIndex, operators: BucketOperators) -> None:
+    def __init__(self, trace: TraceCtx, index: BucketIndex) -> None:
         self.trace = trace
         self.index = index
-        self.ops = operators
-        self.annotated = classify_trace(trace)
+        self.annotated = classify_trace(trace, roles_only=True)
         self.positions = {id(b): i for i, b in enumerate(trace.bound_symbols)}
         self.summary = BucketingSummary()
         self.new_bsyms: dict[int, list[BoundSymbol]] = defaultdict(list)  # position -> bucketed ops placed there
@@ -162,14 +147,14 @@ class _Rewrite:
             bucket = self.index.buckets[bucket_id]
             slots = tuple(m.slot for m in group)
             with tracectx(self.trace):
-                future = FutureTensorProxy(shape=(bucket.world_size * bucket.plan.shard_numel,), like=group[0].source)
-            start = self.ops.all_gather.bind(bucket_id, self.index.process_group, [m.source for m in group], slots, output=future)
-            wait = self.ops.all_gather_wait.bind(future, bucket_id, slots, output=tuple(m.wait.output for m in group))
+                future = FutureTensorProxy(shape=(bucket.gathered_numel(),), like=group[0].source)
+            start = ops.bucket_all_gather.bind(bucket, self.index.process_group, [m.source for m in group], slots, output=future)
+            wait = ops.bucket_all_gather_wait.bind(future, bucket, slots, output=tuple(m.wait.output for m in group))
             self.new_bsyms[min(positions[id(m.start)] for m in group)].append(start)
             self.new_bsyms[min(positions[id(m.wait)] for m in group)].append(wait)
             self.removed.update(positions[id(b)] for m in group for b in (m.start, m.wait))
             summary.all_gathers += 1
-            logger.debug("bucket %d: one all-gather for %d parameters", bucket_id, len(group))
+            logger.debug("bucket %s: one all-gather for %d parameters", bucket.label, len(group))
 
     def bucket_reduce_scatters(self, forward_inputs: list[str | None] | None, accumulate: bool) -> None:
         summary, positions = self.summary, self.positions
@@ -189,18 +174,18 @@ class _Rewrite:
             last_start = max(positions[id(m.start)] for m in group)
             self.removed.update(positions[id(b)] for m in group for b in (m.start, m.wait, *m.prologue))
             if accumulate:
-                self.new_bsyms[last_start].append(self.ops.accumulate_grads.bind(bucket_id, sources, slots, output=outputs))
+                self.new_bsyms[last_start].append(ops.bucket_accumulate_grads.bind(bucket, sources, slots, output=outputs))
                 summary.accumulations += 1
-                logger.debug("bucket %d: %d gradients summed locally (no_sync)", bucket_id, len(group))
+                logger.debug("bucket %s: %d gradients summed locally (no_sync)", bucket.label, len(group))
                 continue
             with tracectx(self.trace):
                 future = FutureTensorProxy(shape=(bucket.plan.shard_numel,), like=group[0].source)
-            start = self.ops.reduce_scatter.bind(bucket_id, self.index.process_group, sources, group[0].divisor, output=future)
+            start = ops.bucket_reduce_scatter.bind(bucket, self.index.process_group, sources, group[0].divisor, output=future)
             self.new_bsyms[last_start].append(start)
-            wait = self.ops.reduce_scatter_wait.bind(future, bucket_id, slots, output=outputs)
+            wait = ops.bucket_reduce_scatter_wait.bind(future, bucket, slots, output=outputs)
             self.new_bsyms[max(positions[id(m.wait)] for m in group)].append(wait)
             summary.reduce_scatters += 1
-            logger.debug("bucket %d: one reduce-scatter for %d gradients", bucket_id, len(group))
+            logger.debug("bucket %s: one reduce-scatter for %d gradients", bucket.label, len(group))
 
     def _reduce_scatter_groups(self, forward_inputs: list[str | None] | None) -> list[tuple[int, list[_Member]]]:
         """The backward's reduce-scatters by bucket, each bucket's in slot order; whatever cannot

@@ -15,6 +15,7 @@ from thunder_overlap._analysis.cost_model import CostModel, default_cost_model
 from thunder_overlap._analysis.memory_estimate import MemoryEstimate, estimate_memory
 from thunder_overlap._scheduling.issue_order import IssueOrder
 from thunder_overlap._scheduling.launches import LaunchGroup, apply_launches, candidate_runs, plan_launches
+from thunder_overlap._scheduling.limits import resolve_limits
 from thunder_overlap._scheduling.orders import apply_order, stock_order
 from thunder_overlap._scheduling.scheduler import OverlapScheduler
 from thunder_overlap._scheduling.summary import ScheduleSummary
@@ -52,6 +53,7 @@ def schedule_trace(
     issue_order: IssueOrder | None = None,
     launches: list[list[int]] | None = None,
     memory_after: MemoryEstimate | None = None,
+    caps_pool_reduce_scatters: bool = True,
 ) -> ScheduledTrace:
     """Schedules ``trace`` by ``config.policy``; limits are resolved from ``largest_block_bytes``
     (None when the model has no repeated blocks). With ``issue_order``, every process group issues
@@ -60,17 +62,17 @@ def schedule_trace(
     agreed between ranks; otherwise, where ``config.coalesces``, the cost model decides.
     ``memory_after``: the memory estimate of the trace that produced this one's inputs (for a
     backward, its forward's :attr:`ScheduledTrace.memory`), so that the budget counts persistent
-    and shared inputs as the report does."""
+    and shared inputs as the report does. ``caps_pool_reduce_scatters``: see :func:`resolve_limits`."""
     annotated = trace if isinstance(trace, AnnotatedTrace) else classify_trace(trace)
     if not annotated.collectives:
         return ScheduledTrace(annotated.trace, annotated, stock_order(annotated), None)
-    provenance = f"thunder_overlap: {config.policy} schedule"
     if config.policy == "stock":
         order = stock_order(annotated)
         if issue_order is not None and IssueOrder.of_schedule(annotated, order) != issue_order:
             raise ValueError("the stock policy keeps Thunder's order, which does not follow the given issue order")
-        return ScheduledTrace(apply_order(annotated, order, provenance=provenance), annotated, order, None)
-    limits = config.limits(largest_block_bytes, runs_buckets=annotated.runs_buckets)
+        return ScheduledTrace(apply_order(annotated, order, provenance=_provenance(config)), annotated, order, None)
+    runs_buckets = annotated.runs_buckets
+    limits = resolve_limits(config, largest_block_bytes, runs_buckets=runs_buckets, caps_pool_reduce_scatters=caps_pool_reduce_scatters)
     estimates = _CostModelOnDemand(annotated, cost_model)
     # Prefetching stretches by time only with a given cost model; coalescing falls back to the default.
     stretches = limits.prefetch_time_margin is not None and cost_model is not None
@@ -84,32 +86,53 @@ def schedule_trace(
         planned = plan_launches(annotated, order, estimates.get())
     else:
         planned = []
-    scheduled, memory = None, None
-    if planned:
-        scheduled = apply_launches(annotated, order, planned, provenance=provenance)
-        summary = scheduler.summary
-        if summary.budget_bytes is not None:
-            # A launch waits for all its members at the first one's wait, so later members'
-            # outputs live longer: the budget is checked again. Launches agreed between ranks
-            # are kept whatever this rank predicts (all ranks must launch the same).
-            coalesced_memory = estimate_memory(scheduled, after=memory_after)
-            peak = coalesced_memory.peak_bytes
-            if peak > summary.budget_bytes and launches is None:
-                logger.debug("coalesced launches would reach %d B, over the budget of %d B: not coalescing", peak, summary.budget_bytes)
-                scheduled, planned = None, []
-            else:
-                summary.peak_bytes, memory = peak, coalesced_memory
-        summary.coalesced_launches = len(planned)
-        summary.coalesced_collectives = sum(len(g.members) for g in planned)
+    scheduled, memory, planned = _coalesce(
+        annotated, order, planned, scheduler, agreed=launches is not None, memory_after=memory_after, provenance=_provenance(config)
+    )
     if scheduled is None and scheduler.checked_trace is not None:
         scheduled, memory = scheduler.checked_trace, scheduler.checked_memory
     elif scheduled is None:
-        scheduled = apply_order(annotated, order, provenance=provenance)
+        scheduled = apply_order(annotated, order, provenance=_provenance(config))
         if limits.memory_budget is not None:  # fell back to the just-in-time order
-            memory = estimate_memory(scheduled, after=memory_after)
+            memory = estimate_memory(scheduled, layouts=annotated.layouts, after=memory_after)
     pass_name = "backward" if TraceTag.BACKWARD in annotated.trace.tags else "forward"
     logger.info("%s %s schedule of %d collectives: %s", pass_name, config.policy, len(annotated.collectives), scheduler.summary.describe())
     return ScheduledTrace(scheduled, annotated, order, scheduler.summary, tuple(planned), memory)
+
+
+def _provenance(config: OverlapConfig) -> str:
+    return f"thunder_overlap: {config.policy} schedule"
+
+
+def _coalesce(
+    annotated: AnnotatedTrace,
+    order: list[int],
+    planned: list[LaunchGroup],
+    scheduler: OverlapScheduler,
+    *,
+    agreed: bool,
+    memory_after: MemoryEstimate | None,
+    provenance: str,
+) -> tuple[TraceCtx | None, MemoryEstimate | None, list[LaunchGroup]]:
+    """The trace of ``order`` with ``planned`` launched together and its memory (where the budget
+    was checked), or (None, None, []) where there is nothing to coalesce or coalescing would break
+    the budget. Launches ``agreed`` between ranks are kept whatever this rank predicts (all ranks
+    must launch the same)."""
+    if not planned:
+        return None, None, []
+    scheduled = apply_launches(annotated, order, planned, provenance=provenance)
+    summary, memory = scheduler.summary, None
+    if summary.budget_bytes is not None:
+        # A launch waits for all its members at the first one's wait, so later members' outputs
+        # live longer: the budget is checked again.
+        memory = estimate_memory(scheduled, layouts=annotated.layouts, after=memory_after)
+        if memory.peak_bytes > summary.budget_bytes and not agreed:
+            logger.debug("coalesced launches would peak at %d B, over the budget of %d B", memory.peak_bytes, summary.budget_bytes)
+            return None, None, []
+        summary.peak_bytes = memory.peak_bytes
+    summary.coalesced_launches = len(planned)
+    summary.coalesced_collectives = sum(len(g.members) for g in planned)
+    return scheduled, memory, planned
 
 
 class _CostModelOnDemand:

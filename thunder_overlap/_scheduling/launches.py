@@ -29,7 +29,8 @@ from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, tracectx
 
-from thunder_overlap._analysis.classify import COALESCED_PREFIX, AnnotatedTrace, Collective, CollectiveKind, NodeKind
+from thunder_overlap import _ops as ops
+from thunder_overlap._analysis.classify import AnnotatedTrace, Collective, CollectiveKind, NodeKind
 from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.simulator import simulate
 from thunder_overlap._scheduling.orders import apply_order, trace_of_bound_symbols
@@ -62,7 +63,7 @@ def _flavour(annotated: AnnotatedTrace, c: int) -> str | None:
     name = annotated.nodes[coll.start].name
     if name in _BUCKET_ISSUES:
         return "bucket"
-    if name.startswith(COALESCED_PREFIX) or not any(p in name for p in _PLAIN_ISSUES):
+    if name.startswith(ops.COALESCED_PREFIX) or not any(p in name for p in _PLAIN_ISSUES):
         return None
     return "plain"
 
@@ -171,17 +172,14 @@ def apply_launches(annotated: AnnotatedTrace, order: list[int], launches: list[L
 
 def _coalesced_bound_symbols(annotated: AnnotatedTrace, launch: LaunchGroup) -> tuple[BoundSymbol, BoundSymbol]:
     """The issue and the wait of ``launch``; the wait's outputs are the members' wait outputs."""
-    # Imported here: the transforms package imports the scheduling one.
-    from thunder_overlap._transforms import executor as ops
-
     colls = [annotated.collectives[c] for c in launch.members]
     starts = [annotated.nodes[c.start].bsym for c in colls]
     waits = [annotated.nodes[c.wait].bsym for c in colls]
     group = colls[0].process_group
     gather = colls[0].kind is CollectiveKind.ALL_GATHER
     if _flavour(annotated, launch.members[0]) == "bucket":
-        # bucket_all_gather(bucket_id, group, shards, slots) / bucket_reduce_scatter(bucket_id, group, grads, divisor);
-        # their waits (pending, bucket_id, slots).
+        # bucket_all_gather(bucket, group, shards, slots) / bucket_reduce_scatter(bucket, group, grads, divisor);
+        # their waits (pending, bucket, slots).
         members = tuple((s.args[0], s.args[3], w.args[2]) for s, w in zip(starts, waits, strict=True))
         inputs = [list(s.args[2]) for s in starts]
         op = ops.coalesced_bucket_all_gather if gather else ops.coalesced_bucket_reduce_scatter

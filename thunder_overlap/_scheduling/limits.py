@@ -1,6 +1,7 @@
-"""The limits the scheduler places collectives within, each one small object.
+"""The limits the scheduler places collectives within: :class:`ScheduleLimits` as resolved from
+the configuration (:func:`resolve_limits`), then one small object per limit.
 
-Each answers one question during a walk over the compute ops:
+Each object answers one question during a walk over the compute ops:
 
 - :class:`PrefetchDistance`: may all-gather ``c`` be issued this far ahead of its first use?
 - :class:`AllGatherLimit`: may one more all-gather be in flight (count and bytes), and may it go
@@ -16,15 +17,106 @@ oldest in flight) or ``None``; the scheduler asks again after each wait, since a
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 from thunder_overlap._analysis.classify import AnnotatedTrace, is_expensive
 from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._scheduling.memory_budget import MemoryProfile
-from thunder_overlap.config import ScheduleLimits
+from thunder_overlap.config import OverlapConfig
 
-__all__ = ["AllGatherLimit", "InFlight", "MemoryBudget", "PrefetchDistance", "ReduceScatterLimit"]
+__all__ = [
+    "JUST_IN_TIME_LIMITS",
+    "AllGatherLimit",
+    "InFlight",
+    "MemoryBudget",
+    "MemoryBudgetRule",
+    "PrefetchDistance",
+    "ReduceScatterLimit",
+    "ScheduleLimits",
+    "resolve_limits",
+]
+
+
+@dataclass(frozen=True)
+class MemoryBudgetRule:
+    """Predicted peak may exceed the just-in-time order's by max(slack_bytes, slack_ratio x peak)."""
+
+    slack_bytes: int
+    slack_ratio: float
+
+    def budget(self, baseline_peak_bytes: int) -> int:
+        return baseline_peak_bytes + max(self.slack_bytes, int(self.slack_ratio * baseline_peak_bytes))
+
+
+@dataclass(frozen=True)
+class ScheduleLimits:
+    """Concrete limits the scheduler enforces (None: unlimited)."""
+
+    max_allgathers: int | None = None
+    max_allgather_bytes: int | None = None
+    # All-gather bytes in flight up to which one more goes out as early as the distance allows;
+    # beyond them (within max_allgather_bytes) only once issuing later would leave too little
+    # compute to hide it (PrefetchDistance.hides_only_if_issued_now). None: as early as allowed.
+    early_allgather_bytes: int | None = None
+    max_reduce_scatter_bytes: int | None = None
+    # Of those, the bytes that keep a bucket pool buffer busy until the wait (Collective.pool_bytes_to_wait).
+    max_pool_reduce_scatter_bytes: int | None = None
+    # Most reduce-scatters in flight (0: wait right after issuing).
+    max_reduce_scatters: int | None = None
+    # Expensive compute ops between a collective's issue and its first use (0: just in time).
+    max_prefetch_compute_ops: int | None = None
+    # Stretch the distance until compute covers this many times the collective's time.
+    prefetch_time_margin: float | None = None
+    memory_budget: MemoryBudgetRule | None = None
+    # Expensive compute ops after which a reduce-scatter that feeds another collective is
+    # waited on (None: at its first use, as any other).
+    chained_wait_compute_ops: int | None = None
+
+
+# Each all-gather right before its first use, each reduce-scatter waited right after its issue.
+JUST_IN_TIME_LIMITS = ScheduleLimits(max_prefetch_compute_ops=0, max_reduce_scatters=0)
+
+
+def resolve_limits(
+    config: OverlapConfig, largest_block_bytes: int | None, *, runs_buckets: bool = False, caps_pool_reduce_scatters: bool = True
+) -> ScheduleLimits:
+    """The limits ``config.policy`` applies, given the unit of prefetching (the largest block or
+    bucket; None for a model without repeated blocks) and whether the collectives move buckets.
+    ``caps_pool_reduce_scatters=False`` lifts the cap on reduce-scatters that hold a pool buffer
+    to their wait (the schedule the bucket path choice reads: [Note: pool reduce-scatter cap])."""
+    if config.policy in ("greedy", "stock"):
+        return ScheduleLimits()
+    if config.policy == "just_in_time":
+        return JUST_IN_TIME_LIMITS
+    tuning = config.tuning
+    unit = largest_block_bytes or None
+    block_limit = int(config.prefetch_blocks * unit) if unit else None
+    eager_limit = pool_limit = None
+    if runs_buckets and unit and tuning.bucket_eager_prefetch_blocks is not None:
+        eager_limit = min(block_limit, int(tuning.bucket_eager_prefetch_blocks * unit))
+    if runs_buckets and unit and caps_pool_reduce_scatters and tuning.bucket_reduce_scatter_blocks is not None:
+        pool_limit = int(tuning.bucket_reduce_scatter_blocks * unit)
+    allgather_bytes, allgathers, early_bytes = config.max_in_flight_allgather_bytes, tuning.max_in_flight_allgathers, None
+    if allgather_bytes is None and allgathers is None:
+        allgather_bytes, early_bytes = block_limit, eager_limit
+        allgathers = tuning.fallback_in_flight_allgathers if block_limit is None else None
+    limits = ScheduleLimits(
+        max_allgathers=allgathers,
+        max_allgather_bytes=allgather_bytes,
+        early_allgather_bytes=early_bytes,
+        max_reduce_scatter_bytes=tuning.max_in_flight_reduce_scatter_bytes or block_limit,
+        max_pool_reduce_scatter_bytes=pool_limit,
+        chained_wait_compute_ops=tuning.chained_wait_compute_ops,
+    )
+    if config.policy == "heuristic":
+        return limits
+    return replace(
+        limits,
+        max_prefetch_compute_ops=tuning.max_prefetch_compute_ops,
+        prefetch_time_margin=tuning.prefetch_time_margin,
+        memory_budget=MemoryBudgetRule(config.memory_slack_bytes, float(config.memory_slack_ratio)),
+    )
 
 
 class InFlight:

@@ -1,4 +1,10 @@
-"""Ranks agree on one issue order of collectives, so that they pair up and never hang.
+"""Ranks agree on their settings and on one issue order of collectives, so that they pair up and
+never hang.
+
+0. The first time any pass compiles, ranks compare every setting that shapes what they exchange
+   and launch (:func:`agree_settings`: the OverlapConfig, the fsdp options, the bucket plan's
+   digest) in one small all-gather, before any other exchange: ranks whose settings differ would
+   make different numbers of exchanges and launches, so every rank raises, naming the fields.
 
 Every rank must issue the same collectives in the same order on a process group. The scheduler's
 order depends on estimates (compute time, activation memory) that follow each rank's own input
@@ -18,9 +24,6 @@ Ranks agree on the coalesced launches (:mod:`~thunder_overlap._scheduling.launch
 exchange: which collectives go out together is part of what must pair up. A retrace reproduces
 the agreed launches.
 
-The same exchange carries each rank's bucket plan digest: ranks that formed other buckets (another
-``bucket_cap_mb`` on one rank, say) raise on every rank, naming the ranks, before any collective.
-
 Collectives are identified across traces by :class:`CollectiveKey`: kind, dtype, the shape of
 what they move (parameter shapes, never activation shapes) and how many equal ones precede them
 in Thunder's own order, which follows the parameters.
@@ -30,14 +33,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from thunder_overlap._analysis.classify import AnnotatedTrace
 
-__all__ = ["CollectiveKey", "IssueOrderAgreement", "agreed_subset", "collective_keys"]
+__all__ = ["CollectiveKey", "IssueOrderAgreement", "agree_settings", "agreed_subset", "collective_keys"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,27 @@ def agreed_subset(mine: list[str], group: dist.ProcessGroup | None) -> list[str]
     return [choice for choice in mine if choice in common]
 
 
+def agree_settings(settings: Mapping[str, object], plan_digest: str | None, group: dist.ProcessGroup | None) -> None:
+    """Raises on every rank of ``group`` when some rank's settings or bucket plan differ from the
+    first rank's, naming the fields and each rank's value (one object all-gather; nothing where
+    there is nobody to agree with)."""
+    if not _exchange_is_possible(group):
+        return
+    mine = {name: repr(value) for name, value in settings.items()}
+    gathered: list[tuple | None] = [None] * group.size()
+    dist.all_gather_object(gathered, (mine, plan_digest), group=group)
+    reference = gathered[0][0]
+    for rank, (theirs, _) in enumerate(gathered):
+        differing = sorted(name for name in reference.keys() | theirs.keys() if reference.get(name) != theirs.get(name))
+        if differing:
+            shown = "; ".join(f"{name}: rank 0 {reference.get(name)}, rank {rank} {theirs.get(name)}" for name in differing)
+            raise RuntimeError(
+                f"thunder_overlap: rank {rank} of the process group was given other settings than rank 0 ({shown}); "
+                "their collectives would not pair up. Give every rank the same fsdp options and OverlapConfig."
+            )
+    _check_same_bucket_plan([digest for _, digest in gathered])
+
+
 def _first_difference(theirs: list[CollectiveKey], reference: list[CollectiveKey], rank: int) -> str:
     """The first collective, in issue order, that one of the two ranks moves and the other does not."""
     only_reference, only_theirs = Counter(reference) - Counter(theirs), Counter(theirs) - Counter(reference)
@@ -104,10 +128,8 @@ class IssueOrderAgreement:
     and estimates.
     """
 
-    def __init__(self, *, exchange: bool = True, plan_digest: Callable[[], str | None] | None = None) -> None:
+    def __init__(self, *, exchange: bool = True) -> None:
         self.exchange = exchange
-        # This rank's bucket plan digest (None without buckets), read at the exchange.
-        self.plan_digest = plan_digest if plan_digest is not None else (lambda: None)
         # (pass name, sorted keys) -> the keys in the agreed issue order.
         self._agreed: dict[tuple[str, tuple[CollectiveKey, ...]], list[CollectiveKey]] = {}
         # (pass name, sorted keys) -> the agreed coalesced launches, each a list of keys in issue order.
@@ -153,7 +175,7 @@ class IssueOrderAgreement:
         my_launches = [[keys[c] for c in launch] for launch in launches]
         agreed, agreed_launches = mine, my_launches
         if self.exchange and _exchange_is_possible(group):
-            agreed, agreed_launches = self._exchange(mine, my_launches, group, self.plan_digest())
+            agreed, agreed_launches = self._exchange(mine, my_launches, group)
         self._agreed[self._entry(pass_name, keys)] = agreed
         self._launches[self._entry(pass_name, keys)] = agreed_launches
         self.adopted[pass_name] = agreed != mine
@@ -163,12 +185,11 @@ class IssueOrderAgreement:
 
     @staticmethod
     def _exchange(
-        mine: list[CollectiveKey], my_launches: list[list[CollectiveKey]], group: dist.ProcessGroup, plan_digest: str | None
+        mine: list[CollectiveKey], my_launches: list[list[CollectiveKey]], group: dist.ProcessGroup
     ) -> tuple[list[CollectiveKey], list[list[CollectiveKey]]]:
         gathered: list[tuple | None] = [None] * group.size()
-        dist.all_gather_object(gathered, (plan_digest, mine, my_launches), group=group)
-        _check_same_bucket_plan([digest for digest, _, _ in gathered])
-        orders = [order for _, order, _ in gathered]
+        dist.all_gather_object(gathered, (mine, my_launches), group=group)
+        orders = [order for order, _ in gathered]
         reference = orders[0]
         differing = [rank for rank, order in enumerate(orders) if sorted(order, key=str) != sorted(reference, key=str)]
         if differing:
@@ -179,7 +200,7 @@ class IssueOrderAgreement:
                 f"which would hang at the first differing one: {_first_difference(orders[first], reference, first)}. "
                 "Give every rank the same model, sharding and bucketing."
             )
-        return reference, gathered[0][2]
+        return reference, gathered[0][1]
 
 
 def _check_same_bucket_plan(digests: list[str | None]) -> None:

@@ -37,12 +37,11 @@ from thunder_overlap._analysis.classify import AnnotatedTrace, NodeKind
 from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.memory_estimate import MemoryEstimate, estimate_memory
 from thunder_overlap._scheduling.issue_order import IssueOrder
-from thunder_overlap._scheduling.limits import MemoryBudget, PrefetchDistance
+from thunder_overlap._scheduling.limits import JUST_IN_TIME_LIMITS, MemoryBudget, PrefetchDistance, ScheduleLimits
 from thunder_overlap._scheduling.memory_budget import MemoryProfile, baseline_profile
 from thunder_overlap._scheduling.orders import apply_order, stock_order
 from thunder_overlap._scheduling.summary import ScheduleSummary
 from thunder_overlap._scheduling.walk import ScheduleWalk
-from thunder_overlap.config import JUST_IN_TIME_LIMITS, ScheduleLimits
 
 __all__ = ["OverlapScheduler", "ScheduleSummary", "apply_order", "just_in_time_order", "stock_order"]
 
@@ -126,7 +125,7 @@ class OverlapScheduler:
         """The just-in-time order's live bytes per compute segment, and its peak."""
         order = just_in_time_order(self.annotated, self.issue_order)
         trace = apply_order(self.annotated, order, provenance="thunder_overlap: just-in-time baseline")
-        estimate = estimate_memory(trace, after=self.memory_after)
+        estimate = estimate_memory(trace, layouts=self.annotated.layouts, after=self.memory_after)
         return baseline_profile(self.annotated, trace, estimate), estimate.peak_bytes
 
     def schedule(self) -> list[int]:
@@ -157,7 +156,7 @@ class OverlapScheduler:
             self.summary.attempts = attempt
             order = walk(MemoryBudget(MemoryProfile(baseline, budget - held_back)))
             trace = apply_order(self.annotated, order, provenance="thunder_overlap: memory_aware schedule")
-            memory = estimate_memory(trace, after=self.memory_after)
+            memory = estimate_memory(trace, layouts=self.annotated.layouts, after=self.memory_after)
             peak = memory.peak_bytes
             if peak <= budget:
                 self.summary.peak_bytes = peak

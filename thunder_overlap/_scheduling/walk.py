@@ -19,10 +19,9 @@ from typing import Literal
 
 from thunder_overlap._analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind
 from thunder_overlap._scheduling.issue_order import IssueOrder, IssueOrderCursor
-from thunder_overlap._scheduling.limits import AllGatherLimit, MemoryBudget, PrefetchDistance, ReduceScatterLimit
+from thunder_overlap._scheduling.limits import AllGatherLimit, MemoryBudget, PrefetchDistance, ReduceScatterLimit, ScheduleLimits
 from thunder_overlap._scheduling.order_builder import OrderBuilder
 from thunder_overlap._scheduling.summary import ScheduleSummary
-from thunder_overlap.config import ScheduleLimits
 
 __all__ = ["ScheduleWalk"]
 
@@ -73,36 +72,19 @@ class ScheduleWalk:
         self.memory = memory
         self.summary = summary
         self.allgathers = AllGatherLimit(limits.max_allgathers, limits.max_allgather_bytes, limits.early_allgather_bytes)
-        self.reduce_scatters = ReduceScatterLimit(limits.max_reduce_scatters, limits.max_reduce_scatter_bytes)
-        # Those of them that hold a bucket pool buffer until their wait, by those bytes: only
-        # where the trace gathers too (ZeRO3's backward), since a lay-out then takes a buffer
-        # beside the gathers in flight. Without gathers (ZeRO2's backward) lay-outs take buffers
-        # the forward's gathers left idle, so holding more costs no memory, only waits.
-        gathers = any(c.kind is CollectiveKind.ALL_GATHER for c in annotated.collectives)
-        self.pool_reduce_scatters = ReduceScatterLimit(None, limits.max_pool_reduce_scatter_bytes if gathers else None)
+        self.reduce_scatters = _ReduceScatterLimits(annotated, limits)
         self.issue_order = IssueOrderCursor(issue_order, annotated) if issue_order is not None else None
         self.position = 0  # the compute op emitted next
         self._ready = _ReadyQueue(annotated)
         self.builder = OrderBuilder(annotated, self, self.issue_order)
-        # Collectives whose result another collective reads (a reduce-scatter and hybrid
-        # sharding's all-reduce), by the compute position they were issued before.
-        self.chained_wait_after = limits.chained_wait_compute_ops
-        self.feeds_collective = _feeds_collective(annotated)
-        self.chained_in_flight: dict[int, int] = {}
+        self.chained = _ChainedWaits(annotated, limits.chained_wait_compute_ops)
 
     def run(self) -> list[int]:
         """Node indices of the annotated trace in execution order."""
-        collectives, first_use = self.annotated.collectives, self.first_use
-        allgathers = [c for c, coll in enumerate(collectives) if coll.kind is CollectiveKind.ALL_GATHER]
-        # Compute position -> the all-gathers it reads first: they stop counting as in flight there.
-        used_at: dict[int, list[int]] = {}
-        for c in allgathers:
-            used_at.setdefault(first_use[c], []).append(c)
-        prefetch_queue = deque(sorted(allgathers, key=lambda c: (first_use[c], collectives[c].start)))
-        for c in range(len(collectives)):
+        prefetch_queue, used_at = _prefetch_queue(self.annotated, self.first_use)
+        for c in range(len(self.annotated.collectives)):
             if self.builder.missing_inputs[c] == 0:
                 self.became_ready(c)
-
         for node in self.annotated.nodes:
             if node.kind is NodeKind.HEADER:
                 self.builder.emit(node.index)
@@ -113,7 +95,9 @@ class ScheduleWalk:
             self.position = position + 1
             for c in used_at.get(position, ()):
                 self.allgathers.in_flight.discard(c)
-            self._wait_on_chained()
+            for c in self.chained.due(self.position, self.distance.expensive_before):
+                logger.debug("wait on collective %d before compute op %d: a collective reads its result", c, self.position)
+                self.builder.wait_on(c)
             self._issue_ready(prefetch_queue)
 
         # Whatever the return needs, and waits nobody reads, go last, in issue order.
@@ -148,12 +132,12 @@ class ScheduleWalk:
                 self._ready.set_aside(c)
                 continue
             coll = self.annotated.collectives[c]
-            self._force_waits(partial(self.reduce_scatters.wait_to_make_room, coll.unsharded_bytes), "reduce-scatter bytes")
+            self._force_waits(partial(self.reduce_scatters.all.wait_to_make_room, coll.unsharded_bytes), "reduce-scatter bytes")
             if coll.pool_bytes_to_wait:
-                self._force_waits(partial(self.pool_reduce_scatters.wait_to_make_room, coll.pool_bytes_to_wait), "pool buffers")
+                self._force_waits(partial(self.reduce_scatters.pool.wait_to_make_room, coll.pool_bytes_to_wait), "pool buffers")
             logger.debug("issue %s %d as soon as ready, before compute op %d", coll.kind.value, c, self.position)
             self.builder.issue(c)
-            self._force_waits(self.reduce_scatters.wait_over_count, "reduce-scatter count")
+            self._force_waits(self.reduce_scatters.all.wait_over_count, "reduce-scatter count")
             self._ready.requeue_set_aside()  # what c was blocking may go now
 
     def _hold_allgather(self, c: int) -> bool:
@@ -175,7 +159,7 @@ class ScheduleWalk:
     def _must_issue_now(self, c: int, first_use: int) -> bool:
         """Whether all-gather ``c`` must go out now to be hidden: the compute before its first use
         covers it, and the collectives in flight ahead of it on the link, only if issued now."""
-        queued = [*self.allgathers.in_flight.bytes_by_collective, *self.reduce_scatters.in_flight.bytes_by_collective]
+        queued = [*self.allgathers.in_flight.bytes_by_collective, *self.reduce_scatters.all.in_flight.bytes_by_collective]
         return self.distance.hides_only_if_issued_now(c, self.position, first_use, queued)
 
     def _record_hold(self, limit: Literal["distance", "in_flight", "memory", "issue_order"], c: int) -> bool:
@@ -185,19 +169,6 @@ class ScheduleWalk:
             logger.debug("%s held back collective %d before compute op %d", limit, c, self.position)
         return True
 
-    def _wait_on_chained(self) -> None:
-        """Waits on the chained collectives that have had their compute, so that what reads
-        their result can be issued now rather than at its first use by compute. Once no expensive
-        op is left, now: what follows is the last compute the reader can hide behind."""
-        if self.chained_wait_after is None:
-            return
-        expensive = self.distance.expensive_before
-        none_left = expensive[-1] == expensive[self.position]
-        for c, issued_at in list(self.chained_in_flight.items()):
-            if none_left or expensive[self.position] - expensive[issued_at] >= self.chained_wait_after:
-                logger.debug("wait on collective %d before compute op %d: a collective reads its result", c, self.position)
-                self.builder.wait_on(c)
-
     # ----------------------------------------------------------------------------------------
     # Forced waits
 
@@ -205,7 +176,7 @@ class ScheduleWalk:
         """Forces the oldest reduce-scatter waits (each frees an unsharded gradient) until the
         next compute op's predicted memory is within the budget."""
         if self.memory is not None:
-            in_flight = self.reduce_scatters.in_flight
+            in_flight = self.reduce_scatters.all.in_flight
             forced = self._force_waits(lambda: self.memory.wait_to_fit_op(self.position, in_flight), "memory")
             self.summary.forced_waits_for_memory += forced
 
@@ -229,22 +200,76 @@ class ScheduleWalk:
             if self.memory is not None:
                 self.memory.commit_prefetch(self.position, self.first_use[c], coll.unsharded_bytes)
         else:
-            self.reduce_scatters.in_flight.add(c, coll.unsharded_bytes)
-            if coll.pool_bytes_to_wait:
-                self.pool_reduce_scatters.in_flight.add(c, coll.pool_bytes_to_wait)
-        if c in self.feeds_collective:
-            self.chained_in_flight[c] = self.position
+            self.reduce_scatters.add(c, coll)
+        self.chained.issued(c, self.position)
 
     def retired(self, c: int) -> None:
-        self.chained_in_flight.pop(c, None)
+        self.chained.retired(c)
         if self.first_use[c] == len(self.anchors):  # only the return reads it
             self.allgathers.in_flight.discard(c)
-        self.reduce_scatters.in_flight.discard(c)
-        self.pool_reduce_scatters.in_flight.discard(c)
+        self.reduce_scatters.discard(c)
 
     def became_ready(self, c: int) -> None:
         if self.annotated.collectives[c].kind is not CollectiveKind.ALL_GATHER:
             self._ready.push(c)
+
+
+class _ReduceScatterLimits:
+    """The reduce-scatters (and any collective but all-gathers) in flight: all of them, and those
+    that hold a bucket pool buffer to their wait, where the trace gathers too ([Note: pool
+    reduce-scatter cap])."""
+
+    def __init__(self, annotated: AnnotatedTrace, limits: ScheduleLimits) -> None:
+        self.all = ReduceScatterLimit(limits.max_reduce_scatters, limits.max_reduce_scatter_bytes)
+        gathers = any(c.kind is CollectiveKind.ALL_GATHER for c in annotated.collectives)
+        self.pool = ReduceScatterLimit(None, limits.max_pool_reduce_scatter_bytes if gathers else None)
+
+    def add(self, c: int, coll) -> None:
+        self.all.in_flight.add(c, coll.unsharded_bytes)
+        if coll.pool_bytes_to_wait:
+            self.pool.in_flight.add(c, coll.pool_bytes_to_wait)
+
+    def discard(self, c: int) -> None:
+        self.all.in_flight.discard(c)
+        self.pool.in_flight.discard(c)
+
+
+def _prefetch_queue(annotated: AnnotatedTrace, first_use: list[int]) -> tuple[deque[int], dict[int, list[int]]]:
+    """The all-gathers in order of first use, and by compute position the all-gathers it reads
+    first (they stop counting as in flight there)."""
+    collectives = annotated.collectives
+    allgathers = [c for c, coll in enumerate(collectives) if coll.kind is CollectiveKind.ALL_GATHER]
+    used_at: dict[int, list[int]] = {}
+    for c in allgathers:
+        used_at.setdefault(first_use[c], []).append(c)
+    return deque(sorted(allgathers, key=lambda c: (first_use[c], collectives[c].start))), used_at
+
+
+class _ChainedWaits:
+    """Collectives whose result another collective reads (a reduce-scatter read by hybrid
+    sharding's all-reduce), waited on once they have had their compute, so that the reader can
+    be issued then rather than at its first use by compute ([Note: chained waits])."""
+
+    def __init__(self, annotated: AnnotatedTrace, after_compute_ops: int | None) -> None:
+        self.after = after_compute_ops
+        self.feeds_collective = _feeds_collective(annotated)
+        self.in_flight: dict[int, int] = {}  # collective -> the compute position it was issued before
+
+    def issued(self, c: int, position: int) -> None:
+        if c in self.feeds_collective:
+            self.in_flight[c] = position
+
+    def retired(self, c: int) -> None:
+        self.in_flight.pop(c, None)
+
+    def due(self, position: int, expensive_before: list[int]) -> list[int]:
+        """Those to wait on before compute op ``position``: once ``after`` expensive ops have run
+        since their issue, or once none is left (what follows is the last compute to hide behind)."""
+        if self.after is None:
+            return []
+        none_left = expensive_before[-1] == expensive_before[position]
+        ran = expensive_before[position]
+        return [c for c, issued_at in self.in_flight.items() if none_left or ran - expensive_before[issued_at] >= self.after]
 
 
 def _feeds_collective(annotated: AnnotatedTrace) -> set[int]:

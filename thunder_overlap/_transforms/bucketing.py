@@ -14,7 +14,9 @@ Thunder's FSDP gathers and reduce-scatters every parameter on its own. This tran
 
 Which parameters share a bucket is planned in ``transform_module``: by layer, by block, or
 (``"auto"``) sized by the cost model (:mod:`~thunder_overlap._bucketing.auto_plan`);
-``summaries["plan"]`` says which buckets were formed and why.
+``summaries.plan`` says which buckets were formed and why. This transform owns the buckets' state:
+their buffers, and the layout each runs with (:attr:`BucketingTransform.layouts`, changed only
+through :meth:`BucketingTransform.set_layouts`, by the bucket path choice at the first compile).
 
 A bucket's gather starts where its first parameter's did and its reduce-scatter where the last
 gradient's did; :class:`OverlapScheduleTransform`, which runs next, moves them from there.
@@ -30,82 +32,65 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass, field
 
 import thunder
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 from thunder.distributed import get_skip_data_parallel_grad_sync
 
-from thunder_overlap._analysis.blocks import BlockTypes, find_blocks
+from thunder_overlap._analysis.blocks import BlockTypes
 from thunder_overlap._analysis.classify import parameter_names_of_inputs
-from thunder_overlap._analysis.cost_model import CostModel
+from thunder_overlap._analysis.layout import BucketLayout
 from thunder_overlap._analysis.memory_estimate import estimate_memory
 from thunder_overlap._analysis.pool_slots import SlotPlan
-from thunder_overlap._bucketing.auto_plan import AutoBucketCaps, Replicas, plan_auto_buckets
-from thunder_overlap._bucketing.buffers import BucketBuffers, BufferPool, register_bucket, runs_coalesced_launches_as_one
-from thunder_overlap._bucketing.plan import (
-    BucketPlan,
-    BucketPlanSummary,
-    bucket_owner,
-    plan_buckets_with_ends,
-    summarize_plans,
-    unsharded_bytes_of,
-)
-from thunder_overlap._bucketing.trace_rewrite import (
-    BucketIndex,
-    BucketingSummary,
-    BucketOperators,
-    forward_input_names,
-    rewrite_bucket_collectives,
-)
-from thunder_overlap._transforms.executor import (
-    bucket_accumulate_grads,
-    bucket_all_gather,
-    bucket_all_gather_wait,
-    bucket_reduce_scatter,
-    bucket_reduce_scatter_wait,
-)
+from thunder_overlap._bucketing.buffers import BucketBuffers
+from thunder_overlap._bucketing.module_plan import ModuleBuckets, block_names, make_buckets, plan_module_buckets, unsharded_numel
+from thunder_overlap._bucketing.plan import BucketPlan, BucketPlanSummary, bucket_owner
+from thunder_overlap._bucketing.pool import BufferPool
+from thunder_overlap._bucketing.trace_rewrite import BucketIndex, BucketingSummary, forward_input_names, rewrite_bucket_collectives
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import BucketingStrategy, parse_bucketing_strategy
 
-__all__ = ["BucketingTransform", "BucketingSummary"]
+__all__ = ["BucketingSummaries", "BucketingTransform"]
 
 logger = logging.getLogger(__name__)
 
-_OPERATORS = BucketOperators(
-    all_gather=bucket_all_gather,
-    all_gather_wait=bucket_all_gather_wait,
-    reduce_scatter=bucket_reduce_scatter,
-    reduce_scatter_wait=bucket_reduce_scatter_wait,
-    accumulate_grads=bucket_accumulate_grads,
-)
+
+@dataclass
+class BucketingSummaries:
+    """Which buckets were formed, and what the last rewrite of each pass did."""
+
+    plan: BucketPlanSummary | None = None
+    forward: BucketingSummary | None = None
+    backward: BucketingSummary | None = None
+    # The last backward compiled under no_sync.
+    backward_no_sync: BucketingSummary | None = field(default=None)
+
+    def __getitem__(self, key: str):
+        """The summaries by their former names ("plan", "forward", "backward", "backward (no_sync)")."""
+        return getattr(self, key.replace(" (no_sync)", "_no_sync"))
 
 
 class BucketingTransform(Transform):
     """Lays buckets out in persistent flat buffers and bucket-wise collectives in the traces.
 
     Args:
-        strategy: :attr:`BucketingStrategy.LAYER`, ``BLOCK`` or ``AUTO`` (or their names; see
-            :func:`~thunder_overlap._bucketing.plan.bucket_owner` and
-            :mod:`~thunder_overlap._bucketing.auto_plan`).
+        strategy: ``"layer"``, ``"block"`` or ``"auto"`` (:class:`BucketingStrategy`).
         process_group: the FSDP process group.
         cap_bytes: largest unsharded bucket size; None for no cap.
-        config: the scheduler's options: its cost model (default: the shards' device's, over
-            :func:`~thunder_overlap._analysis.cost_model.default_network`), prefetch limit, memory
-            slack and ``auto_bucket_latency_share`` size ``"auto"`` buckets.
+        config: the scheduler's options: its cost model, prefetch limit and memory slack size
+            ``"auto"`` buckets.
         block_types: the module classes that form blocks (None: detected).
         replicate_group: hybrid sharding's group across replicas, whose all-reduce of each
             bucket's shard ``"auto"`` buckets must saturate too; None for plain FSDP.
 
-    After ``transform_module``, ``summaries["plan"]`` is the :class:`BucketPlanSummary`; after
-    each compile, ``summaries["forward"]``, ``["backward"]`` (or ``["backward (no_sync)"]``) are
-    the :class:`BucketingSummary` of that trace's rewrite. ``pool`` is the
-    :class:`~thunder_overlap._bucketing.buffers.BufferPool` of the unsharded buffers; once a step
-    has run, ``pool.slots`` (or ``print(pool)``) says its buffers, their bytes and which buckets
-    used each for what; :meth:`slot_plan` predicts them from the final traces.
+    After ``transform_module``: :attr:`buckets` (one :class:`BucketBuffers` each), their
+    :attr:`layouts`, ``summaries.plan``; after each compile, ``summaries.forward``,
+    ``.backward`` (or ``.backward_no_sync``). ``pool`` holds the unsharded buffers; after a step,
+    ``print(pool)`` says which buckets used each for what, and :meth:`slot_plan` predicts it.
     """
 
     def __init__(
@@ -126,145 +111,86 @@ class BucketingTransform(Transform):
         self.config = config if config is not None else OverlapConfig()
         self.block_types = block_types
         self.replicate_group = replicate_group
-        self.buckets: dict[int, BucketBuffers] = {}
+        self.buckets: list[BucketBuffers] = []
         self.pool = BufferPool()
-        self.summaries: dict[str, BucketingSummary | BucketPlanSummary] = {}
-        # parameter name (every alias of a tied parameter) -> (bucket id, slot)
+        self.summaries = BucketingSummaries()
+        # parameter name (every alias of a tied parameter) -> (index into buckets, slot)
         self._slots: dict[str, tuple[int, int]] = {}
         # computation-trace input name -> parameter name, from every prologue seen
         self._parameter_of_input: dict[str, str] = {}
         self._forward_inputs: list[str | None] | None = None
 
+    @staticmethod
+    def of(module) -> BucketingTransform | None:
+        """The bucketing transform of a module ``thunder_overlap.fsdp`` returned, if any."""
+        return next((t for t in thunder.compile_data(module).transforms if isinstance(t, BucketingTransform)), None)
+
+    # --- the buckets' state ---------------------------------------------------------------------
+
     @property
     def plans(self) -> list[BucketPlan]:
-        return [b.plan for b in self.buckets.values()]
+        return [b.plan for b in self.buckets]
+
+    @property
+    def layouts(self) -> dict[BucketBuffers, BucketLayout]:
+        """Each bucket's layout, keyed by the bucket object the traces name: what analysis of
+        this module's traces takes (``layouts=``)."""
+        return {bucket: bucket.layout for bucket in self.buckets}
+
+    def set_layouts(self, layouts: dict[BucketBuffers, BucketLayout]) -> None:
+        """Runs each bucket with its layout in ``layouts`` from the next step on."""
+        for bucket in self.buckets:
+            bucket.layout = layouts.get(bucket, bucket.layout)
+
+    def plan_digest(self) -> str | None:
+        """The plan's hash, which ranks compare before their first collective."""
+        return self.summaries.plan.digest if self.summaries.plan is not None else None
+
+    def largest_bucket_bytes(self) -> int | None:
+        """The largest bucket's gathered (unsharded, padded) bytes; None before planning."""
+        plan = self.summaries.plan
+        return max((b.unsharded_bytes for b in plan.buckets), default=None) if plan is not None else None
 
     def buffer_storages(self) -> set[int]:
         """Data pointers of every persistent buffer: the flat shards and the pool."""
-        storages = {b.flat_shard.untyped_storage().data_ptr() for b in self.buckets.values()}
+        storages = {b.flat_shard.untyped_storage().data_ptr() for b in self.buckets}
         return storages | {p.untyped_storage().data_ptr() for p in self.pool.buffers}
 
     def gradient_storages(self) -> set[int]:
         """Data pointers of the buffers a reduced gradient can live in: the gradient shards alive
-        (held by ``.grad``), and the pool (a bucket that reduces in place there:
-        ``BucketLayout.reduces_in_pool``)."""
-        storages = set().union(*(b.grad_shard_storages() for b in self.buckets.values()))
+        (held by ``.grad``), and the pool (where a bucket reduces in place)."""
+        storages = set().union(*(b.grad_shard_storages() for b in self.buckets))
         return storages | {p.untyped_storage().data_ptr() for p in self.pool.buffers}
 
     @property
     def allocations(self) -> int:
-        """Pool buffers allocated so far (gradient shards, allocated every step as the
-        gradients they are, are not counted)."""
+        """Pool buffers allocated so far (gradient shards, allocated every step as the gradients
+        they are, are not counted)."""
         return self.pool.allocations
 
     def slot_plan(self, module) -> SlotPlan:
         """The pool a step of ``module``'s last compiled traces needs, planned from the live
-        intervals of their bucket buffers (:mod:`thunder_overlap._analysis.pool_slots`): after a
-        step, the same buffers as ``pool.slots``, known before it runs."""
-        forward = estimate_memory(thunder.last_traces(module)[-1])
-        return estimate_memory(thunder.last_backward_traces(module)[-1], after=forward).pool
+        intervals of their bucket buffers: after a step, the same buffers as ``pool.slots``."""
+        forward = estimate_memory(thunder.last_traces(module)[-1], layouts=self.layouts)
+        return estimate_memory(thunder.last_backward_traces(module)[-1], layouts=self.layouts, after=forward).pool
 
-    @staticmethod
-    def of(module) -> BucketingTransform | None:
-        """The bucketing transform of a module ``thunder_overlap.fsdp`` returned, if any."""
-        from thunder import compile_data
-
-        return next((t for t in compile_data(module).transforms if isinstance(t, BucketingTransform)), None)
-
-    # --- module -----------------------------------------------------------------------------
-
-    @property
-    def plan_summary(self) -> BucketPlanSummary | None:
-        """Which buckets were formed and why; None before ``transform_module``."""
-        summary = self.summaries.get("plan")
-        return summary if isinstance(summary, BucketPlanSummary) else None
-
-    def plan_digest(self) -> str | None:
-        """The plan's hash, which ranks compare before their first collective."""
-        summary = self.plan_summary
-        return summary.digest if summary is not None else None
-
-    def largest_bucket_bytes(self) -> int | None:
-        """The largest bucket's gathered (unsharded, padded) bytes; None before planning."""
-        summary = self.plan_summary
-        return max((b.unsharded_bytes for b in summary.buckets), default=None) if summary is not None else None
+    # --- Thunder's hooks ------------------------------------------------------------------------
 
     def transform_module(self, model) -> None:
         owners = bucket_owner(model._model, self.strategy, self.block_types)
-        shared = model._get_shared_names()
         shards = list(model.named_parameters())
-        plans = self._plan(model, shards, owners)
-        logger.info("%s", self.summaries["plan"])
-        current = dict(shards)
-        for plan in plans:
-            first = current[plan.slots[0].name]
-            flat = torch.empty(plan.shard_numel, dtype=plan.dtype, device=first.device)
-            bucket = BucketBuffers(plan, flat, self.process_group, self.pool)
-            bucket_id = register_bucket(bucket)
-            self.buckets[bucket_id] = bucket
-            for index, slot in enumerate(plan.slots):
-                view = bucket.shard_view(index)
-                with torch.no_grad():
-                    view.copy_(current[slot.name])
-                parameter = nn.Parameter(view, requires_grad=plan.requires_grad)
+        module = ModuleBuckets(shards, owners, block_names(model._model, self.block_types), self.process_group, self.replicate_group)
+        plans, self.summaries.plan = plan_module_buckets(module, self.strategy, self.cap_bytes, self.config)
+        logger.info("%s", self.summaries.plan)
+        numels = {name: unsharded_numel(model._model, name) for name, _ in shards}
+        self.buckets, self.pool = make_buckets(plans, dict(shards), numels, self.process_group)
+        shared = model._get_shared_names()
+        for index, bucket in enumerate(self.buckets):
+            for slot_index, slot in enumerate(bucket.plan.slots):
+                parameter = nn.Parameter(bucket.shard_view(slot_index), requires_grad=bucket.plan.requires_grad)
                 for alias in shared[slot.name]:
                     model._overrides_parameters[alias] = parameter
-                    self._slots[alias] = (bucket_id, index)
-
-    def _plan(self, model, shards: list[tuple[str, torch.Tensor]], owners: dict[str, str]) -> list[BucketPlan]:
-        world_size = self.process_group.size()
-        # The same cost model the scheduler uses by default; only its network is read, so ranks
-        # with other measured compute timings still plan alike.
-        device = shards[0][1].device if shards else torch.device("cpu")
-        cost_model = self.config.cost_model if self.config.cost_model is not None else CostModel.for_device(device, world_size)
-        if self.strategy is BucketingStrategy.AUTO:
-            caps = self._auto_caps(model, shards, owners)
-            plans, summary = plan_auto_buckets(
-                shards,
-                owners,
-                world_size=world_size,
-                cost_model=cost_model,
-                latency_share=self.config.auto_bucket_latency_share,
-                caps=caps,
-                replicas=self._replicas(cost_model),
-                merges_copy=not runs_coalesced_launches_as_one(self.process_group, device),
-            )
-            self.summaries["plan"] = summary
-            return plans
-        planned = plan_buckets_with_ends(shards, owners, world_size=world_size, cap_bytes=self.cap_bytes)
-        cap = (self.cap_bytes, "bucket_cap_mb") if self.cap_bytes is not None else (None, None)
-        self.summaries["plan"] = summarize_plans(
-            planned, owners, strategy=self.strategy, world_size=world_size, cost_model=cost_model, cap=cap
-        )
-        return [plan for plan, _ in planned]
-
-    def _replicas(self, cost_model: CostModel) -> Replicas | None:
-        if self.replicate_group is None:
-            return None
-        return Replicas(self.replicate_group.size(), cost_model.network_of_group(self.replicate_group))
-
-    def _auto_caps(self, model, shards: list[tuple[str, torch.Tensor]], owners: dict[str, str]) -> AutoBucketCaps:
-        # The schedule's limits, resolved as OverlapScheduleTransform resolves them, with the
-        # largest block measured as gathered (padding included), which is what its collectives
-        # move: otherwise padding alone would keep two blocks out of a two-block limit. The cap
-        # is the limit itself (prefetch_blocks), not the eager part of it for buckets: a bucket
-        # at the cap is the unit the schedule then counts in, one of them eagerly ahead.
-        blocks = {name for name, _ in find_blocks(model._model, self.block_types)}
-        gathered: dict[str, int] = {}
-        for name, shard in shards:
-            if owners[name] in blocks:
-                gathered[owners[name]] = gathered.get(owners[name], 0) + unsharded_bytes_of(shard, self.process_group.size())
-        limits = self.config.limits(max(gathered.values(), default=None))
-        # Only the budget's fixed slack: its ratio part follows the activations' shapes, which
-        # ranks need not share, and the plan must be the same on every rank.
-        slack = limits.memory_budget.slack_bytes if limits.memory_budget is not None else None
-        return AutoBucketCaps(
-            bucket_cap_bytes=self.cap_bytes,
-            prefetch_bytes=limits.max_allgather_bytes,
-            memory_slack_bytes=slack or None,
-        )
-
-    # --- traces -----------------------------------------------------------------------------
+                    self._slots[alias] = (index, slot_index)
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
         self._parameter_of_input.update(parameter_names_of_inputs(prologue_trace, computation_trace))
@@ -276,17 +202,13 @@ class BucketingTransform(Transform):
             self._forward_inputs = forward_input_names(computation_trace)
         unsynced = is_backward and get_skip_data_parallel_grad_sync()
         index = BucketIndex(self.buckets, self.process_group, self._slot_of_input)
-        rewritten, summary = rewrite_bucket_collectives(
-            computation_trace, index, _OPERATORS, forward_inputs=self._forward_inputs, accumulate=unsynced
-        )
-        pass_name = "forward"
-        if is_backward:
-            pass_name = "backward (no_sync)" if unsynced else "backward"
-        self.summaries[pass_name] = summary
+        rewritten, summary = rewrite_bucket_collectives(computation_trace, index, forward_inputs=self._forward_inputs, accumulate=unsynced)
+        pass_name = ("backward_no_sync" if unsynced else "backward") if is_backward else "forward"
+        setattr(self.summaries, pass_name, summary)
         logger.info(
             "%s: %d bucket all-gathers, %d bucket reduce-scatters, %d bucket accumulations, %d collectives left unbucketed",
             pass_name, summary.all_gathers, summary.reduce_scatters, summary.accumulations, len(summary.unbucketed),
-        )
+        )  # fmt: skip
         if summary.unbucketed:
             # Correct but slower (one collective per parameter): say so rather than leave it to summaries.
             listed = "; ".join(f"{what}: {why}" for what, why in summary.unbucketed)

@@ -29,8 +29,8 @@ from thunder.core.transform_common import Transform
 from thunder.executors.passes import del_last_used
 from torch.distributed.device_mesh import DeviceMesh
 
+from thunder_overlap import _ops as ops
 from thunder_overlap._analysis.classify import CollectiveKind, classify_trace
-from thunder_overlap._transforms import executor
 
 __all__ = ["ReplicaReduceTransform"]
 
@@ -60,7 +60,7 @@ class ReplicaReduceTransform(Transform):
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         if TraceTag.BACKWARD not in computation_trace.tags:
             return computation_trace
-        annotated = classify_trace(computation_trace)
+        annotated = classify_trace(computation_trace, roles_only=True)
         waits = {
             id(annotated.nodes[c.wait].bsym)
             for c in annotated.collectives
@@ -97,20 +97,20 @@ class ReplicaReduceTransform(Transform):
     def _all_reduce(self, wait: BoundSymbol) -> list[BoundSymbol]:
         reduced = wait.output
         shard = TensorProxy(like=reduced)
-        future = executor.replica_all_reduce.meta(shard, self.replicate_group, self._replicas)
+        future = ops.replica_all_reduce.meta(shard, self.replicate_group, self._replicas)
         return [
             wait.from_bsym(output=shard),
-            executor.replica_all_reduce.bind(shard, self.replicate_group, self._replicas, output=future),
-            executor.replica_all_reduce_wait.bind(future, output=reduced),
+            ops.replica_all_reduce.bind(shard, self.replicate_group, self._replicas, output=future),
+            ops.replica_all_reduce_wait.bind(future, output=reduced),
         ]
 
     def _bucket_all_reduce(self, wait: BoundSymbol) -> list[BoundSymbol]:
-        _, bucket_id, slots = wait.args
+        _, bucket, slots = wait.args
         reduced = tuple(wait.output)
         shards = [TensorProxy(like=t) for t in reduced]
-        future = executor.bucket_all_reduce.meta(bucket_id, self.replicate_group, shards, self._replicas)
+        future = ops.bucket_all_reduce.meta(bucket, self.replicate_group, shards, self._replicas)
         return [
             wait.from_bsym(output=tuple(shards)),
-            executor.bucket_all_reduce.bind(bucket_id, self.replicate_group, shards, self._replicas, output=future),
-            executor.bucket_all_reduce_wait.bind(future, bucket_id, slots, output=reduced),
+            ops.bucket_all_reduce.bind(bucket, self.replicate_group, shards, self._replicas, output=future),
+            ops.bucket_all_reduce_wait.bind(future, bucket, slots, output=reduced),
         ]

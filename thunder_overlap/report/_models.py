@@ -122,14 +122,14 @@ def trace_model(
     import thunder
     import torch.distributed as dist
 
-    import thunder_overlap
+    from thunder_overlap.api import fsdp
     from thunder_overlap.report._thunder_baseline import _math_attention, fake_process_group
 
     if dist.is_initialized() and dist.get_world_size() != world_size:
         raise ValueError(f"the live default process group has {dist.get_world_size()} ranks, not {world_size}")
     with nullcontext() if dist.is_initialized() else fake_process_group(world_size), _math_attention():
         mesh = hybrid_mesh(world_size, shard_group_size) if shard_group_size is not None else None
-        jm = thunder_overlap.fsdp(
+        jm = fsdp(
             model, device="meta", sharding_strategy=sharding, bucketing_strategy=bucketing, config=config, device_mesh=mesh
         )
         idx = torch.zeros(idx_shape, dtype=torch.long, device="meta")

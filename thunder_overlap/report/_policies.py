@@ -18,13 +18,14 @@ from pathlib import Path
 import thunder
 
 from thunder_overlap._analysis.blocks import largest_block_bytes
+from thunder_overlap._analysis.classify import classify_trace
 from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.memory_estimate import MemoryEstimate
 from thunder_overlap._scheduling.dispatch import schedule_trace
 from thunder_overlap._scheduling.summary import ScheduleSummary
 from thunder_overlap._transforms.schedule import OverlapScheduleTransform
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.report._report import BASELINE, LEGEND, OrderReport, analyze_trace, speed_change, unscheduled_trace
+from thunder_overlap.report._report import BASELINE, LEGEND, OrderReport, analyze_trace, module_layouts, speed_change, unscheduled_trace
 from thunder_overlap.report._thunder_baseline import ThunderFSDPTraces, thunder_fsdp_baseline
 
 __all__ = ["COMPARED_POLICIES", "PolicyComparison", "PolicyResult", "compare_policies"]
@@ -131,6 +132,7 @@ def compare_policies(
     schedule = OverlapScheduleTransform.of(jm)
     block_bytes = schedule.prefetch_unit_bytes if schedule is not None else largest_block_bytes(jm._model)
     passes = [("forward", unscheduled_trace(forward))] + ([("backward", unscheduled_trace(backward))] if backward else [])
+    layouts = module_layouts(jm)
     thunder_fsdp = thunder_fsdp if thunder_fsdp is not None else thunder_fsdp_baseline(jm)
     results = []
     forward_memory: dict[str, MemoryEstimate] = {}
@@ -144,9 +146,13 @@ def compare_policies(
         for pass_name, trace in passes:
             policy_config = replace(config, policy=policy)
             scheduled = schedule_trace(
-                trace, policy_config, largest_block_bytes=block_bytes, cost_model=cost_model, memory_after=forward_memory.get(policy)
+                classify_trace(trace, layouts),
+                policy_config,
+                largest_block_bytes=block_bytes,
+                cost_model=cost_model,
+                memory_after=forward_memory.get(policy),
             )
-            report = analyze_trace(scheduled.trace, cost_model, order=policy, after=forward_memory.get(policy))
+            report = analyze_trace(scheduled.trace, cost_model, order=policy, after=forward_memory.get(policy), layouts=layouts)
             if pass_name == "forward":
                 forward_memory[policy] = report.memory
             results.append(PolicyResult(policy, pass_name, report, scheduled.summary))

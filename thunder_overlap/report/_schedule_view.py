@@ -8,6 +8,7 @@ from thunder.core.trace import TraceCtx
 
 from thunder_overlap._analysis.classify import CollectiveKind, NodeKind, classify_trace, is_expensive
 from thunder_overlap._analysis.cost_model import CostModel, default_cost_model
+from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
 from thunder_overlap._analysis.simulator import simulate
 
 __all__ = ["ScheduleStats", "default_cost_model", "schedule_picture", "schedule_stats"]
@@ -19,7 +20,7 @@ def schedule_picture(trace: TraceCtx) -> str:
     """One token per event: ``AG``/``RS`` issue, ``W`` wait, ``mm`` a matmul-like op, ``c`` a run
     of other compute ops; ``AGx25`` is 25 ``AG`` in a row. Prologue and epilogue ops are folded
     into their collective."""
-    annotated = classify_trace(trace)
+    annotated = classify_trace(trace, roles_only=True)
     tokens: list[str] = []
     for node in annotated.nodes:
         if node.kind is NodeKind.COLLECTIVE:
@@ -77,11 +78,11 @@ class ScheduleStats:
         return self.reduce_scatters_overlapped / self.reduce_scatters if self.reduce_scatters else 1.0
 
 
-def schedule_stats(trace: TraceCtx, cost_model: CostModel | None = None) -> ScheduleStats:
+def schedule_stats(trace: TraceCtx, cost_model: CostModel | None = None, *, layouts: BucketLayouts = NO_BUCKETS) -> ScheduleStats:
     """Overlap counts (hidden collectives, judged by simulating the trace's order with
     ``cost_model``; default :func:`default_cost_model`) and in-flight figures, which follow the
-    trace order."""
-    annotated = classify_trace(trace)
+    trace order. A bucketed trace needs its buckets' ``layouts`` (``BucketingTransform.of(model).layouts``)."""
+    annotated = classify_trace(trace, layouts)
     nodes = annotated.nodes
     cost_model = cost_model if cost_model is not None else default_cost_model(annotated)
     simulation = simulate(annotated, list(range(len(nodes))), cost_model)

@@ -18,27 +18,17 @@ from typing import Any
 
 import thunder
 import torch
-from thunder.core import dtypes, prims
+from thunder.core import prims
 from thunder.core.proxies import FutureTensorProxy, Proxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, tracectx
+
+from thunder_overlap._analysis.calibration import random_tensor
 
 __all__ = ["TraceStepper", "materialize_inputs", "random_tensor"]
 
 _HEADER_IDS = (prims.PrimIDs.UNPACK_TRIVIAL,)
 _UNPACK_IDS = (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.UNPACK_SEQUENCE)
-
-
-def random_tensor(proxy: TensorProxy, device: torch.device | str) -> torch.Tensor:
-    """A tensor shaped like ``proxy``: random floats, zeros for integers (valid indices for any
-    embedding or gather), ones for booleans."""
-    dtype = dtypes.to_torch_dtype(proxy.dtype)
-    shape = tuple(int(s) for s in proxy.shape)
-    if dtype.is_floating_point or dtype.is_complex:
-        return torch.randn(shape, dtype=dtype, device=device)
-    if dtype is torch.bool:
-        return torch.ones(shape, dtype=dtype, device=device)
-    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _unpacked_contents(trace: TraceCtx) -> dict[str, list[Proxy]]:

@@ -8,7 +8,6 @@ any sharding: the ground truth for numerics.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -19,16 +18,18 @@ import torch.nn.functional as F
 from thunder.core.proxies import FutureTensorProxy
 
 from thunder_overlap._analysis.classify import NodeKind, classify_trace
+from thunder_overlap._analysis.layout import NO_BUCKETS
 from thunder_overlap._analysis.memory_estimate import estimate_memory
-from thunder_overlap._bucketing.buffers import lookup_bucket
+from thunder_overlap._backends import NCCL
 from thunder_overlap._transforms import BucketingTransform
 from thunder_overlap.api import fsdp as overlap_fsdp
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import BucketingStrategy, ShardingStrategy, parse_bucketing_strategy, parse_sharding_strategy
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.report._schedule_view import ScheduleStats, schedule_picture, schedule_stats
+from thunder_overlap.testing.bucket_census import BucketCensus
 from thunder_overlap.testing.live_memory import LiveMemoryTracker
-from thunder_overlap.testing.op_census import COPY_OPS, OpCensus
+from thunder_overlap.testing.op_census import OpCensus
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -66,7 +67,7 @@ class TrainSetup:
     replicas: int = 1
     optimizer: str = "sgd"  # or "adamw"
     adamw_eps: float = 1e-8
-    # Buckets run as they do on NCCL whatever the backend (BucketLayout.as_on_nccl): parameters
+    # Buckets run as they do on NCCL whatever the backend (BucketLayout.as_on): parameters
     # gathered in place and unpadded gradients reduce-scattered where they are, each a coalesced
     # launch (over gloo this runs those paths for real, one collective after another).
     buckets_as_on_nccl: bool = False
@@ -80,65 +81,6 @@ class TrainSetup:
             raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.seq_len > self.model.block_size:
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's block_size={self.model.block_size}")
-
-
-@dataclass
-class BucketCensus:
-    """What the last training step (not the first) did to the bucket buffers, op by op."""
-
-    # Bucketed collectives in the final traces.
-    forward_all_gathers: int
-    backward_all_gathers: int
-    reduce_scatters: int
-    buckets: int
-    frozen_buckets: int
-    # Buckets of more than one parameter (only those need a copy-out after gathering).
-    multi_parameter_buckets: int
-    # Trainable buckets that lay their gradients out for the reduce-scatter: those with a
-    # parameter Thunder padded, and those of several tensors where the backend runs coalesced
-    # reduce-scatters one by one (gloo). The others send their gradients where they are.
-    laid_out_buckets: int
-    # Laid-out buckets that all-reduce their own buffer in place and copy their row out (where
-    # the backend's reduce-scatter would copy its input: gloo), outside coalesced launches.
-    reduced_in_place: int
-    # Labels of the laid-out buckets that hand their buffer to the backend's copy instead, as
-    # chosen from the memory estimate (BucketLayout.reduce_scatter_from_copy).
-    reduces_from_copy: tuple[str, ...]
-    # Labels of the buckets that reduce in place in a pool buffer whose row is their gradient
-    # shard (BucketLayout.reduces_in_pool): all-reduced in place, they copy no row out.
-    reduced_in_pool: tuple[str, ...]
-    # Labels of the buckets that, over a backend running a coalesced launch one collective at a
-    # time, gather each parameter in place, as chosen from the memory estimate
-    # (BucketLayout.per_tensor_gather).
-    per_tensor_gathers: tuple[str, ...]
-    # reduce_scatter_tensor calls per step: one per other laid-out bucket, one per gradient of the rest.
-    reduce_scatter_calls: int
-    # Copy ops that read or wrote a bucket buffer, by aten op name.
-    bucket_copies: dict[str, int]
-    # Copies the process group makes inside one reduce_scatter_tensor of its own (gloo reduces
-    # into a scratch buffer and copies the rank's chunk out; NCCL makes none).
-    backend_copies_per_reduce_scatter: int
-    # Ops of the step that allocated a storage which is now a persistent bucket buffer (a flat
-    # shard or the pool).
-    bucket_allocations: int
-    # Gradient shards alive after the step that the step allocated (one per bucket not reduced
-    # in the pool: the gradient itself, given back when .grad is dropped).
-    gradient_shard_allocations: int
-    # Every pad of the step (bucketing pads the gradients inside its _chunk_cat).
-    pads: int
-    allocations_after_first_step: int
-    allocations_after_last_step: int
-    # The shared pool of unsharded buffers: numel -> how many buffers of that size it holds,
-    # and each bucket's unsharded numel.
-    pool_buffers: dict[int, int]
-    # Per pool buffer, what used it ("blocks.0 all-gather", "blocks.0 reduce-scatter", ...).
-    pool_users: list[tuple[str, ...]]
-    # The same, as the memory estimator plans them from the final traces (BucketingTransform.slot_plan).
-    planned_pool_buffers: dict[int, int]
-    planned_pool_users: list[tuple[str, ...]]
-    bucket_numels: list[int]
-    # Whether every .grad after the step is a view of its bucket's gradient shard.
-    grads_are_bucket_views: bool
 
 
 @dataclass
@@ -204,7 +146,7 @@ def _build_model(setup: TrainSetup) -> TinyGPT:
 
 
 def saved_unsharded(forward) -> list[str]:
-    annotated = classify_trace(forward)
+    annotated = classify_trace(forward, roles_only=True)
     saved, _ = forward.bound_symbols[-1].args[1]
     gathered = (NodeKind.WAIT, NodeKind.EPILOGUE)
     return [
@@ -217,7 +159,7 @@ def saved_unsharded(forward) -> list[str]:
 def collective_sequence(trace) -> list[str]:
     """Each collective and wait as ``name(input) dtype[shape]``, in trace order. Input names come
     from parameter names, so two ranks that order equally shaped blocks differently differ here."""
-    annotated = classify_trace(trace)
+    annotated = classify_trace(trace, roles_only=True)
     sequence = []
     for node in annotated.nodes:
         if node.kind in (NodeKind.COLLECTIVE, NodeKind.WAIT):
@@ -229,7 +171,7 @@ def collective_sequence(trace) -> list[str]:
 def collective_groups(trace) -> list[tuple[str, tuple[int, ...], int]]:
     """Each collective of ``trace``: kind, its group's global ranks and the numel of its future
     (an all-gather's gathered output, a reduce-scatter's reduced shard)."""
-    annotated = classify_trace(trace)
+    annotated = classify_trace(trace, roles_only=True)
     groups = []
     for c in annotated.collectives:
         future = next(o for o in annotated.nodes[c.start].bsym.flat_proxy_outs if isinstance(o, FutureTensorProxy))
@@ -238,39 +180,50 @@ def collective_groups(trace) -> list[tuple[str, tuple[int, ...], int]]:
     return groups
 
 
+def _sharded(setup: TrainSetup, model: TinyGPT, world_size: int):
+    """``model`` sharded by thunder_overlap or by Thunder's own FSDP, on the CPU."""
+    device = torch.device("cpu")
+    if setup.impl != "thunder_overlap":
+        jitted = thunder.jit(model)
+        return thunder.distributed.fsdp(
+            jitted, device=device, sharding_strategy=setup.sharding.thunder_type, bucketing_strategy=setup.bucketing.thunder_type
+        )
+    mesh = None
+    if setup.replicas > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (setup.replicas, world_size // setup.replicas))
+    return overlap_fsdp(
+        model, device=device, sharding_strategy=setup.sharding, bucketing_strategy=setup.bucketing, config=setup.config, device_mesh=mesh
+    )
+
+
+def _measured_peaks(jm, setup: TrainSetup, world_size: int, rows: slice, bucketing, optimizer) -> tuple[int, int]:
+    """(measured, predicted) peak bytes of one more forward and backward, beyond its inputs."""
+    idx, targets = global_batch(setup, world_size, setup.steps)
+    optimizer.zero_grad(set_to_none=True)
+    with LiveMemoryTracker() as tracker:
+        for buffer in bucketing.pool.buffers if bucketing is not None else ():
+            tracker.track(buffer)  # held all along, as the estimate counts it
+        _loss(jm(idx[rows]), targets[rows]).backward()
+    optimizer.zero_grad(set_to_none=True)
+    layouts = bucketing.layouts if bucketing is not None else NO_BUCKETS
+    forward_memory = estimate_memory(thunder.last_traces(jm)[-1], layouts=layouts)
+    backward_memory = estimate_memory(thunder.last_backward_traces(jm)[-1], layouts=layouts, after=forward_memory)
+    return tracker.peak_bytes, max(forward_memory.peak_beyond_inputs_bytes, backward_memory.peak_beyond_inputs_bytes)
+
+
 def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
     """Trains on this rank's slice of each global batch; call inside an initialised process group."""
     model = _build_model(setup)
     unsharded_numels = {name: p.numel() for name, p in model.named_parameters()}
-    device = torch.device("cpu")
-    if setup.impl == "thunder_overlap":
-        mesh = None
-        if setup.replicas > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh("cpu", (setup.replicas, world_size // setup.replicas))
-        jm = overlap_fsdp(
-            model,
-            device=device,
-            sharding_strategy=setup.sharding,
-            bucketing_strategy=setup.bucketing,
-            config=setup.config,
-            device_mesh=mesh,
-        )
-    else:
-        jm = thunder.distributed.fsdp(
-            thunder.jit(model),
-            device=device,
-            sharding_strategy=setup.sharding.thunder_type,
-            bucketing_strategy=setup.bucketing.thunder_type,
-        )
+    jm = _sharded(setup, model, world_size)
     optimizer = _optimizer(setup, jm.parameters())
 
     rows = slice(rank * setup.micro_batch, (rank + 1) * setup.micro_batch)
     bucketing = BucketingTransform.of(jm) if setup.impl == "thunder_overlap" else None
     if setup.buckets_as_on_nccl and bucketing is not None:
-        for bucket in bucketing.buckets.values():
-            bucket.layout = bucket.layout.as_on_nccl()
+        bucketing.set_layouts({bucket: layout.as_on(NCCL) for bucket, layout in bucketing.layouts.items()})
     census, allocations_after_first_step = OpCensus(), None
     losses, step_ms, first_grads = [], [], {}
     for step in range(setup.steps):
@@ -291,23 +244,14 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
     bucket_census = None
     if census.records:
         backward = thunder.last_backward_traces(jm)[-1]
-        bucket_census = _bucket_census(jm, bucketing, census, allocations_after_first_step, unsharded_numels, backward)
+        bucket_census = bucket_census(jm, bucketing, census, allocations_after_first_step, unsharded_numels, backward)
 
     shards = {name: p.detach().clone() for name, p in jm.named_parameters()}
     peak = predicted_peak = None
-    forward, backward = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
     if setup.measure_memory:
-        idx, targets = global_batch(setup, world_size, setup.steps)
-        optimizer.zero_grad(set_to_none=True)
-        with LiveMemoryTracker() as tracker:
-            for buffer in bucketing.pool.buffers if bucketing is not None else ():
-                tracker.track(buffer)  # held all along, as the estimate counts it
-            _loss(jm(idx[rows]), targets[rows]).backward()
-        peak = tracker.peak_bytes
-        optimizer.zero_grad(set_to_none=True)
-        forward_memory = estimate_memory(forward)
-        backward_memory = estimate_memory(backward, after=forward_memory)
-        predicted_peak = max(forward_memory.peak_beyond_inputs_bytes, backward_memory.peak_beyond_inputs_bytes)
+        peak, predicted_peak = _measured_peaks(jm, setup, world_size, rows, bucketing, optimizer)
+    forward, backward = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
+    layouts = bucketing.layouts if bucketing is not None else NO_BUCKETS
 
     return RankResult(
         rank=rank,
@@ -317,8 +261,8 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
         predicted_peak_step_bytes=predicted_peak,
         forward_picture=schedule_picture(forward),
         backward_picture=schedule_picture(backward),
-        forward_stats=schedule_stats(forward),
-        backward_stats=schedule_stats(backward),
+        forward_stats=schedule_stats(forward, layouts=layouts),
+        backward_stats=schedule_stats(backward, layouts=layouts),
         collectives=collective_sequence(forward) + collective_sequence(backward),
         shards=shards,
         saved_unsharded=saved_unsharded(forward),
@@ -326,76 +270,6 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
         first_grads=first_grads,
         forward_groups=collective_groups(forward),
         backward_groups=collective_groups(backward),
-    )
-
-
-def _backend_copies_per_reduce_scatter(group) -> int:
-    world = group.size()
-    source, out = torch.ones(world * 4), torch.empty(4)
-    with OpCensus() as census:
-        torch.distributed.reduce_scatter_tensor(out, source, group=group)
-    return len(census.copies)
-
-
-def _bucket_census(
-    jm,
-    bucketing: BucketingTransform,
-    census: OpCensus,
-    allocations_after_first_step: int,
-    unsharded_numels: dict[str, int],
-    backward,
-) -> BucketCensus:
-    storages = bucketing.buffer_storages()
-    grad_shards = bucketing.gradient_storages()
-    shards = grad_shards - storages  # the gradient shards of their own, not rows of the pool
-    # A gradient shard is allocated in the step, at an address an earlier temporary of the step
-    # may have had: it is the shard only from the last op that allocated there.
-    shard_born = {ptr: i for i, r in enumerate(census.records) if r.allocated_bytes > 0 for ptr in r.outputs & shards}
-    copies: dict[str, int] = {}
-    for i, record in enumerate(census.records):
-        touched = record.inputs | record.outputs
-        on_shard = any(i >= shard_born.get(ptr, 0) for ptr in touched & shards)
-        if record.name in COPY_OPS and (touched & storages or on_shard):
-            copies[record.name] = copies.get(record.name, 0) + 1
-    grads = [p.grad for p in jm.parameters() if p.requires_grad]
-    planned = bucketing.slot_plan(jm)
-    trainable = [b for b in bucketing.buckets.values() if b.plan.requires_grad]
-    # The gradients have the parameters' unsharded sizes (Thunder pads only the gathered shards).
-    laid_out = [b for b in trainable if not b.layout.sends_gradients([unsharded_numels[s.name] for s in b.plan.slots])]
-    in_coalesced_launch = {
-        id(lookup_bucket(bucket_id))
-        for bsym in backward.bound_symbols
-        if bsym.sym.name == "coalesced_bucket_reduce_scatter"
-        for bucket_id, _, _ in bsym.args[1]
-    }
-    lone = [b for b in laid_out if b.layout.reduce_scatter_copies_input and id(b) not in in_coalesced_launch]
-    in_place = [b for b in lone if not b.layout.reduce_scatter_from_copy]
-    return BucketCensus(
-        forward_all_gathers=bucketing.summaries["forward"].all_gathers,
-        backward_all_gathers=bucketing.summaries["backward"].all_gathers,
-        reduce_scatters=bucketing.summaries["backward"].reduce_scatters,
-        buckets=len(bucketing.plans),
-        frozen_buckets=sum(not p.requires_grad for p in bucketing.plans),
-        multi_parameter_buckets=sum(len(p.slots) > 1 for p in bucketing.plans),
-        laid_out_buckets=len(laid_out),
-        reduced_in_place=len(in_place),
-        reduces_from_copy=tuple(b.plan.label for b in lone if b.layout.reduce_scatter_from_copy),
-        reduced_in_pool=tuple(b.plan.label for b in trainable if b.layout.reduces_in_pool),
-        per_tensor_gathers=tuple(b.plan.label for b in bucketing.buckets.values() if b.layout.per_tensor_gather),
-        reduce_scatter_calls=len(laid_out) - len(in_place) + sum(b.layout.tensors for b in trainable if b not in laid_out),
-        bucket_copies=copies,
-        backend_copies_per_reduce_scatter=_backend_copies_per_reduce_scatter(bucketing.process_group),
-        bucket_allocations=sum(bool(r.outputs & storages) and r.allocated_bytes > 0 for r in census.records),
-        gradient_shard_allocations=len(shard_born),
-        pads=census.count("constant_pad_nd"),
-        allocations_after_first_step=allocations_after_first_step,
-        allocations_after_last_step=bucketing.allocations,
-        pool_buffers=dict(collections.Counter(b.numel() for b in bucketing.pool.buffers)),
-        pool_users=[slot.users for slot in bucketing.pool.slots],
-        planned_pool_buffers=dict(collections.Counter(slot.numel for slot in planned.slots)),
-        planned_pool_users=[slot.users for slot in planned.slots],
-        bucket_numels=[b.world_size * b.plan.shard_numel for b in bucketing.buckets.values()],
-        grads_are_bucket_views=all(g is not None and g.untyped_storage().data_ptr() in grad_shards for g in grads),
     )
 
 
