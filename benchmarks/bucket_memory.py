@@ -61,8 +61,12 @@ import thunder
 import torch
 import torch.nn.functional as F
 
+from thunder_overlap._analysis.layout import NO_BUCKETS
 from thunder_overlap._analysis.memory_estimate import estimate_memory
-from thunder_overlap._bucketing.buffers import BucketBuffers, PendingCollective
+from thunder_overlap._backends import NCCL
+from thunder_overlap._bucketing.buffers import BucketBuffers
+from thunder_overlap._bucketing.path_choice import GATHERED_PER_PARAMETER, REDUCED_FROM_COPY
+from thunder_overlap._bucketing.pool import PendingCollective
 from thunder_overlap.config import OverlapConfig, Tuning
 from thunder_overlap.options import ShardingStrategy
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
@@ -174,10 +178,10 @@ class StepCensus:
     block_mib: float
     step_ms: float
     # Buckets gathered per parameter over gloo, chosen from the memory estimate
-    # (OverlapScheduleTransform.per_tensor_gathers).
+    # (OverlapScheduleTransform.bucket_paths).
     per_tensor_gathers: list[str]
     # Buckets whose reduce-scatters go from gloo's copy of the lay-out
-    # (OverlapScheduleTransform.reduces_from_copy).
+    # (OverlapScheduleTransform.bucket_paths).
     reduces_from_copy: list[str]
 
 
@@ -190,11 +194,11 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
     laid_out = OverlapConfig(_tuning=Tuning(per_tensor_gather_max_slowdown=None, reduce_from_copy_max_slowdown=None))
     config = laid_out if runtime in ("laid_out", *RUNTIMES) else None
     jm = thunder_overlap.fsdp(TinyGPT(model), device="cpu", sharding_strategy=sharding, bucketing_strategy=strategy, config=config)
-    for bucket in thunder_overlap.BucketingTransform.of(jm).buckets.values() if runtime in ("as_on_nccl", *RUNTIMES) else ():
-        if runtime == "as_on_nccl":
-            bucket.layout = bucket.layout.as_on_nccl()
-        else:
-            bucket.__class__ = RUNTIMES[runtime]
+    bucketing = thunder_overlap.BucketingTransform.of(jm)
+    if runtime == "as_on_nccl":
+        bucketing.set_layouts({bucket: layout.as_on(NCCL) for bucket, layout in bucketing.layouts.items()})
+    for bucket in bucketing.buckets if runtime in RUNTIMES else ():
+        bucket.__class__ = RUNTIMES[runtime]
     optimizer = torch.optim.SGD([p for p in jm.parameters() if p.requires_grad], lr=0.01)
     g = torch.Generator().manual_seed(rank)
     sequences, length = SHAPES[shape]
@@ -219,6 +223,7 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
     optimizer.zero_grad(set_to_none=True)
     bucketing = thunder_overlap.BucketingTransform.of(jm)
     schedule = thunder_overlap.OverlapScheduleTransform.of(jm)
+    paths = schedule.bucket_paths if schedule is not None else None
     pool = bucketing.pool.buffers if bucketing is not None else []
     peaks = {}
     for counted in ("as_run", "as_nccl"):
@@ -228,9 +233,10 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
                 memory.track(buffer)
             forward_backward()
         peaks[counted] = memory.peak_bytes
-    forward = estimate_memory(thunder.last_traces(jm)[-1])
-    backward = estimate_memory(thunder.last_backward_traces(jm)[-1], after=forward)
-    buckets = bucketing.buckets.values() if bucketing is not None else []
+    layouts = bucketing.layouts if bucketing is not None else NO_BUCKETS
+    forward = estimate_memory(thunder.last_traces(jm)[-1], layouts=layouts)
+    backward = estimate_memory(thunder.last_backward_traces(jm)[-1], layouts=layouts, after=forward)
+    buckets = bucketing.buckets if bucketing is not None else []
     block_bytes = max((b.layout.nbytes for b in buckets), default=0)
     return StepCensus(
         variant=variant,
@@ -245,8 +251,8 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
         pool_buffers=len(pool),
         block_mib=block_bytes / 2**20,
         step_ms=statistics.median(times[1:]),
-        per_tensor_gathers=list(schedule.per_tensor_gathers) if schedule is not None else [],
-        reduces_from_copy=list(schedule.reduces_from_copy) if schedule is not None else [],
+        per_tensor_gathers=list(paths.labels(GATHERED_PER_PARAMETER)) if paths is not None else [],
+        reduces_from_copy=list(paths.labels(REDUCED_FROM_COPY)) if paths is not None else [],
     )
 
 

@@ -236,7 +236,7 @@ def test_a_nonsense_cap_is_a_clear_error(fake_group_8, cap, message):
 
 
 def test_a_latency_share_outside_0_1_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"auto_bucket_latency_share must be between 0 and 1 .*got 1.5"):
+    with pytest.raises(ValueError, match=r"auto_bucket_latency_share must be a number between 0 and 1, got 1.5"):
         OverlapConfig(_tuning=Tuning(auto_bucket_latency_share=1.5))
 
 

@@ -10,6 +10,8 @@ import torch.nn as nn
 
 import thunder_overlap
 from thunder_overlap import BucketingTransform, FSDPOverlap, OverlapConfig, Zero3Transform, schedule_stats
+from thunder_overlap._scheduling.limits import resolve_limits
+from thunder_overlap.config import Tuning
 from thunder_overlap.options import (
     BucketingStrategy,
     FSDPOptions,
@@ -167,6 +169,9 @@ def test_cli_flags_get_errors_in_cli_terms():
         parse_bucketing_strategy("blocks", flag="--bucketing")
 
 
+NAN, INF = float("nan"), float("inf")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
@@ -175,35 +180,61 @@ def test_cli_flags_get_errors_in_cli_terms():
             ValueError,
             r"policy must be one of \('memory_aware', 'heuristic', 'greedy', 'just_in_time', 'stock'\), got 'eager'",
         ),
-        ({"max_in_flight_allgathers": 0}, ValueError, r"max_in_flight_allgathers must be positive or None .* got 0"),
-        ({"max_in_flight_allgathers": 1.5}, TypeError, r"max_in_flight_allgathers must be an int or None, got 1.5"),
-        ({"max_in_flight_allgather_bytes": -1}, ValueError, r"max_in_flight_allgather_bytes must be positive"),
-        ({"max_in_flight_reduce_scatter_bytes": True}, TypeError, r"max_in_flight_reduce_scatter_bytes must be an int"),
-        ({"prefetch_blocks": 0}, ValueError, r"prefetch_blocks must be positive, got 0"),
-        ({"prefetch_blocks": "2"}, TypeError, r"prefetch_blocks must be a number, got '2'"),
-        ({"bucket_eager_prefetch_blocks": 0}, ValueError, r"bucket_eager_prefetch_blocks must be positive or None \(no limit\), got 0"),
-        ({"bucket_eager_prefetch_blocks": "1"}, TypeError, r"bucket_eager_prefetch_blocks must be an int or a float or None, got '1'"),
-        ({"bucket_reduce_scatter_blocks": -1.0}, ValueError, r"bucket_reduce_scatter_blocks must be positive or None .*, got -1.0"),
-        ({"bucket_reduce_scatter_blocks": float("nan")}, ValueError, r"bucket_reduce_scatter_blocks must be positive or None .*, got nan"),
-        ({"bucket_reduce_scatter_blocks": True}, TypeError, r"bucket_reduce_scatter_blocks must be an int or a float or None, got True"),
-        ({"check_ranks_agree": "yes"}, TypeError, r"check_ranks_agree must be a bool, got 'yes'"),
+        ({"max_in_flight_allgather_bytes": -1}, ValueError, r"OverlapConfig.max_in_flight_allgather_bytes must be an integer > 0, or None"),
+        ({"max_in_flight_allgather_bytes": 1.5}, TypeError, r"max_in_flight_allgather_bytes must be an integer > 0, or None .*got 1.5"),
+        ({"prefetch_blocks": 0}, ValueError, r"OverlapConfig.prefetch_blocks must be a number > 0, got 0"),
+        ({"prefetch_blocks": "2"}, TypeError, r"prefetch_blocks must be a number > 0, got '2'"),
+        ({"prefetch_blocks": NAN}, ValueError, r"prefetch_blocks must be a number > 0, got nan"),
+        ({"prefetch_blocks": INF}, ValueError, r"prefetch_blocks must be a number > 0, got inf"),
         ({"reduce_in_pool": 1}, TypeError, r"reduce_in_pool must be a bool, got 1"),
-        ({"per_tensor_gather_max_slowdown": -0.1}, ValueError, r"per_tensor_gather_max_slowdown must be .* or None \(never .*, got -0.1"),
-        ({"per_tensor_gather_max_slowdown": "1%"}, TypeError, r"per_tensor_gather_max_slowdown must be a share of step time >= 0.*'1%'"),
-        ({"per_tensor_gather_max_slowdown": float("nan")}, ValueError, r"per_tensor_gather_max_slowdown must be .*got nan"),
-        ({"reduce_from_copy_max_slowdown": -1}, ValueError, r"reduce_from_copy_max_slowdown .* \(never reduce-scatter from .*, got -1"),
-        ({"reduce_from_copy_max_slowdown": True}, TypeError, r"reduce_from_copy_max_slowdown must be a share of step time >= 0.*True"),
-        ({"max_prefetch_compute_ops": -1}, ValueError, r"max_prefetch_compute_ops must be non-negative or None"),
-        ({"prefetch_time_margin": 0}, ValueError, r"prefetch_time_margin must be positive or None"),
-        ({"memory_slack_bytes": None}, TypeError, r"memory_slack_bytes must be an int, got None"),
-        ({"memory_slack_ratio": -0.1}, ValueError, r"memory_slack_ratio must be non-negative, got -0.1"),
+        ({"memory_slack_bytes": None}, TypeError, r"memory_slack_bytes must be an integer >= 0, got None"),
+        ({"memory_slack_ratio": -0.1}, ValueError, r"memory_slack_ratio must be a number >= 0, got -0.1"),
+        ({"memory_slack_ratio": INF}, ValueError, r"memory_slack_ratio must be a number >= 0, got inf"),
         ({"cost_model": "h100"}, TypeError, r"cost_model must be a thunder_overlap.CostModel or None, got 'h100'"),
-        ({"fallback_in_flight_allgathers": None}, TypeError, r"fallback_in_flight_allgathers must be an int, got None"),
+        ({"_tuning": {"coalesce": False}}, TypeError, r"OverlapConfig._tuning must be a thunder_overlap.config.Tuning"),
     ],
 )
 def test_bad_config_values(kwargs, error, message):
     with pytest.raises(error, match=message):
         OverlapConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"max_in_flight_allgathers": 0}, ValueError, r"^Tuning.max_in_flight_allgathers must be an integer > 0, or None .*, got 0$"),
+        ({"max_in_flight_allgathers": 1.5}, TypeError, r"max_in_flight_allgathers must be an integer > 0, or None .*, got 1.5"),
+        ({"max_in_flight_reduce_scatter_bytes": True}, TypeError, r"max_in_flight_reduce_scatter_bytes must be an integer > 0"),
+        ({"bucket_eager_prefetch_blocks": 0}, ValueError, r"bucket_eager_prefetch_blocks must be a number > 0, or None .*, got 0"),
+        ({"bucket_eager_prefetch_blocks": INF}, ValueError, r"bucket_eager_prefetch_blocks must be a number > 0, or None .*got inf"),
+        ({"bucket_reduce_scatter_blocks": -1.0}, ValueError, r"bucket_reduce_scatter_blocks must be a number > 0, or None .*, got -1.0"),
+        ({"bucket_reduce_scatter_blocks": NAN}, ValueError, r"bucket_reduce_scatter_blocks must be a number > 0, or None .*, got nan"),
+        ({"bucket_reduce_scatter_blocks": INF}, ValueError, r"bucket_reduce_scatter_blocks must be a number > 0, or None .*, got inf"),
+        ({"bucket_reduce_scatter_blocks": True}, TypeError, r"bucket_reduce_scatter_blocks must be a number > 0, or None .*, got True"),
+        ({"check_ranks_agree": "yes"}, TypeError, r"check_ranks_agree must be a bool, got 'yes'"),
+        ({"coalesce": 1}, TypeError, r"coalesce must be a bool, got 1"),
+        ({"per_tensor_gather_max_slowdown": -0.1}, ValueError, r"per_tensor_gather_max_slowdown must be a number >= 0, or None .*-0.1"),
+        ({"per_tensor_gather_max_slowdown": "1%"}, TypeError, r"per_tensor_gather_max_slowdown must be a number >= 0.*'1%'"),
+        ({"per_tensor_gather_max_slowdown": NAN}, ValueError, r"per_tensor_gather_max_slowdown must be .*got nan"),
+        ({"reduce_from_copy_max_slowdown": -1}, ValueError, r"reduce_from_copy_max_slowdown must be a number >= 0, or None .*got -1"),
+        ({"reduce_from_copy_max_slowdown": True}, TypeError, r"reduce_from_copy_max_slowdown must be a number >= 0.*True"),
+        ({"max_prefetch_compute_ops": -1}, ValueError, r"max_prefetch_compute_ops must be an integer >= 0, or None"),
+        ({"prefetch_time_margin": 0}, ValueError, r"prefetch_time_margin must be a number > 0, or None"),
+        ({"prefetch_time_margin": NAN}, ValueError, r"prefetch_time_margin must be a number > 0, or None .*got nan"),
+        ({"fallback_in_flight_allgathers": None}, TypeError, r"fallback_in_flight_allgathers must be an integer > 0, got None"),
+        ({"chained_wait_compute_ops": INF}, TypeError, r"chained_wait_compute_ops must be an integer >= 0, got inf"),
+        ({"auto_bucket_latency_share": 1}, ValueError, r"auto_bucket_latency_share must be a number between 0 and 1, got 1"),
+        ({"auto_bucket_latency_share": NAN}, ValueError, r"auto_bucket_latency_share must be a number between 0 and 1, got nan"),
+    ],
+)
+def test_bad_tuning_values(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        Tuning(**kwargs)
+
+
+def test_a_huge_prefetch_depth_means_no_limit_rather_than_an_overflow():
+    limits = resolve_limits(OverlapConfig(prefetch_blocks=1e308), 1 << 20)
+    assert limits.max_allgather_bytes >= 1 << 62
 
 
 def test_no_sync_without_buckets_is_refused_instead_of_dropping_gradients(gloo_group):

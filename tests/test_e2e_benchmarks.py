@@ -245,10 +245,10 @@ def test_cpu_peak_counts_the_bucket_pool_as_held_and_gradient_shards_only_while_
     jm(torch.randint(0, config.vocab_size, (2, 16))).sum().backward()
     bucketing = thunder_overlap.BucketingTransform.of(jm)
     pool = sum(b.untyped_storage().nbytes() for b in bucketing.pool.buffers)
-    shards = set().union(*(b.grad_shard_storages() for b in bucketing.buckets.values()))
+    shards = set().union(*(b.grad_shard_storages() for b in bucketing.buckets))
     grads = {p.grad.untyped_storage().data_ptr() for p in jm.parameters() if p.grad is not None}
     assert pool > 0 and len(shards) == len(bucketing.buckets) - 1 and shards == grads  # wpe is frozen
     model_bytes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*jm.parameters(), *jm.buffers()]}
     assert persistent_bytes(jm, None) == sum(model_bytes.values()) + pool
     jm.zero_grad(set_to_none=True)
-    assert set().union(*(b.grad_shard_storages() for b in bucketing.buckets.values())) == set()
+    assert set().union(*(b.grad_shard_storages() for b in bucketing.buckets)) == set()

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from thunder_overlap._analysis.layout import ReducePath
 from thunder_overlap._bucketing.plan import bucket_owner, plan_buckets
 from thunder_overlap.config import OverlapConfig, Tuning
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
@@ -363,7 +364,7 @@ def _user_session(rank: int, world_size: int, bucketing: str) -> dict:
     bucketing_transform = BucketingTransform.of(jm)
     allocations = bucketing_transform.allocations if bucketing_transform else 0
     if bucketing_transform:  # whose .grad, kept across micro-batches and steps, is a pool row
-        result["reduced_in_pool"] = [b.plan.label for b in bucketing_transform.buckets.values() if b.layout.reduces_in_pool]
+        result["reduced_in_pool"] = [b.plan.label for b in bucketing_transform.buckets if b.layout.reduce is ReducePath.IN_POOL]
     # A new input shape: Thunder traces again; the buckets and their buffers stay the same.
     optimizer.zero_grad(set_to_none=True)
     loss = _loss(jm, *_batch(3, 0, seq_len=8))

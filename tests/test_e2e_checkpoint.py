@@ -88,7 +88,7 @@ def _full(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> t
 def _parameters_are_bucket_views(model: nn.Module) -> bool:
     """Every parameter of a bucket still shares its bucket's flat shard, and so does its .grad."""
     bucketing = BucketingTransform.of(model)
-    flat_storages = {b.flat_shard.untyped_storage().data_ptr() for b in bucketing.buckets.values()}
+    flat_storages = {b.flat_shard.untyped_storage().data_ptr() for b in bucketing.buckets}
     grad_storages = bucketing.gradient_storages()
     return all(p.untyped_storage().data_ptr() in flat_storages for p in model.parameters()) and all(
         p.grad is None or p.grad.untyped_storage().data_ptr() in grad_storages for p in model.parameters()

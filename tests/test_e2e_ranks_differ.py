@@ -60,7 +60,7 @@ def _issue_order(jm) -> list[str]:
 
     order = []
     for trace in (thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]):
-        annotated = classify_trace(trace)
+        annotated = classify_trace(trace, roles_only=True)
         for node in annotated.nodes:
             if node.kind is NodeKind.COLLECTIVE:
                 out = node.bsym.flat_proxy_outs[0]

@@ -317,5 +317,5 @@ def test_baseline_is_thunder_fsdp_per_parameter_even_with_block_buckets():
         assert not any(n.name.startswith("bucket_") for n in p.baseline.annotated.nodes)
         assert any(n.name.startswith("bucket_") for n in p.overlap.annotated.nodes)
     # The buckets' copies are compute-stream work of thunder_overlap's traces.
-    copies = [cost_model.local_copy_ms(n.bsym) for p in result.passes for n in p.overlap.annotated.nodes]
+    copies = [cost_model.local_copy_ms(n.bsym, p.overlap.annotated.layouts) for p in result.passes for n in p.overlap.annotated.nodes]
     assert sum(copies) > 0

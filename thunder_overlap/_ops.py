@@ -56,6 +56,10 @@ class BucketRuntime(Protocol):
     def shard_numel(self) -> int: ...
     def unsharded_shape(self, slot: int) -> tuple[int, ...]: ...
     def shard_shape(self, slot: int) -> tuple[int, ...]: ...
+    # A launch of its own: start, then finish at the wait.
+    def start_all_gather(self, shards: list[torch.Tensor], slots: tuple[int, ...]) -> Any: ...
+    def start_reduce_scatter(self, grads: list[torch.Tensor], divisor: float | None) -> Any: ...
+    # A member of a coalesced launch: prepare, join the launch, then the views once it is complete.
     def prepare_all_gather(self, shards: list[torch.Tensor], slots: tuple[int, ...]) -> Any: ...
     def launch_all_gather(self, pending: Any, *, async_op: bool) -> Any: ...
     def finish_all_gather(self, pending: Any, slots: tuple[int, ...]) -> list[torch.Tensor]: ...
@@ -96,19 +100,10 @@ def _numel(t: TensorProxy) -> int:
 # --- bucketed collectives --------------------------------------------------------------------
 
 
-def _start(prepare: str, launch: str) -> Callable:
-    def start(bucket: BucketRuntime, group, inputs: list[torch.Tensor], extra) -> Any:
-        pending = getattr(bucket, prepare)(inputs, extra)
-        pending.work = getattr(bucket, launch)(pending, async_op=True)
-        return pending
-
-    return start
-
-
 bucket_all_gather = overlap_executor.register_operator(
     "bucket_all_gather",
     meta=lambda bucket, group, shards, slots: FutureTensorProxy(shape=(bucket.gathered_numel(),), like=shards[0]),
-    fn=_start("prepare_all_gather", "launch_all_gather"),
+    fn=lambda bucket, group, shards, slots: bucket.start_all_gather(shards, slots),
 )
 bucket_all_gather_wait = overlap_executor.register_operator(
     "bucket_all_gather_wait",
@@ -118,7 +113,7 @@ bucket_all_gather_wait = overlap_executor.register_operator(
 bucket_reduce_scatter = overlap_executor.register_operator(
     "bucket_reduce_scatter",
     meta=lambda bucket, group, grads, divisor: FutureTensorProxy(shape=(bucket.shard_numel(),), like=grads[0]),
-    fn=_start("prepare_reduce_scatter", "launch_reduce_scatter"),
+    fn=lambda bucket, group, grads, divisor: bucket.start_reduce_scatter(grads, divisor),
 )
 
 

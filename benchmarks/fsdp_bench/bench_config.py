@@ -8,12 +8,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
-from thunder_overlap._analysis.cost_model import network_profile
+from thunder_overlap._analysis.cost_model import CostModel, network_profile
+from thunder_overlap.config import OverlapConfig, Tuning
 from thunder_overlap.options import BucketingStrategy, ShardingStrategy
 
 __all__ = [
     "BenchmarkConfig",
     "OVERLAP_OPTIONS",
+    "variant_config",
     "TRAINING_IMPLS",
     "CALIBRATION_IMPLS",
     "IMPLS",
@@ -23,7 +25,7 @@ __all__ = [
     "parse_args",
 ]
 
-# thunder_overlap and its variants, each the OverlapConfig options it sets over the defaults.
+# thunder_overlap and its variants, each the OverlapConfig (or Tuning) options it sets over the defaults.
 OVERLAP_OPTIONS: dict[str, dict[str, object]] = {
     "thunder_overlap": {},
     # Every collective launched on its own: what coalesced launches save.
@@ -42,6 +44,15 @@ OVERLAP_OPTIONS: dict[str, dict[str, object]] = {
     # (two blocks), as before they were capped at one block: what that cap costs in time.
     "thunder_overlap_two_lay_outs": {"bucket_reduce_scatter_blocks": None},
 }
+def variant_config(impl: str, cost_model: CostModel | None) -> OverlapConfig:
+    """The configuration of thunder_overlap variant ``impl``: its options of OverlapConfig's own,
+    the others of its tuning."""
+    options = OVERLAP_OPTIONS[impl]
+    public = {f.name for f in fields(OverlapConfig)} - {"_tuning"}
+    tuning = Tuning(**{name: value for name, value in options.items() if name not in public})
+    return OverlapConfig(cost_model=cost_model, _tuning=tuning, **{name: value for name, value in options.items() if name in public})
+
+
 # What is being compared: thunder_overlap's variants, Thunder's own FSDP, PyTorch FSDP2 (eager,
 # and with each block torch.compile'd).
 TRAINING_IMPLS = (*OVERLAP_OPTIONS, "thunder", "fsdp2", "fsdp2_compile")

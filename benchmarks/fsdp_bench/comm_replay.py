@@ -45,7 +45,7 @@ class _Buffers:
 
 def comm_events(trace: TraceCtx) -> list[CommEvent]:
     """The issues and waits of ``trace``'s collectives, in trace order."""
-    annotated = classify_trace(trace)
+    annotated = classify_trace(trace, roles_only=True)
     return [
         CommEvent(node.collective, wait=node.kind is NodeKind.WAIT)
         for node in annotated.nodes
@@ -54,7 +54,7 @@ def comm_events(trace: TraceCtx) -> list[CommEvent]:
 
 
 def _buffers(trace: TraceCtx, device: torch.device) -> list[_Buffers]:
-    annotated = classify_trace(trace)
+    annotated = classify_trace(trace, roles_only=True)
     buffers = []
     for coll in annotated.collectives:
         proxy = annotated.nodes[coll.start].bsym.flat_proxy_outs[0]

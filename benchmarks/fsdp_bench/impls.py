@@ -54,7 +54,7 @@ from thunder_overlap._analysis.blocks import find_blocks
 from thunder_overlap._analysis.cost_model import CostModel, network_profile
 from thunder_overlap.options import parse_bucketing_strategy, parse_sharding_strategy
 
-from fsdp_bench.bench_config import OVERLAP_OPTIONS, BenchmarkConfig
+from fsdp_bench.bench_config import OVERLAP_OPTIONS, BenchmarkConfig, variant_config
 from fsdp_bench.bench_models import loss_fn, materialize
 from fsdp_bench.comm_replay import CommReplay
 from fsdp_bench.distributed import RunContext
@@ -126,7 +126,7 @@ def overlap_config(cfg: BenchmarkConfig, device: torch.device, impl: str = "thun
     cost_model = None
     if cfg.network is not None:
         cost_model = CostModel(CostModel.for_device(device, 1).device, network_profile(cfg.network))
-    return thunder_overlap.OverlapConfig(cost_model=cost_model, **OVERLAP_OPTIONS[impl])
+    return variant_config(impl, cost_model)
 
 
 def _thunder_overlap(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, impl: str = "thunder_overlap") -> nn.Module:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from thunder_overlap import CostModel, OverlapConfig
+from thunder_overlap import CostModel
 from thunder_overlap._analysis.classify import AnnotatedTrace, classify_trace
 from thunder_overlap._analysis.cost_model import (
     DeviceProfile,
@@ -42,8 +42,9 @@ from thunder_overlap._analysis.simulator import simulate
 from thunder_overlap._backends import GLOO
 from thunder_overlap.options import parse_sharding_strategy
 from thunder_overlap.report._models import trace_model
+from thunder_overlap.report._report import module_layouts
 
-from fsdp_bench.bench_config import OVERLAP_OPTIONS
+from fsdp_bench.bench_config import OVERLAP_OPTIONS, variant_config
 from fsdp_bench.bench_models import build_model, math_sdpa
 
 __all__ = ["LinkFit", "TestbedSetting", "fit_link", "fit_overlap_slowdown", "predict_testbed_step_ms"]
@@ -137,9 +138,10 @@ def _annotated(
         jm = _thunder_traces(model, world_size, shard_mode, idx_shape)
     else:
         cost_model = CostModel(device_profile("cpu"), network_profile(network or "gloo-loopback"))
-        config = OverlapConfig(cost_model=cost_model, **OVERLAP_OPTIONS[impl])
+        config = variant_config(impl, cost_model)
         jm = trace_model(model, world_size=world_size, sharding=shard_mode, bucketing=bucketing, idx_shape=idx_shape, config=config)
-    return tuple(classify_trace(t) for t in (thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]))
+    layouts = module_layouts(jm)
+    return tuple(classify_trace(t, layouts) for t in (thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]))
 
 
 # Communication only: no op, local copy or launch overhead takes time.

@@ -12,6 +12,8 @@ import torch
 from thunder.core.module import ThunderModule
 
 from thunder_overlap import BucketingTransform, OverlapScheduleTransform, schedule_picture, schedule_stats
+from thunder_overlap._bucketing.path_choice import GATHERED_PER_PARAMETER, REDUCED_FROM_COPY
+from thunder_overlap.report._report import module_layouts
 
 from fsdp_bench.bench_config import BenchmarkConfig
 from fsdp_bench.bench_models import ModelSpec, build_model, train_flops_per_step
@@ -37,17 +39,18 @@ def _schedule(model: torch.nn.Module) -> dict[str, dict]:
     if not isinstance(model, ThunderModule):
         return {}
     traces = {"forward": thunder.last_traces(model)[-1], "backward": thunder.last_backward_traces(model)[-1]}
-    schedule = {name: {"picture": schedule_picture(t), **asdict(schedule_stats(t))} for name, t in traces.items()}
+    layouts = module_layouts(model)
+    schedule = {name: {"picture": schedule_picture(t), **asdict(schedule_stats(t, layouts=layouts))} for name, t in traces.items()}
     transform = OverlapScheduleTransform.of(model)
-    if transform is None:
+    paths = transform.bucket_paths if transform is not None else None
+    if paths is None:
         return schedule
     # Chosen at the backward's first compile.
-    if transform.per_tensor_gather_choice is not None:
-        schedule["backward"]["per_tensor_gathers"] = transform.per_tensor_gathers
-        schedule["backward"]["per_tensor_gather_reason"] = transform.per_tensor_gather_choice.reason
-    if transform.reduce_from_copy_choice is not None:
-        schedule["backward"]["reduces_from_copy"] = transform.reduces_from_copy
-        schedule["backward"]["reduce_from_copy_reason"] = transform.reduce_from_copy_choice.reason
+    for key, change in (("per_tensor_gather", GATHERED_PER_PARAMETER), ("reduce_from_copy", REDUCED_FROM_COPY)):
+        outcome = paths.outcome(change)
+        if outcome is not None:
+            schedule["backward"][f"{key}s" if key == "per_tensor_gather" else "reduces_from_copy"] = list(outcome.labels)
+            schedule["backward"][f"{key}_reason"] = outcome.reason
     return schedule
 
 

@@ -27,6 +27,11 @@ class BucketBuffers(BucketState):
 
     # --- all-gather (gather.py) -------------------------------------------------------------
 
+    def start_all_gather(self, shards: list[torch.Tensor], slots: tuple[int, ...]) -> PendingCollective:
+        pending = gather.prepare(self, shards, slots)
+        pending.work = gather.launch(self, pending, async_op=True)
+        return pending
+
     def prepare_all_gather(self, shards: list[torch.Tensor], slots: tuple[int, ...]) -> PendingCollective:
         return gather.prepare(self, shards, slots)
 
@@ -43,6 +48,11 @@ class BucketBuffers(BucketState):
         return gather.copy_out(self, pending.result, slots)
 
     # --- reduce-scatter, all-reduce and no_sync (reduction.py) --------------------------------
+
+    def start_reduce_scatter(self, grads: list[torch.Tensor], divisor: float | None) -> PendingCollective:
+        pending = reduction.prepare(self, grads, divisor)
+        pending.work = reduction.launch(self, pending, async_op=True)
+        return pending
 
     def prepare_reduce_scatter(self, grads: list[torch.Tensor], divisor: float | None) -> PendingCollective:
         return reduction.prepare(self, grads, divisor)

@@ -16,6 +16,7 @@ oldest in flight) or ``None``; the scheduler asks again after each wait, since a
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from itertools import accumulate
@@ -78,6 +79,11 @@ class ScheduleLimits:
 JUST_IN_TIME_LIMITS = ScheduleLimits(max_prefetch_compute_ops=0, max_reduce_scatters=0)
 
 
+def _units(count: float, unit_bytes: int) -> int:
+    """``count`` units in bytes; a count too large to be a byte count is no limit in effect."""
+    return int(min(count * unit_bytes, sys.maxsize))
+
+
 def resolve_limits(
     config: OverlapConfig, largest_block_bytes: int | None, *, runs_buckets: bool = False, caps_pool_reduce_scatters: bool = True
 ) -> ScheduleLimits:
@@ -91,12 +97,12 @@ def resolve_limits(
         return JUST_IN_TIME_LIMITS
     tuning = config.tuning
     unit = largest_block_bytes or None
-    block_limit = int(config.prefetch_blocks * unit) if unit else None
+    block_limit = _units(config.prefetch_blocks, unit) if unit else None
     eager_limit = pool_limit = None
     if runs_buckets and unit and tuning.bucket_eager_prefetch_blocks is not None:
-        eager_limit = min(block_limit, int(tuning.bucket_eager_prefetch_blocks * unit))
+        eager_limit = min(block_limit, _units(tuning.bucket_eager_prefetch_blocks, unit))
     if runs_buckets and unit and caps_pool_reduce_scatters and tuning.bucket_reduce_scatter_blocks is not None:
-        pool_limit = int(tuning.bucket_reduce_scatter_blocks * unit)
+        pool_limit = _units(tuning.bucket_reduce_scatter_blocks, unit)
     allgather_bytes, allgathers, early_bytes = config.max_in_flight_allgather_bytes, tuning.max_in_flight_allgathers, None
     if allgather_bytes is None and allgathers is None:
         allgather_bytes, early_bytes = block_limit, eager_limit
