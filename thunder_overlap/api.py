@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import thunder
@@ -25,7 +27,7 @@ from thunder_overlap._transforms import (
 )
 from thunder_overlap._transforms.executor import with_collectives_kept_visible
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.options import BucketingStrategy, FSDPOptions, ShardingStrategy, options_from
+from thunder_overlap.options import BucketingStrategy, FSDPOptions, ShardingStrategy, options_from, unknown_keywords_message
 
 __all__ = ["fsdp", "fsdp_transforms"]
 
@@ -102,13 +104,15 @@ def fsdp(
     bucket_cap_mb: float | None = None,
     block_types: type[nn.Module] | str | list[type[nn.Module] | str] | tuple[type[nn.Module] | str, ...] | None = None,
     device_mesh: DeviceMesh | None = None,
-    **jit_options: Any,
+    jit_options: Mapping[str, Any] | None = None,
+    **unknown: Any,
 ) -> ThunderModule:
     """Shards ``model`` like ``thunder.distributed.fsdp`` and overlaps its communication.
 
     Args:
         model: a plain ``nn.Module`` (jitted here, with ``jit_options``) or what ``thunder.jit``
-            returned, not yet sharded.
+            returned, not yet sharded. A module an earlier ``fsdp`` consumed (its parameters were
+            released to the meta device), or one that holds such a module, is refused.
         device: where shards live; default ``cuda:LOCAL_RANK`` for NCCL, ``cpu`` otherwise. A
             CUDA device becomes the current device (NCCL and object collectives use it).
         sharding_strategy: ``"zero2"``/``"zero3"`` (any case), :class:`ShardingStrategy` or
@@ -136,12 +140,19 @@ def fsdp(
             transformers' ``"LlamaDecoderLayer"``) whose outermost instances are the blocks that
             size prefetching and form block buckets; None: the children of the model's largest
             ``nn.ModuleList``/``nn.Sequential``. A type that matches no module is an error.
-        jit_options: passed to ``thunder.jit`` when ``model`` is a plain module.
+        jit_options: keywords for ``thunder.jit`` (e.g. ``{"executors": [...]}``), when ``model``
+            is a plain module; ``transforms`` there run before the FSDP transforms. Any other
+            keyword is an error naming the accepted ones: a misspelled option is never ignored.
 
     Returns:
         A ThunderModule whose ``named_parameters()`` are the local dim-0 shards (padded as Thunder
         pads them) and whose ``.grad`` are their gradients.
     """
+    if unknown:
+        raise TypeError(_unknown_fsdp_keywords(unknown))
+    if jit_options is not None and not isinstance(jit_options, Mapping):
+        raise TypeError(f"jit_options must be a dict of thunder.jit keywords or None, got {jit_options!r}")
+    jit_options = dict(jit_options or {})
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module or a thunder.jit module, got {type(model).__name__}")
     options = FSDPOptions.resolve(
@@ -176,3 +187,20 @@ def fsdp(
     executors = jit_options.pop("executors", None)
     executors = with_collectives_kept_visible(thunder.get_default_executors() if executors is None else executors)
     return thunder.jit(model, transforms=[*user_transforms, *transforms], executors=executors, **jit_options)
+
+
+def _unknown_fsdp_keywords(unknown: Mapping[str, Any]) -> str:
+    """The error for keywords ``fsdp`` does not take; those ``thunder.jit`` names are pointed to
+    ``jit_options``, since they were once passed through (and a misspelled option with them)."""
+    accepted = [name for name, p in inspect.signature(fsdp).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    jit_names = set(inspect.signature(thunder.jit).parameters) - {"fn", "compile_options"}
+    for_jit = sorted(name for name in unknown if name in jit_names)
+    parts = []
+    others = [name for name in unknown if name not in jit_names]
+    if others:
+        parts.append(unknown_keywords_message("fsdp()", others, accepted))
+    if for_jit:
+        parts.append(f"options {for_jit} are thunder.jit options: pass them as jit_options={{...}}")
+    else:
+        parts.append("options for thunder.jit go in jit_options={...}")
+    return "; ".join(parts)
