@@ -150,6 +150,71 @@ def test_a_model_cannot_be_sharded_twice(gloo_group):
         thunder_overlap.fsdp(sharded)
 
 
+_CONSUMED = r"already sharded with FSDP: an earlier thunder_overlap.fsdp consumed it and moved its parameters to the meta device"
+
+
+def test_a_module_fsdp_consumed_is_refused_whatever_its_wrapper(gloo_group):
+    # The first fsdp() moved the parameters to meta; a second one used to materialise fresh weights.
+    model = _model()
+    thunder_overlap.fsdp(model)
+    assert all(p.is_meta for p in model.parameters())
+    with pytest.raises(ValueError, match=rf"^model is {_CONSUMED}.*pass the module that fsdp\(\) returned"):
+        thunder_overlap.fsdp(model)
+    with pytest.raises(ValueError, match=rf"^model is {_CONSUMED}"):
+        thunder_overlap.fsdp(thunder.jit(model))
+    with pytest.raises(ValueError, match=rf"^model's submodule 'body' is {_CONSUMED}"):
+        thunder_overlap.fsdp(nn.ModuleDict({"body": model}))
+    with pytest.raises(ValueError, match=rf"^model is {_CONSUMED}"):
+        thunder.jit(model, transforms=thunder_overlap.fsdp_transforms(device="cpu", process_group=gloo_group))
+
+
+def test_a_module_thunders_fsdp_consumed_is_refused(gloo_group):
+    model = _model()
+    thunder.distributed.fsdp(thunder.jit(model), device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^model is already sharded with FSDP: an earlier Thunder's FSDP consumed it"):
+        thunder_overlap.fsdp(model)
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+class _NoParameters(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        # Thunder said: "cannot deal with modules other than the compiled module".
+        (_NoParameters, r"^model \(_NoParameters\) has no parameters: FSDP shards parameters, so there is nothing to shard$"),
+        # Thunder said, at the first step: "Failed to find an executor for bound symbol ... synchronize".
+        (
+            lambda: _model().requires_grad_(False),
+            r"^model \(Sequential\) has no trainable parameter: all 4 have requires_grad=False\..*unfreeze at least one parameter",
+        ),
+        # Thunder said: "IndexError: Dimension specified as 0 but tensor has no dimensions".
+        (_Scaled, r"^model has 0-dim parameters \['scale'\]: .*make each a 1-element tensor .*or register it as a buffer"),
+    ],
+)
+@pytest.mark.parametrize("entry", ["fsdp", "fsdp_transforms"])
+def test_models_fsdp_cannot_shard_are_refused_before_thunder_runs(gloo_group, make, message, entry):
+    model = make()
+    with pytest.raises(ValueError, match=message):
+        if entry == "fsdp":
+            thunder_overlap.fsdp(model)
+        else:
+            thunder.jit(model, transforms=thunder_overlap.fsdp_transforms(device="cpu", process_group=gloo_group))
+    assert not any(p.is_meta for p in model.parameters()), "a refused model must keep its parameters"
+
+
 def test_strategies_accept_enums_and_case_insensitive_strings(gloo_group):
     model = thunder_overlap.fsdp(_model(), sharding_strategy="ZeRO3", bucketing_strategy=thunder.distributed.FSDPBucketingStrategy.NONE)
     assert any(isinstance(t, Zero3Transform) for t in thunder.compile_data(model).transforms)

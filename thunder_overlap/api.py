@@ -22,10 +22,12 @@ from thunder_overlap._transforms import (
     BucketingTransform,
     OverlapScheduleTransform,
     RefuseNoSyncTransform,
+    RefuseUnshardableTransform,
     ReplicaReduceTransform,
     Zero3Transform,
 )
 from thunder_overlap._transforms.executor import with_collectives_kept_visible
+from thunder_overlap._transforms.shardable import check_shardable
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import BucketingStrategy, FSDPOptions, ShardingStrategy, options_from, unknown_keywords_message
 
@@ -33,9 +35,10 @@ __all__ = ["fsdp", "fsdp_transforms"]
 
 
 def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any) -> list[Transform]:
-    """The transforms ``fsdp`` applies, for ``thunder.jit(model, transforms=...)``: Thunder's
-    sharding and materialisation, then ZeRO3 re-gathering (ZeRO3 only), bucketing (layer, block
-    or auto only), the all-reduce across replicas (hybrid sharding only), then scheduling.
+    """The transforms ``fsdp`` applies, for ``thunder.jit(model, transforms=...)``: the refusal
+    of a model FSDP cannot shard (or already sharded), Thunder's sharding and materialisation,
+    then ZeRO3 re-gathering (ZeRO3 only), bucketing (layer, block or auto only), the all-reduce
+    across replicas (hybrid sharding only), then scheduling.
 
     Pass resolved ``options``, or the keywords of :meth:`FSDPOptions.resolve` (``device``,
     ``process_group``, ``sharding_strategy``, ``bucketing_strategy``, ``bucket_cap_mb``,
@@ -44,6 +47,7 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
     """
     options = options_from(options, option_kwargs, "fsdp_transforms")
     transforms: list[Transform] = [
+        RefuseUnshardableTransform(),
         FSDPTransform(
             device=options.device,
             broadcast_from=options.broadcast_from,
@@ -147,6 +151,9 @@ def fsdp(
     Returns:
         A ThunderModule whose ``named_parameters()`` are the local dim-0 shards (padded as Thunder
         pads them) and whose ``.grad`` are their gradients.
+
+    Raises ``ValueError`` before tracing for a model FSDP cannot shard: no parameters, none
+    trainable, a 0-dim parameter (make it a 1-element tensor, or a buffer), or one already sharded.
     """
     if unknown:
         raise TypeError(_unknown_fsdp_keywords(unknown))
@@ -155,6 +162,9 @@ def fsdp(
     jit_options = dict(jit_options or {})
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module or a thunder.jit module, got {type(model).__name__}")
+    if isinstance(model, ThunderModule) and getattr(thunder.compile_data(model), "use_fsdp", False):
+        raise ValueError("model is already sharded with FSDP; pass the unsharded model")
+    check_shardable(model._model if isinstance(model, ThunderModule) else model)
     options = FSDPOptions.resolve(
         device=device,
         process_group=process_group,
@@ -177,8 +187,6 @@ def fsdp(
                 f"options {sorted(jit_options)} are thunder.jit options; they apply only when model is a plain "
                 "nn.Module, but this model was already jitted"
             )
-        if getattr(thunder.compile_data(model), "use_fsdp", False) or getattr(model._model, "use_fsdp", False):
-            raise ValueError("model is already sharded with FSDP; pass the unsharded model")
         from thunder.core.transforms import add_transform
 
         # One add_transform call with every transform: a second call would re-initialise weights.
