@@ -306,6 +306,21 @@ def test_bad_save_and_load_arguments_are_named(tmp_path):
     with pytest.raises(TypeError, match=r"optimizer must be a torch.optim.Optimizer or None, got list"):
         checkpoint.load(tmp_path / "ckpt", model, [1])
 
+def test_save_never_replaces_what_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    refused = r"notes is a directory without a checkpoint \(no \.metadata\); save replaces only a checkpoint"
+    with pytest.raises(checkpoint.CheckpointError, match=refused):
+        checkpoint.save(tmp_path / "notes", _tiny())
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+    (tmp_path / "file").write_text("keep me too")
+    with pytest.raises(checkpoint.CheckpointError, match=r"FileExistsError: .*file is a file; save replaces only a checkpoint"):
+        checkpoint.save(tmp_path / "file", _tiny())
+    assert (tmp_path / "file").read_text() == "keep me too" and not (tmp_path / "file.saving").exists()
+    (tmp_path / "empty").mkdir()
+    checkpoint.save(tmp_path / "empty", _tiny())  # an empty directory is fine
+
+
 # --- last: the module's one-rank group stays alive from here to the module's end ---------------
 
 
