@@ -75,6 +75,14 @@ def _damaged_copy(source: Path, target: Path, damage) -> None:
     damage(target)
 
 
+def _flip_4_bytes(directory: Path) -> None:
+    data = directory / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    middle = len(raw) // 2
+    raw[middle : middle + 4] = bytes(b ^ 0xFF for b in raw[middle : middle + 4])
+    data.write_bytes(bytes(raw))
+
+
 def _truncate(directory: Path) -> None:
     data = directory / "__1_0.distcp"
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
@@ -123,11 +131,18 @@ def _session(rank: int, world_size: int, directory: str) -> dict:
     out["left_beside_good"] = sorted(p.name for p in root.iterdir() if p.name.startswith("good"))
     train()
 
-    # 5. Loads that fail: on rank 1 alone (another path), a file truncated.
+    # 5. Loads that fail: on rank 1 alone (another path), a file damaged, truncated, missing.
     out["missing_on_rank_1"] = _attempt(lambda: checkpoint.load(good if rank == 0 else root / "nowhere", model, optimizer))
     train()
+    _on_rank_0(rank, lambda: _damaged_copy(good, root / "flipped", _flip_4_bytes))
+    out["before_flipped"] = _full(model, optimizer)
+    out["flipped"] = _attempt(lambda: checkpoint.load(root / "flipped", model, optimizer))
+    out["unchanged_after_flipped"] = _full(model, optimizer)
+    train()
     _on_rank_0(rank, lambda: _damaged_copy(good, root / "truncated", _truncate))
-    out["truncated"] = _attempt(lambda: checkpoint.load(root / "truncated", model, optimizer))
+    out["truncated_unverified"] = _attempt(lambda: checkpoint.load(root / "truncated", model, optimizer, verify=False))
+    _on_rank_0(rank, lambda: _damaged_copy(good, root / "missing_file", lambda d: (d / "__0_0.distcp").unlink()))
+    out["missing_file"] = _attempt(lambda: checkpoint.load(root / "missing_file", model, optimizer))
 
     # After all that, the first checkpoint loads as saved, and both ranks train and save on.
     out["good_loads"] = _attempt(lambda: checkpoint.load(good, model, optimizer))
@@ -162,7 +177,7 @@ def _same_error_on_every_rank(results: list[dict], scenario: str, error: str) ->
 
 def test_every_rank_trains_on_after_every_failure(ranks):
     # Every step ran, on both ranks: a rank left inside save or load would hang its peer's step.
-    assert [len(r["losses"]) for r in ranks] == [7, 7]
+    assert [len(r["losses"]) for r in ranks] == [8, 8]
     assert all(r["good_loads"] == Outcome() and r["saves_again"] == Outcome() for r in ranks)
 
 
@@ -192,9 +207,23 @@ def test_a_load_failing_on_rank_1_alone_is_every_ranks_error(ranks):
         assert "nowhere: it does not exist" in o.message and o.message.endswith("the model and optimizer are as they were")
 
 
-def test_a_truncated_file_is_an_exception_on_every_rank(ranks):
-    outcomes = [r["truncated"] for r in ranks]
+def test_flipped_bytes_are_found_by_the_rank_that_checks_the_file_and_refused_on_every_rank(ranks):
+    # Rank 1 verifies __0_0.distcp (the second of three files by name); rank 0 must refuse too.
+    message = _same_error_on_every_rank(ranks, "flipped", "CorruptCheckpointError")
+    assert "failed on rank 1 of 2 while verifying the files against the manifest (CRC32)" in message
+    assert "flipped is damaged: __0_0.distcp has CRC32 0x" in message and ", the manifest records 0x" in message
+    for r in ranks:
+        _assert_states_equal(r["unchanged_after_flipped"], r["before_flipped"])
+
+
+def test_a_truncated_file_read_unverified_is_an_exception_naming_it(ranks):
+    outcomes = [r["truncated_unverified"] for r in ranks]
     assert all(o.error == "DistributedCheckpointError" and o.is_exception and "CheckpointException" in o.classes for o in outcomes)
     for o in outcomes:
-        assert "torch.distributed.checkpoint failed reading" in o.message and "truncated: rank " in o.message
-        assert "may be partly loaded: load again before training on" in o.message
+        assert "torch.distributed.checkpoint failed reading" in o.message and "__1_0.distcp is " in o.message
+        assert "(truncated)" in o.message and "may be partly loaded: load again before training on" in o.message
+
+
+def test_a_missing_file_is_named(ranks):
+    message = _same_error_on_every_rank(ranks, "missing_file", "CorruptCheckpointError")
+    assert "failed on rank 1 of 2" in message and "__0_0.distcp is missing (the manifest records " in message

@@ -9,7 +9,8 @@ state in the parameters' original shapes (DTensors sharded on dim 0, or full ten
 ``StateDictOptions(full_state_dict=True)``) and the optimizer's state keyed by parameter name.
 ``layout`` says how Thunder's padded shards map onto DTensors.
 
-``save`` and ``load`` run in phases that every rank passes together: a failure on any rank raises the same
+``save`` records every file's size and CRC32 in a manifest and ``load`` verifies them. Each runs
+in phases that every rank passes together: a failure on any rank raises the same
 :class:`CheckpointError` (an ``Exception``) on every rank, naming the rank and the cause.
 """
 
@@ -18,6 +19,7 @@ from thunder_overlap.checkpoint._errors import (
     CheckpointKeyError,
     CheckpointNotFoundError,
     CheckpointValueError,
+    CorruptCheckpointError,
     DistributedCheckpointError,
 )
 from thunder_overlap.checkpoint._files import load, save
@@ -28,6 +30,7 @@ __all__ = [
     "CheckpointKeyError",
     "CheckpointNotFoundError",
     "CheckpointValueError",
+    "CorruptCheckpointError",
     "DistributedCheckpointError",
     "LoadResult",
     "StateDictOptions",

@@ -20,6 +20,7 @@ __all__ = [
     "CheckpointKeyError",
     "CheckpointNotFoundError",
     "CheckpointValueError",
+    "CorruptCheckpointError",
     "DistributedCheckpointError",
     "RankFailure",
     "distributed_checkpoint_error",
@@ -53,6 +54,10 @@ class CheckpointValueError(CheckpointError, ValueError):
     """A value the checkpoint cannot hold or give, such as a tensor of another shape."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file whose size or CRC32 differs from what the manifest recorded at save."""
+
+
 class DistributedCheckpointError(CheckpointError, CheckpointException):
     """``torch.distributed.checkpoint`` failed to write or read the files; ``failures`` is
     torch's own (rank -> exception and traceback), where this rank had them."""
@@ -73,6 +78,7 @@ def distributed_checkpoint_error(what: str, error: CheckpointException) -> Distr
 
 # Checked in order: the first class the cause is an instance of gives the error's class.
 _CLASS_OF_CAUSE: tuple[tuple[type[BaseException], type[CheckpointError]], ...] = (
+    (CorruptCheckpointError, CorruptCheckpointError),
     (CheckpointException, DistributedCheckpointError),
     (FileNotFoundError, CheckpointNotFoundError),
     (KeyError, CheckpointKeyError),
