@@ -171,22 +171,16 @@ def _find(path: Path) -> bool:
     return (path / MANIFEST_FILE).exists()
 
 
-def _verify(path: Path, verify: bool, rank: int, world_size: int) -> None:
-    """This rank's share of the files, against the manifest (a checkpoint without one, from
-    before manifests, loads unverified with a warning from the first rank)."""
+def _verify(path: Path, verify: bool, rank: int, world_size: int) -> bool:
+    """Checks this rank's share of the files against the manifest; False where there is none to
+    check against (``verify=False``, or a checkpoint saved before manifests)."""
     if not verify:
-        return
+        return False
     manifest = _manifest.read_manifest(path)
     if manifest is None:
-        if rank == 0:
-            warnings.warn(
-                f"the checkpoint at {path} has no manifest ({MANIFEST_FILE}: it was written before thunder_overlap "
-                "recorded checksums, or by other code), so its files cannot be verified; save it again to add one",
-                UserWarning,
-                stacklevel=4,
-            )
-        return
+        return False
     _manifest.verify_files(path, manifest, _manifest.share(sorted(manifest), rank, world_size))
+    return True
 
 
 def _flat_tensors(state: dict[str, Any], prefix: str) -> dict[str, torch.Tensor]:
@@ -282,7 +276,14 @@ def load(
     has_manifest = op.gather("looking for the checkpoint", lambda: _find(path))
     if len(set(has_manifest)) > 1:  # every rank sees the same list, so all come here or none
         op.run("comparing the files the ranks see", lambda: _same_manifest(path, has_manifest, op.rank))
-    op.run("verifying the files against the manifest (CRC32)", lambda: _verify(path, verify, op.rank, op.world_size))
+    verified = op.run("verifying the files against the manifest (CRC32)", lambda: _verify(path, verify, op.rank, op.world_size))
+    if verify and not verified and op.is_coordinator:
+        warnings.warn(
+            f"the checkpoint at {path} has no manifest ({MANIFEST_FILE}: it was written before thunder_overlap "
+            "recorded checksums, or by other code), so its files cannot be verified; save it again to add one",
+            UserWarning,
+            stacklevel=2,
+        )
     plan = partial(_plan_load, path, model, optimizer, strict)
     reader, template, result = op.run("reading the checkpoint's index and matching it with the model", plan)
     op.intact = "the model and optimizer may be partly loaded: load again before training on"
