@@ -109,7 +109,7 @@ def _session(rank: int, world_size: int, directory: str) -> dict:
     out["good"] = _full(model, optimizer)
     train()
 
-    # 1. Rank 0 alone fails to make <path>.saving: its parent is a file (made before the spawn).
+    # Issue 40, case 1: rank 0 alone fails to make <path>.saving: its parent is a file (made before the spawn).
     out["parent_is_a_file"] = _attempt(lambda: checkpoint.save(root / "a_file" / "ckpt", model, optimizer))
     train()
     # ... a stale <path>.saving that is no directory.
@@ -131,7 +131,7 @@ def _session(rank: int, world_size: int, directory: str) -> dict:
     out["left_beside_good"] = sorted(p.name for p in root.iterdir() if p.name.startswith("good"))
     train()
 
-    # 5. Loads that fail: on rank 1 alone (another path), a file damaged, truncated, missing.
+    # Issue 40, case 5: loads that fail on rank 1 alone (another path), a file damaged, truncated, missing.
     out["missing_on_rank_1"] = _attempt(lambda: checkpoint.load(good if rank == 0 else root / "nowhere", model, optimizer))
     train()
     _on_rank_0(rank, lambda: _damaged_copy(good, root / "flipped", _flip_4_bytes))
