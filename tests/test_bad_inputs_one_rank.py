@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import thunder
 import torch
@@ -18,6 +20,7 @@ from thunder_overlap.options import (
     ShardingStrategy,
     parse_bucketing_strategy,
     parse_sharding_strategy,
+    resolve_keywords,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -93,13 +96,125 @@ def test_model_must_be_a_module(gloo_group):
 
 def test_jit_options_are_refused_for_an_already_jitted_module(gloo_group):
     with pytest.raises(TypeError, match=r"options \['cache'\] are thunder.jit options"):
-        thunder_overlap.fsdp(thunder.jit(_model()), cache="no caching")
+        thunder_overlap.fsdp(thunder.jit(_model()), jit_options={"cache": "no caching"})
+
+
+def test_misspelled_keywords_are_refused_naming_the_accepted_ones(gloo_group):
+    # They used to go to thunder.jit as compile options, which it accepts: ZeRO2, no buckets, no word.
+    accepted = sorted(
+        name for name, p in inspect.signature(thunder_overlap.fsdp).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
+    )
+    with pytest.raises(TypeError) as error:
+        thunder_overlap.fsdp(_model(), sharding="zero3", bucketing="block", bucket_cap=25)
+    message = str(error.value)
+    assert message.startswith("fsdp() got unknown keyword arguments ['bucket_cap', 'bucketing', 'sharding']"), message
+    guesses = "'bucket_cap' -> 'bucket_cap_mb', 'bucketing' -> 'bucketing_strategy', 'sharding' -> 'sharding_strategy'"
+    assert f"(did you mean {guesses}?)" in message
+    assert f"it accepts {accepted}" in message and "jit_options" in accepted
+    assert message.endswith("options for thunder.jit go in jit_options={...}")
+
+
+def test_thunder_jit_keywords_are_pointed_to_jit_options(gloo_group):
+    with pytest.raises(TypeError, match=r"^options \['executors'\] are thunder.jit options: pass them as jit_options=\{\.\.\.\}$"):
+        thunder_overlap.fsdp(_model(), executors=["torch"])
+    with pytest.raises(TypeError, match=r"jit_options must be a dict of thunder.jit keywords or None, got \['torch'\]"):
+        thunder_overlap.fsdp(_model(), jit_options=["torch"])
+
+
+def test_jit_options_reach_thunder_jit(gloo_group):
+    class Recorder(thunder.core.transform_common.Transform):
+        def __init__(self):
+            self.seen = []
+
+        def transform_module(self, model):
+            self.seen.append(type(model).__name__)
+
+    recorder = Recorder()
+    model = thunder_overlap.fsdp(_model(), jit_options={"transforms": [recorder], "disable_torch_autograd": False})
+    assert recorder.seen == ["ThunderModule"]
+    assert thunder.compile_data(model).transforms[0] is recorder
+
+
+@pytest.mark.parametrize("entry", ["fsdp_transforms", "FSDPOverlap"])
+def test_option_keywords_of_transforms_and_plugin_are_checked_by_name(gloo_group, entry):
+    make = thunder_overlap.fsdp_transforms if entry == "fsdp_transforms" else FSDPOverlap
+    with pytest.raises(TypeError) as error:
+        make(process_group=gloo_group, sharding="zero3")
+    assert str(error.value) == (
+        f"{entry}() got unknown keyword arguments ['sharding'] (did you mean 'sharding' -> 'sharding_strategy'?); "
+        f"it accepts {sorted(resolve_keywords())}"
+    )
 
 
 def test_a_model_cannot_be_sharded_twice(gloo_group):
     sharded = thunder_overlap.fsdp(thunder.jit(_model()))
     with pytest.raises(ValueError, match="already sharded"):
         thunder_overlap.fsdp(sharded)
+
+
+_CONSUMED = r"already sharded with FSDP: an earlier thunder_overlap.fsdp consumed it and moved its parameters to the meta device"
+
+
+def test_a_module_fsdp_consumed_is_refused_whatever_its_wrapper(gloo_group):
+    # The first fsdp() moved the parameters to meta; a second one used to materialise fresh weights.
+    model = _model()
+    thunder_overlap.fsdp(model)
+    assert all(p.is_meta for p in model.parameters())
+    with pytest.raises(ValueError, match=rf"^model is {_CONSUMED}.*pass the module that fsdp\(\) returned"):
+        thunder_overlap.fsdp(model)
+    with pytest.raises(ValueError, match=rf"^model is {_CONSUMED}"):
+        thunder_overlap.fsdp(thunder.jit(model))
+    with pytest.raises(ValueError, match=rf"^model's submodule 'body' is {_CONSUMED}"):
+        thunder_overlap.fsdp(nn.ModuleDict({"body": model}))
+    with pytest.raises(ValueError, match=rf"^model is {_CONSUMED}"):
+        thunder.jit(model, transforms=thunder_overlap.fsdp_transforms(device="cpu", process_group=gloo_group))
+
+
+def test_a_module_thunders_fsdp_consumed_is_refused(gloo_group):
+    model = _model()
+    thunder.distributed.fsdp(thunder.jit(model), device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^model is already sharded with FSDP: an earlier Thunder's FSDP consumed it"):
+        thunder_overlap.fsdp(model)
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+class _NoParameters(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        # Thunder said: "cannot deal with modules other than the compiled module".
+        (_NoParameters, r"^model \(_NoParameters\) has no parameters: FSDP shards parameters, so there is nothing to shard$"),
+        # Thunder said, at the first step: "Failed to find an executor for bound symbol ... synchronize".
+        (
+            lambda: _model().requires_grad_(False),
+            r"^model \(Sequential\) has no trainable parameter: all 4 have requires_grad=False\..*unfreeze at least one parameter",
+        ),
+        # Thunder said: "IndexError: Dimension specified as 0 but tensor has no dimensions".
+        (_Scaled, r"^model has 0-dim parameters \['scale'\]: .*make each a 1-element tensor .*or register it as a buffer"),
+    ],
+)
+@pytest.mark.parametrize("entry", ["fsdp", "fsdp_transforms"])
+def test_models_fsdp_cannot_shard_are_refused_before_thunder_runs(gloo_group, make, message, entry):
+    model = make()
+    with pytest.raises(ValueError, match=message):
+        if entry == "fsdp":
+            thunder_overlap.fsdp(model)
+        else:
+            thunder.jit(model, transforms=thunder_overlap.fsdp_transforms(device="cpu", process_group=gloo_group))
+    assert not any(p.is_meta for p in model.parameters()), "a refused model must keep its parameters"
 
 
 def test_strategies_accept_enums_and_case_insensitive_strings(gloo_group):

@@ -255,7 +255,7 @@ def test_fusing_executor_cannot_swallow_collectives():
     from thunder.executors.torch_compile import torch_compile_ex
 
     torch.manual_seed(0)
-    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", executors=[torch_compile_ex])
+    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", jit_options={"executors": [torch_compile_ex]})
     _assert_moves_each_parameter_once(*_run(jm), "zero2")
 
 

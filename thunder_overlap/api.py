@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import thunder
@@ -21,19 +23,22 @@ from thunder_overlap._transforms import (
     BucketingTransform,
     OverlapScheduleTransform,
     RefuseNoSyncTransform,
+    RefuseUnshardableTransform,
     ReplicaReduceTransform,
     Zero3Transform,
 )
+from thunder_overlap._transforms.shardable import check_shardable
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.options import BucketingStrategy, FSDPOptions, ShardingStrategy, options_from
+from thunder_overlap.options import BucketingStrategy, FSDPOptions, ShardingStrategy, options_from, unknown_keywords_message
 
 __all__ = ["fsdp", "fsdp_transforms"]
 
 
 def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any) -> list[Transform]:
-    """The transforms ``fsdp`` applies, for ``thunder.jit(model, transforms=...)``: Thunder's
-    sharding and materialisation, then ZeRO3 re-gathering (ZeRO3 only), bucketing (layer, block
-    or auto only), the all-reduce across replicas (hybrid sharding only), then scheduling.
+    """The transforms ``fsdp`` applies, for ``thunder.jit(model, transforms=...)``: the refusal
+    of a model FSDP cannot shard (or already sharded), Thunder's sharding and materialisation,
+    then ZeRO3 re-gathering (ZeRO3 only), bucketing (layer, block or auto only), the all-reduce
+    across replicas (hybrid sharding only), then scheduling.
 
     Pass resolved ``options``, or the keywords of :meth:`FSDPOptions.resolve` (``device``,
     ``process_group``, ``sharding_strategy``, ``bucketing_strategy``, ``bucket_cap_mb``,
@@ -42,6 +47,7 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
     """
     options = options_from(options, option_kwargs, "fsdp_transforms")
     transforms: list[Transform] = [
+        RefuseUnshardableTransform(),
         FSDPTransform(
             device=options.device,
             broadcast_from=options.broadcast_from,
@@ -101,13 +107,15 @@ def fsdp(
     bucket_cap_mb: float | None = None,
     block_types: type[nn.Module] | str | list[type[nn.Module] | str] | tuple[type[nn.Module] | str, ...] | None = None,
     device_mesh: DeviceMesh | None = None,
-    **jit_options: Any,
+    jit_options: Mapping[str, Any] | None = None,
+    **unknown: Any,
 ) -> ThunderModule:
     """Shards ``model`` like ``thunder.distributed.fsdp`` and overlaps its communication.
 
     Args:
         model: a plain ``nn.Module`` (jitted here, with ``jit_options``) or what ``thunder.jit``
-            returned, not yet sharded.
+            returned, not yet sharded. A module an earlier ``fsdp`` consumed (its parameters were
+            released to the meta device), or one that holds such a module, is refused.
         device: where shards live; default ``cuda:LOCAL_RANK`` for NCCL, ``cpu`` otherwise. A
             CUDA device becomes the current device (NCCL and object collectives use it).
         sharding_strategy: ``"zero2"``/``"zero3"`` (any case), :class:`ShardingStrategy` or
@@ -135,14 +143,27 @@ def fsdp(
             transformers' ``"LlamaDecoderLayer"``) whose outermost instances are the blocks that
             size prefetching and form block buckets; None: the children of the model's largest
             ``nn.ModuleList``/``nn.Sequential``. A type that matches no module is an error.
-        jit_options: passed to ``thunder.jit`` when ``model`` is a plain module.
+        jit_options: keywords for ``thunder.jit`` (e.g. ``{"executors": [...]}``), when ``model``
+            is a plain module; ``transforms`` there run before the FSDP transforms. Any other
+            keyword is an error naming the accepted ones: a misspelled option is never ignored.
 
     Returns:
         A ThunderModule whose ``named_parameters()`` are the local dim-0 shards (padded as Thunder
         pads them) and whose ``.grad`` are their gradients.
+
+    Raises ``ValueError`` before tracing for a model FSDP cannot shard: no parameters, none
+    trainable, a 0-dim parameter (make it a 1-element tensor, or a buffer), or one already sharded.
     """
+    if unknown:
+        raise TypeError(_unknown_fsdp_keywords(unknown))
+    if jit_options is not None and not isinstance(jit_options, Mapping):
+        raise TypeError(f"jit_options must be a dict of thunder.jit keywords or None, got {jit_options!r}")
+    jit_options = dict(jit_options or {})
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module or a thunder.jit module, got {type(model).__name__}")
+    if isinstance(model, ThunderModule) and getattr(thunder.compile_data(model), "use_fsdp", False):
+        raise ValueError("model is already sharded with FSDP; pass the unsharded model")
+    check_shardable(model._model if isinstance(model, ThunderModule) else model)
     options = FSDPOptions.resolve(
         device=device,
         process_group=process_group,
@@ -165,8 +186,6 @@ def fsdp(
                 f"options {sorted(jit_options)} are thunder.jit options; they apply only when model is a plain "
                 "nn.Module, but this model was already jitted"
             )
-        if getattr(thunder.compile_data(model), "use_fsdp", False) or getattr(model._model, "use_fsdp", False):
-            raise ValueError("model is already sharded with FSDP; pass the unsharded model")
         from thunder.core.transforms import add_transform
 
         # One add_transform call with every transform: a second call would re-initialise weights.
@@ -175,3 +194,20 @@ def fsdp(
     executors = jit_options.pop("executors", None)
     executors = with_collectives_kept_visible(thunder.get_default_executors() if executors is None else executors)
     return thunder.jit(model, transforms=[*user_transforms, *transforms], executors=executors, **jit_options)
+
+
+def _unknown_fsdp_keywords(unknown: Mapping[str, Any]) -> str:
+    """The error for keywords ``fsdp`` does not take; those ``thunder.jit`` names are pointed to
+    ``jit_options``, since they were once passed through (and a misspelled option with them)."""
+    accepted = [name for name, p in inspect.signature(fsdp).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    jit_names = set(inspect.signature(thunder.jit).parameters) - {"fn", "compile_options"}
+    for_jit = sorted(name for name in unknown if name in jit_names)
+    parts = []
+    others = [name for name in unknown if name not in jit_names]
+    if others:
+        parts.append(unknown_keywords_message("fsdp()", others, accepted))
+    if for_jit:
+        parts.append(f"options {for_jit} are thunder.jit options: pass them as jit_options={{...}}")
+    else:
+        parts.append("options for thunder.jit go in jit_options={...}")
+    return "; ".join(parts)

@@ -16,8 +16,11 @@ given ``flag=``, a command-line flag (``--sharding must be zero2 or zero3 (got '
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import TypeVar
@@ -37,6 +40,8 @@ __all__ = [
     "options_from",
     "parse_bucketing_strategy",
     "parse_sharding_strategy",
+    "resolve_keywords",
+    "unknown_keywords_message",
 ]
 
 
@@ -341,10 +346,33 @@ def _groups_of_mesh(device_mesh: object) -> tuple[dist.ProcessGroup, DeviceMesh 
     return device_mesh.get_group(1), device_mesh
 
 
-def options_from(options: FSDPOptions | None, option_kwargs: dict[str, object], caller: str) -> FSDPOptions:
+def unknown_keywords_message(caller: str, unknown: Iterable[str], accepted: Iterable[str]) -> str:
+    """The error for keywords ``caller`` does not take: each with the accepted name it is closest
+    to, then every accepted name, sorted. A misspelled option must not pass silently (or as
+    Python's bare "unexpected keyword argument", which names no alternative)."""
+    unknown, accepted = sorted(unknown), sorted(accepted)
+    guesses = []
+    for name in unknown:
+        close = [a for a in accepted if a.startswith(name) or name.startswith(a)] or difflib.get_close_matches(name, accepted, n=1)
+        if close:
+            guesses.append(f"{name!r} -> {close[0]!r}")
+    did_you_mean = f" (did you mean {', '.join(guesses)}?)" if guesses else ""
+    return f"{caller} got unknown keyword arguments {unknown}{did_you_mean}; it accepts {accepted}"
+
+
+def resolve_keywords() -> list[str]:
+    """The keywords of :meth:`FSDPOptions.resolve`, which ``fsdp_transforms`` and ``FSDPOverlap`` take."""
+    return [name for name in inspect.signature(FSDPOptions.resolve).parameters if name != "cls"]
+
+
+def options_from(options: FSDPOptions | None, option_kwargs: Mapping[str, object], caller: str) -> FSDPOptions:
     """``options`` as given, or resolved from the keywords of :meth:`FSDPOptions.resolve`: the
     two ways ``fsdp_transforms`` and ``FSDPOverlap`` accept options (``caller`` names which)."""
     if options is None:
+        accepted = resolve_keywords()
+        unknown = [name for name in option_kwargs if name not in accepted]
+        if unknown:
+            raise TypeError(unknown_keywords_message(f"{caller}()", unknown, accepted))
         return FSDPOptions.resolve(**option_kwargs)
     if not isinstance(options, FSDPOptions):
         raise TypeError(

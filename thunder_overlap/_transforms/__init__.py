@@ -1,11 +1,19 @@
 """Trace transforms, one per file: ZeRO3 re-gathering, bucketing, hybrid sharding's all-reduce
-across replicas, overlap scheduling, and the refusal of no_sync where there are no buckets to
-accumulate in."""
+across replicas, overlap scheduling, the refusal of no_sync where there are no buckets to
+accumulate in, and of models FSDP cannot shard (or already sharded)."""
 
 from thunder_overlap._transforms.bucketing import BucketingTransform
 from thunder_overlap._transforms.no_sync import RefuseNoSyncTransform
 from thunder_overlap._transforms.replicate import ReplicaReduceTransform
 from thunder_overlap._transforms.schedule import OverlapScheduleTransform
+from thunder_overlap._transforms.shardable import RefuseUnshardableTransform
 from thunder_overlap._transforms.zero3 import Zero3Transform
 
-__all__ = ["BucketingTransform", "OverlapScheduleTransform", "RefuseNoSyncTransform", "ReplicaReduceTransform", "Zero3Transform"]
+__all__ = [
+    "BucketingTransform",
+    "OverlapScheduleTransform",
+    "RefuseNoSyncTransform",
+    "RefuseUnshardableTransform",
+    "ReplicaReduceTransform",
+    "Zero3Transform",
+]

@@ -32,6 +32,7 @@ from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 from torch import nn
 
 from thunder_overlap._analysis.classify import find_swallowed_collectives
+from thunder_overlap._transforms.shardable import SHARDED_MARK
 from thunder_overlap.options import ShardingStrategy, parse_sharding_strategy
 
 __all__ = [
@@ -45,8 +46,9 @@ __all__ = [
 
 # The report's name for Thunder's own FSDP, with the version whose behaviour it describes.
 THUNDER_LABEL = f"thunder {thunder.__version__}"
-# What thunder.distributed.fsdp sets on the module it shards; a rebuilt twin must not carry them.
-_FSDP_MODULE_ATTRIBUTES = ("use_fsdp", "process_group_for_ddp", "bucketing_strategy", "sharding_strategy")
+# What thunder.distributed.fsdp (and thunder_overlap.fsdp's mark) sets on the module it shards;
+# a rebuilt twin must not carry them.
+_FSDP_MODULE_ATTRIBUTES = ("use_fsdp", "process_group_for_ddp", "bucketing_strategy", "sharding_strategy", SHARDED_MARK)
 
 
 @dataclass(frozen=True)
