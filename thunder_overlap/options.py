@@ -317,7 +317,12 @@ class FSDPOptions:
                     "give every rank the same initial parameters (the same seed) and pass broadcast_from=None"
                 )
         elif process_group is None:
-            process_group = copy_default_process_group()
+            from thunder_overlap._console import filter_known_output
+
+            # gloo's native code prints "[Gloo] Rank ... connected ..." for every group it
+            # creates; only that exact message is dropped from the copy's output.
+            with filter_known_output():
+                process_group = copy_default_process_group()
         elif not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r}")
         if broadcast_from is not None:
