@@ -52,16 +52,15 @@ def parse_args() -> argparse.Namespace:
 
 
 def build_model(args: argparse.Namespace, vocab_size: int):
-    """The model on the meta device (fsdp() allocates and initialises only this rank's shards)
-    and how to get logits from it."""
+    """The model, on the meta device where it can be (fsdp() then allocates and initialises only
+    this rank's shards), and how to get logits from it."""
     if args.model == "hf-llama-tiny":
         from transformers import LlamaConfig, LlamaForCausalLM  # transformers==4.46.3 (4.57 does not trace)
 
         config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=172, num_hidden_layers=args.n_layer or 2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq_len)
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-        return model, lambda m, idx: m(input_ids=idx, use_cache=False).logits
+        # Built on the CPU: Thunder cannot initialise it from meta (LlamaRotaryEmbedding has no reset_parameters).
+        return LlamaForCausalLM(config), lambda m, idx: m(input_ids=idx, use_cache=False).logits
     from litgpt import Config
     from litgpt.model import GPT
 
