@@ -80,6 +80,17 @@ def test_known_output_is_dropped_even_interleaved_and_everything_else_kept(capfd
     assert out.splitlines() == ["before", "error: a real problem", "parent line"]
 
 
+def test_filtering_a_closed_descriptor_does_nothing():
+    # The library filters what its own process-group copy prints; a process started with its
+    # stdout closed must still get its group.
+    closed = os.open(os.devnull, os.O_WRONLY)
+    os.close(closed)
+    ran = False
+    with filter_known_output(closed):
+        ran = True
+    assert ran
+
+
 def test_unknown_text_next_to_known_output_is_kept():
     assert without_known_output(f"x{GLOO_LINE}\ny\n") == "xy\n"
     assert without_known_output("[Gloo] Rank 0 is connected to 0 peers\n") == "[Gloo] Rank 0 is connected to 0 peers\n"

@@ -139,7 +139,11 @@ def filter_known_output(fd: int = 1) -> Iterator[None]:
     stream = sys.stdout if fd == 1 else sys.stderr if fd == 2 else None
     if stream is not None:
         stream.flush()
-    original = os.dup(fd)
+    try:
+        original = os.dup(fd)
+    except OSError:  # no such descriptor (a process started with it closed): nothing to filter
+        yield
+        return
     read_end, write_end = os.pipe()
     os.dup2(write_end, fd)
     os.close(write_end)
