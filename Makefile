@@ -1,24 +1,35 @@
 # One command each: `make demo` and `make test` create .venv, install, and run.
+#   make demo   installs the package alone (what the demo needs) and runs the demo
+#   make test   installs it with the test extra (pytest, ruff, litgpt), then lints and tests: CI's command
 PYTHON ?= python3
 VENV := .venv
-STAMP := $(VENV)/.installed
+# Stamps: the package installed, and the package with its test extra.
+INSTALLED := $(VENV)/.installed
+INSTALLED_TEST := $(VENV)/.installed-test
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k bucketing"`.
 PYTEST_ARGS ?=
 
 .PHONY: install demo lint test
 
-$(STAMP): pyproject.toml
+$(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
+
+$(INSTALLED): pyproject.toml | $(VENV)/bin/python
+	$(VENV)/bin/pip install --quiet -e .
+	touch $@
+
+# The test extra includes the package, so it stands for both stamps.
+$(INSTALLED_TEST): pyproject.toml | $(VENV)/bin/python
 	$(VENV)/bin/pip install --quiet -e '.[test]'
-	touch $(STAMP)
+	touch $@ $(INSTALLED)
 
-install: $(STAMP)
+install: $(INSTALLED)
 
-demo: $(STAMP)
+demo: $(INSTALLED)
 	$(VENV)/bin/python -m thunder_overlap demo
 
-lint: $(STAMP)
-	$(VENV)/bin/ruff check thunder_overlap tests benchmarks
+lint: $(INSTALLED_TEST)
+	$(VENV)/bin/ruff check thunder_overlap tests benchmarks examples
 
 # Lint first: it takes a second, the tests minutes. pytest's exit status is make's, so a run
 # that collects no test (exit 5) fails: CI cannot pass having run nothing.

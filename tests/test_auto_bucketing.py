@@ -294,6 +294,49 @@ def test_a_top_level_sequential_warns_and_names_block_types():
         assert len(find_blocks(TinyGPT(TinyGPTConfig(n_layer=2)))) == 2
 
 
+def _mlp_block(width: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+
+class _StemBodyHead(nn.Module):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.stem = nn.Linear(width, width)
+        self.body = nn.Sequential(*(_mlp_block(width) for _ in range(depth)))
+        self.head = nn.Linear(width, width)
+
+
+@pytest.mark.parametrize(
+    ("build", "names"),
+    [
+        # A plain stack of identical blocks.
+        (lambda: nn.Sequential(*(_mlp_block(8) for _ in range(4))), [str(i) for i in range(4)]),
+        # A model whose largest container is such a stack.
+        (lambda: _StemBodyHead(8, 4), [f"body.{i}" for i in range(4)]),
+        # The stack inside a top-level Sequential of unlike modules: the stack's children, not three "blocks".
+        (
+            lambda: nn.Sequential(nn.Linear(8, 8), nn.Sequential(*(_mlp_block(8) for _ in range(4))), nn.Linear(8, 8)),
+            [f"1.{i}" for i in range(4)],
+        ),
+    ],
+)
+def test_a_sequential_stack_of_identical_blocks_is_found_without_a_warning(build, names):
+    model = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        blocks = find_blocks(model)
+        assert [name for name, _ in blocks] == names
+        assert largest_block_bytes(model) == unsharded_bytes(_mlp_block(8))
+
+
+def test_a_top_level_sequential_around_unlike_layers_still_warns():
+    # The body's layers differ in shape: no stack of identical blocks to descend into.
+    body = nn.Sequential(_mlp_block(8), nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 8)))
+    with pytest.warns(UserWarning, match=r"'1' \(Sequential\) holds \d+% of the model's parameters.*block_types="):
+        blocks = find_blocks(nn.Sequential(nn.Linear(8, 8), body, nn.Linear(8, 8)))
+    assert [name for name, _ in blocks] == ["0", "1", "2"]
+
+
 def test_block_types_match_outermost_modules_by_class_or_name():
     model = TinyGPT(TinyGPTConfig(n_layer=2))
     for block_types in ((Block,), ("Block",), (f"{Block.__module__}.Block",)):

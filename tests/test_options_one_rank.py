@@ -35,6 +35,14 @@ def test_resolve_fills_defaults(gloo_group):
     assert options.config is not None
 
 
+def test_the_default_group_copy_prints_no_gloo_connection_line(gloo_group, capfd):
+    print("before", flush=True)
+    options = FSDPOptions.resolve()
+    assert options.process_group is not gloo_group  # a copy of the default group, made here
+    out = capfd.readouterr().out
+    assert "[Gloo]" not in out and out.splitlines() == ["before"], out
+
+
 @pytest.fixture
 def fake_nccl(monkeypatch, gloo_group):
     """Two visible GPUs and a process group that reports NCCL; records set_device calls."""

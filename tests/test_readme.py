@@ -1,5 +1,6 @@
 """README.md's excerpts match fresh runs of their commands, and the commands print no
-third-party chatter.
+third-party chatter; every command the README shows runs as written (or, where it needs a GPU, a
+network or minutes, its arguments parse); the README stays short and its links resolve.
 
 The demo excerpt runs the whole demo once (about a minute on an idle 2-core machine: 2 gloo
 ranks compile and train, then 4 meta-device traces predict 8 and 64 GPUs); every line must match
@@ -8,7 +9,10 @@ except the numbers on ``measured:`` lines.
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
+import shlex
 import subprocess
 import sys
 
@@ -20,6 +24,11 @@ from thunder_overlap.testing.demo import MEASURED_PREFIX
 from thunder_overlap.testing.readme_excerpts import EXCERPTS, Excerpt, check, masked, read_block, replace_block
 
 EXCERPT_BY_NAME = {e.name: e for e in EXCERPTS}
+ROOT = readme_excerpts.ROOT
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md", ROOT / "CHANGELOG.md"]
+README_MAX_BYTES = 15_000
+# Seconds a command checked here may take (an example's --help imports torch and Thunder).
+COMMAND_TIMEOUT_S = 300
 GLOO_LINE = "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
 
 
@@ -31,8 +40,9 @@ def _readme() -> str:
 def test_readme_excerpt_matches_a_fresh_run(name):
     excerpt = EXCERPT_BY_NAME[name]
     fresh = readme_excerpts.render(excerpt)  # raises on a failure or third-party chatter
-    diff = check(_readme(), excerpt, fresh)
-    assert not diff, "README.md is stale; run python -m thunder_overlap.testing.readme_excerpts\n" + "\n".join(diff)
+    diff = check(excerpt.document.read_text(), excerpt, fresh)
+    stale = f"{excerpt.document.relative_to(ROOT)} is stale; run python -m thunder_overlap.testing.readme_excerpts\n"
+    assert not diff, stale + "\n".join(diff)
 
 
 def test_masking_lets_only_measured_numbers_differ():
@@ -70,6 +80,159 @@ def test_known_output_is_dropped_even_interleaved_and_everything_else_kept(capfd
     assert out.splitlines() == ["before", "error: a real problem", "parent line"]
 
 
+def test_filtering_a_closed_descriptor_does_nothing():
+    # The library filters what its own process-group copy prints; a process started with its
+    # stdout closed must still get its group.
+    closed = os.open(os.devnull, os.O_WRONLY)
+    os.close(closed)
+    ran = False
+    with filter_known_output(closed):
+        ran = True
+    assert ran
+
+
 def test_unknown_text_next_to_known_output_is_kept():
     assert without_known_output(f"x{GLOO_LINE}\ny\n") == "xy\n"
     assert without_known_output("[Gloo] Rank 0 is connected to 0 peers\n") == "[Gloo] Rank 0 is connected to 0 peers\n"
+
+
+# --- The README as a whole -------------------------------------------------------------------
+
+
+def _fenced_blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```$", text, re.M | re.S)
+
+
+def _readme_commands() -> list[str]:
+    """Every command of the README's ``bash`` blocks, continuation lines joined, comments dropped."""
+    commands = []
+    for block in _fenced_blocks(_readme(), "bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                commands.append(shlex.join(words))
+    return commands
+
+
+def test_readme_is_at_most_15000_bytes():
+    size = len(_readme().encode())
+    assert size <= README_MAX_BYTES, f"README.md is {size} bytes; move detail to docs/ (at most {README_MAX_BYTES})"
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=COMMAND_TIMEOUT_S)
+
+
+def _check_make(words: list[str]) -> None:
+    # A dry run (make -n) parses the Makefile and lists the recipe without creating .venv.
+    done = _run(["make", "-n", *words[1:]])
+    assert done.returncode == 0, done.stderr
+    recipe = done.stdout
+    if words[1:] == ["demo"]:
+        # The demo needs the package alone, not the test extra.
+        assert "pip install --quiet -e .\n" in recipe and "[test]" not in recipe, recipe
+        assert ".venv/bin/python -m thunder_overlap demo" in recipe, recipe
+    elif words[1:] == ["test"]:
+        assert "pip install --quiet -e '.[test]'" in recipe and "ruff check" in recipe and "-m pytest" in recipe, recipe
+    else:
+        pytest.fail(f"no check for the README's `{shlex.join(words)}`")
+
+
+def _optional_dependencies() -> dict[str, list[str]]:
+    """pyproject.toml's extras (read with a regex: tomllib is Python 3.11+, the project 3.10+)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    section = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    return {name: re.findall(r'"([^"]+)"', value) for name, value in re.findall(r"^(\w+)\s*=\s*\[(.*?)\]$", section, re.M)}
+
+
+def _check_pip(words: list[str]) -> None:
+    # Installing needs a network and gigabytes: the target is checked against pyproject.toml.
+    parser = argparse.ArgumentParser(prog="pip install")
+    parser.add_argument("-e", "--editable", default=None)
+    parser.add_argument("requirements", nargs="*")
+    assert words[:2] == ["pip", "install"], words
+    args = parser.parse_args(words[2:])
+    extras = _optional_dependencies()
+    if args.editable is not None:
+        match = re.fullmatch(r"\.(\[(\w+)\])?", args.editable)
+        assert match, f"pip install -e {args.editable}: the README installs this checkout"
+        assert match[2] is None or match[2] in extras, f"no extra {match[2]!r} in pyproject.toml"
+    pinned = {r.replace(" ", "") for requirements in extras.values() for r in requirements}
+    for requirement in args.requirements:
+        assert requirement in pinned, f"pip install {requirement}: pyproject.toml pins none such ({sorted(pinned)})"
+
+
+def _check_torchrun(words: list[str]) -> None:
+    from test_e2e_example import RUN_AS_WRITTEN  # tests/ is on sys.path under pytest
+    from torch.distributed.run import get_args_parser
+
+    if "cpu" in words:  # a CPU run: tests/test_e2e_example.py runs it as written
+        assert shlex.join(words) in RUN_AS_WRITTEN, f"`{shlex.join(words)}` is not among the commands test_e2e_example runs"
+
+    launch = get_args_parser().parse_args(words[1:])
+    script = ROOT / launch.training_script
+    assert script.is_file(), f"{launch.training_script} does not exist"
+    # --help last: every argument before it is parsed (values, choices) before help exits.
+    done = _run([sys.executable, str(script), *launch.training_script_args, "--help"])
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-3000:]
+
+
+def _check_thunder_overlap(words: list[str]) -> None:
+    args = words[3:]
+    if not args or {"--help", "-h", "--version"} & set(args):
+        done = _run([sys.executable, *words[1:]])  # cheap: run as written
+        assert done.returncode == 0, done.stderr[-3000:]
+        return
+    if args[0] == "report":  # tracing takes minutes: its arguments are parsed and checked
+        from thunder_overlap.report._cli import _parse
+
+        _parse(args[1:])
+    elif args[0] == "demo":  # the demo excerpt runs it
+        from thunder_overlap.testing.demo import _parse
+
+        _parse(args[1:])
+    else:
+        pytest.fail(f"no check for the README's `{shlex.join(words)}`")
+
+
+@pytest.mark.parametrize("command", _readme_commands(), ids=lambda command: command)
+def test_every_readme_command_runs_as_written(command):
+    words = shlex.split(command)
+    if words[0] == "make":
+        _check_make(words)
+    elif words[0] == "pip":
+        _check_pip(words)
+    elif words[0] == "torchrun":
+        _check_torchrun(words)
+    elif words[:3] == ["python", "-m", "thunder_overlap"]:
+        _check_thunder_overlap(words)
+    else:
+        pytest.fail(f"the README shows `{command}`, which no check here covers: add one")
+
+
+def test_readme_shows_the_commands_a_user_needs():
+    commands = _readme_commands()
+    assert "make demo" in commands and "make test" in commands
+    assert "torchrun --standalone --nproc_per_node 2 examples/train_fsdp.py --steps 2 --device cpu --save-dir ckpt" in commands
+
+
+def test_readme_python_blocks_compile():
+    for block in _fenced_blocks(_readme(), "python"):
+        compile(block, "README.md", "exec")
+
+
+def test_how_it_works_lists_every_part_of_the_package():
+    section = _readme().split("## How it works", 1)[1]
+    listed = set(re.findall(r"^\| `([^`]+)` \|", section, re.M))
+    package = ROOT / "thunder_overlap"
+    parts = {p.name + ("/" if p.is_dir() else "") for p in package.iterdir() if p.name not in ("py.typed", "__pycache__")}
+    assert parts <= listed, f"README's 'How it works' table misses {sorted(parts - listed)}"
+
+
+@pytest.mark.parametrize("document", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(document):
+    for target in re.findall(r"\]\(([^)\s]+)\)", document.read_text()):
+        if re.match(r"[a-z]+://", target) or target.startswith("#"):
+            continue
+        path = (document.parent / target.split("#", 1)[0]).resolve()
+        assert path.exists(), f"{document.relative_to(ROOT)} links to {target}, which does not exist"

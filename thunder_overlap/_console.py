@@ -1,8 +1,10 @@
 """What the command-line tools print: third-party chatter filtered, progress on stderr.
 
 Only messages known to be noise are dropped, each matched by its exact start; everything else
-(real errors and warnings included) passes through untouched. The library itself filters
-nothing: these helpers are for ``python -m thunder_overlap`` commands.
+(real errors and warnings included) passes through untouched. The library drops only
+:data:`KNOWN_WARNINGS` while it imports Thunder itself (:func:`import_thunder_quietly`) and
+:data:`KNOWN_OUTPUT` while it creates a process group itself; the rest is for
+``python -m thunder_overlap`` commands.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ __all__ = [
     "Heartbeat",
     "children_without_known_warnings",
     "filter_known_output",
+    "import_thunder_quietly",
     "invoked_as_command",
     "without_known_output",
     "progress",
@@ -80,6 +83,17 @@ def silence_known_warnings() -> None:
         warnings.filterwarnings("ignore", message=re.escape(known.message_start), category=known.category)
 
 
+def import_thunder_quietly() -> None:
+    """Imports Thunder with :data:`KNOWN_WARNINGS` ignored while it loads, and nothing else
+    ignored: a warning Thunder gives later, or any other warning, still shows. Where Thunder was
+    imported already (by the program, before thunder_overlap) this does nothing."""
+    if "thunder" in sys.modules:
+        return
+    with warnings.catch_warnings():
+        silence_known_warnings()
+        import thunder  # noqa: F401
+
+
 def warnings_env_for_children() -> str:
     """A ``PYTHONWARNINGS`` value that ignores :data:`KNOWN_WARNINGS` in spawned processes, which
     import thunder while unpickling their task, before any code of ours could install a filter."""
@@ -125,7 +139,11 @@ def filter_known_output(fd: int = 1) -> Iterator[None]:
     stream = sys.stdout if fd == 1 else sys.stderr if fd == 2 else None
     if stream is not None:
         stream.flush()
-    original = os.dup(fd)
+    try:
+        original = os.dup(fd)
+    except OSError:  # no such descriptor (a process started with it closed): nothing to filter
+        yield
+        return
     read_end, write_end = os.pipe()
     os.dup2(write_end, fd)
     os.close(write_end)

@@ -90,7 +90,8 @@ class OverlapConfig:
     # One of SCHEDULING_POLICIES.
     policy: str = "memory_aware"
     # All-gather bytes in flight, in units of the model's largest block (or bucket, where
-    # buckets hold several blocks): the next two arrive while the current one computes.
+    # buckets hold several blocks): the next two arrive while the current one computes
+    # ([Note: prefetch depth]).
     prefetch_blocks: float = 2.0
     # A byte cap on all-gathers in flight instead of prefetch_blocks.
     max_in_flight_allgather_bytes: int | None = None

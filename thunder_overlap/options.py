@@ -12,6 +12,9 @@ raw user input into these types here and nowhere else:
 Errors name the bad value and what is accepted, in the caller's terms: a Python argument
 (``sharding_strategy must be 'zero2' or 'zero3' (or FSDPType.ZERO2/ZERO3), got 'zero4'``) or,
 given ``flag=``, a command-line flag (``--sharding must be zero2 or zero3 (got 'zero4')``).
+
+Importing this module imports neither torch nor Thunder (each function imports what it uses), so
+the command lines parse and check their strategy flags before any heavy import.
 """
 
 from __future__ import annotations
@@ -20,18 +23,20 @@ import difflib
 import inspect
 import math
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import torch
-import torch.distributed as dist
-from thunder.distributed import FSDPBucketingStrategy, FSDPType, copy_default_process_group
-from torch.distributed.device_mesh import DeviceMesh
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+    from thunder.distributed import FSDPBucketingStrategy, FSDPType
+    from torch.distributed.device_mesh import DeviceMesh
 
-from thunder_overlap._analysis.blocks import BlockTypes, parse_block_types
-from thunder_overlap.config import OverlapConfig
+    from thunder_overlap._analysis.blocks import BlockTypes
+    from thunder_overlap.config import OverlapConfig
 
 __all__ = [
     "BucketingStrategy",
@@ -70,6 +75,8 @@ class ShardingStrategy(_Choice):
     @property
     def thunder_type(self) -> FSDPType:
         """Thunder's enum, for ``thunder.distributed`` APIs."""
+        from thunder.distributed import FSDPType
+
         return FSDPType[self.name]
 
 
@@ -90,6 +97,8 @@ class BucketingStrategy(_Choice):
     @property
     def thunder_type(self) -> FSDPBucketingStrategy:
         """Thunder's enum, for ``thunder.distributed`` APIs."""
+        from thunder.distributed import FSDPBucketingStrategy
+
         if self.name not in FSDPBucketingStrategy.__members__:
             raise ValueError(f"Thunder's FSDP has no {self.value!r} bucketing; accepted there: none, layer, block")
         return FSDPBucketingStrategy[self.name]
@@ -104,15 +113,26 @@ def _spoken(names: tuple[str, ...], quote: bool) -> str:
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
-def _parse_choice(choice: type[_ChoiceT], thunder_enum: type[Enum], value: object, argument: str, flag: str | None) -> _ChoiceT:
+def _thunder_enum(name: str, *, load: bool) -> type[Enum] | None:
+    """Thunder's enum ``name`` from ``thunder.distributed``; None where that module is not loaded
+    and ``load`` is false (then no value can be one of its members)."""
+    if load:
+        import thunder.distributed  # noqa: F401
+    module = sys.modules.get("thunder.distributed")
+    return None if module is None else getattr(module, name)
+
+
+def _parse_choice(choice: type[_ChoiceT], thunder_enum_name: str, value: object, argument: str, flag: str | None) -> _ChoiceT:
     if isinstance(value, choice):
         return value
-    if isinstance(value, thunder_enum) and value.name.lower() in choice.names():
+    thunder_enum = _thunder_enum(thunder_enum_name, load=False)
+    if thunder_enum is not None and isinstance(value, thunder_enum) and value.name.lower() in choice.names():
         return choice(value.name.lower())
     if isinstance(value, str) and not isinstance(value, Enum) and value.lower() in choice.names():
         return choice(value.lower())
     if flag is not None:
         raise ValueError(f"{flag} must be {_spoken(choice.names(), quote=False)} (got {value!r})")
+    thunder_enum = _thunder_enum(thunder_enum_name, load=True)
     members = "/".join(member.name for member in choice if member.name in thunder_enum.__members__)
     raise ValueError(
         f"{argument} must be {_spoken(choice.names(), quote=True)} "
@@ -123,14 +143,14 @@ def _parse_choice(choice: type[_ChoiceT], thunder_enum: type[Enum], value: objec
 def parse_sharding_strategy(value: ShardingStrategy | FSDPType | str, *, flag: str | None = None) -> ShardingStrategy:
     """The sharding strategy ``value`` names; ``flag`` (e.g. ``"--sharding"``) makes the error
     speak of that command-line flag instead of the ``sharding_strategy`` argument."""
-    return _parse_choice(ShardingStrategy, FSDPType, value, "sharding_strategy", flag)
+    return _parse_choice(ShardingStrategy, "FSDPType", value, "sharding_strategy", flag)
 
 
 def parse_bucketing_strategy(
     value: BucketingStrategy | FSDPBucketingStrategy | str, *, flag: str | None = None
 ) -> BucketingStrategy:
     """The bucketing strategy ``value`` names; ``flag`` as in :func:`parse_sharding_strategy`."""
-    return _parse_choice(BucketingStrategy, FSDPBucketingStrategy, value, "bucketing_strategy", flag)
+    return _parse_choice(BucketingStrategy, "FSDPBucketingStrategy", value, "bucketing_strategy", flag)
 
 
 def _parse_bucket_cap_mb(value: float | None, bucketing: BucketingStrategy) -> int | None:
@@ -169,6 +189,8 @@ def _device_types(backend: str) -> set[str] | None:
 
 def _cuda_index() -> int:
     """This process's GPU: LOCAL_RANK (torchrun sets it), else the device the caller selected."""
+    import torch
+
     local_rank = os.environ.get("LOCAL_RANK")
     if local_rank is None:
         return torch.cuda.current_device()
@@ -182,6 +204,9 @@ def _cuda_index() -> int:
 
 
 def _resolve_device(device: torch.device | str | None, process_group: dist.ProcessGroup) -> torch.device:
+    import torch
+    import torch.distributed as dist
+
     backend = str(dist.get_backend(process_group))
     allowed = _device_types(backend)
     if device is None:
@@ -233,6 +258,8 @@ class FSDPOptions:
     def agreed_fields(self) -> dict[str, object]:
         """The options every rank must share, by name, for the ranks' agreement at the first
         compile (the configuration's own: :meth:`OverlapConfig.agreed_fields`)."""
+        import torch.distributed as dist
+
         mesh = None if self.hybrid_mesh is None else tuple(self.hybrid_mesh.shape)
         return {
             "sharding_strategy": self.sharding.value,
@@ -246,6 +273,8 @@ class FSDPOptions:
     @property
     def world_group(self) -> dist.ProcessGroup:
         """The group every rank of the model is in: ranks agree on their schedules over it."""
+        import torch.distributed as dist
+
         return self.process_group if self.replicate_group is None else dist.group.WORLD
 
     def __post_init__(self) -> None:
@@ -275,6 +304,12 @@ class FSDPOptions:
 
         A CUDA device becomes this process's current device (``torch.cuda.set_device``).
         """
+        import torch.distributed as dist
+        from thunder.distributed import copy_default_process_group
+
+        from thunder_overlap._analysis.blocks import parse_block_types
+        from thunder_overlap.config import OverlapConfig
+
         if config is not None and not isinstance(config, OverlapConfig):
             raise TypeError(f"config must be a thunder_overlap.OverlapConfig or None, got {type(config).__name__}")
         if not isinstance(move_state_dict_to_cpu, bool):
@@ -302,7 +337,12 @@ class FSDPOptions:
                     "give every rank the same initial parameters (the same seed) and pass broadcast_from=None"
                 )
         elif process_group is None:
-            process_group = copy_default_process_group()
+            from thunder_overlap._console import filter_known_output
+
+            # gloo's native code prints "[Gloo] Rank ... connected ..." for every group it
+            # creates; only that exact message is dropped from the copy's output.
+            with filter_known_output():
+                process_group = copy_default_process_group()
         elif not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r}")
         if broadcast_from is not None:
@@ -328,6 +368,9 @@ class FSDPOptions:
 def _groups_of_mesh(device_mesh: object) -> tuple[dist.ProcessGroup, DeviceMesh | None]:
     """(shard group, the mesh if it is hybrid): a 1-D mesh is the shard group, a 2-D mesh has
     dims (replicate, shard), FSDP2's order; the mesh must hold every rank of the world."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh or None, got {device_mesh!r}")
     if device_mesh.ndim not in (1, 2):

@@ -3,9 +3,11 @@
 Users may name the module classes that form blocks (``block_types=``, as FSDP2 users choose what
 to ``fully_shard``): every outermost module of those classes is a block. Otherwise the blocks are
 the children of the ``nn.ModuleList`` / ``nn.Sequential`` holding the most parameters, which
-finds a GPT's ``transformer.h`` or a Llama's ``layers`` but takes a top-level
-``nn.Sequential(embedding, body, head)`` for three "blocks"; when such a detected block holds more
-than a quarter of the model and its siblings are of other classes, a warning names ``block_types=``.
+finds a GPT's ``transformer.h``, a Llama's ``layers`` or a plain ``nn.Sequential`` stack of blocks.
+A top-level ``nn.Sequential(embedding, body, head)`` would give three "blocks": where ``body`` is
+itself an ``nn.Sequential``/``nn.ModuleList`` of identical blocks (same class, same parameter
+shapes), its children are the blocks; where it is any other module, a warning names
+``block_types=`` when that "block" holds more than a quarter of the model among unlike siblings.
 """
 
 from __future__ import annotations
@@ -77,10 +79,27 @@ def _named_blocks(module: nn.Module, block_types: BlockTypes) -> list[tuple[str,
     return blocks
 
 
+def _is_container(module: nn.Module) -> bool:
+    return isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2
+
+
+def _children(prefix: str, container: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(f"{prefix}.{child_name}" if prefix else child_name, child) for child_name, child in container.named_children()]
+
+
+def _signature(module: nn.Module) -> tuple[type, tuple[tuple[str, tuple[int, ...]], ...]]:
+    return type(module), tuple((name, tuple(p.shape)) for name, p in module.named_parameters())
+
+
+def _identical(modules: list[nn.Module]) -> bool:
+    """Whether ``modules`` are copies of one block: same class, same parameter names and shapes."""
+    return len({_signature(m) for m in modules}) == 1
+
+
 def _detected_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     best: tuple[int, str, nn.Module] | None = None
     for name, sub in module.named_modules():
-        if not isinstance(sub, (nn.ModuleList, nn.Sequential)) or len(sub) < 2:
+        if not _is_container(sub):
             continue
         size = unsharded_bytes(sub)
         if best is None or size > best[0]:
@@ -88,21 +107,31 @@ def _detected_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     if best is None:
         return []
     _, prefix, container = best
-    blocks = [(f"{prefix}.{child_name}" if prefix else child_name, child) for child_name, child in container.named_children()]
+    blocks = _children(prefix, container)
+    largest_name, largest = max(blocks, key=lambda b: unsharded_bytes(b[1]))
+    if _suspect(module, blocks) and _is_container(largest) and _identical(list(largest.children())):
+        # nn.Sequential(stem, nn.Sequential(block, block, ...), head): the stack's children.
+        return _children(largest_name, largest)
     _warn_if_suspect(module, prefix, blocks)
     return blocks
 
 
-def _warn_if_suspect(module: nn.Module, prefix: str, blocks: list[tuple[str, nn.Module]]) -> None:
-    """Warns when the largest detected block is a large share of the model and its siblings are
-    unlike it. A ModuleList of a few identical layers (a 2-layer model) is a sound detection."""
+def _suspect(module: nn.Module, blocks: list[tuple[str, nn.Module]]) -> bool:
+    """Whether the largest detected block is a large share of the model among unlike siblings.
+    A ModuleList of a few identical layers (a 2-layer model) is a sound detection."""
     total = unsharded_bytes(module)
     if not blocks or total == 0:
-        return
-    name, largest = max(blocks, key=lambda b: unsharded_bytes(b[1]))
-    share = unsharded_bytes(largest) / total
-    classes = {_class_name(b) for _, b in blocks}
-    if share > LARGE_BLOCK_SHARE and len(classes) > 1:
+        return False
+    largest = max((b for _, b in blocks), key=unsharded_bytes)
+    return unsharded_bytes(largest) / total > LARGE_BLOCK_SHARE and len({_class_name(b) for _, b in blocks}) > 1
+
+
+def _warn_if_suspect(module: nn.Module, prefix: str, blocks: list[tuple[str, nn.Module]]) -> None:
+    """Warns when the detected blocks are :func:`_suspect`, naming ``block_types=``."""
+    if _suspect(module, blocks):
+        name, largest = max(blocks, key=lambda b: unsharded_bytes(b[1]))
+        share = unsharded_bytes(largest) / unsharded_bytes(module)
+        classes = {_class_name(b) for _, b in blocks}
         container = prefix or f"the top-level {_class_name(module)}"
         warnings.warn(
             f"thunder_overlap: the blocks found are the children of {container} ({', '.join(sorted(classes))}), and "
@@ -118,7 +147,9 @@ def find_blocks(module: nn.Module, block_types: BlockTypes | None = None) -> lis
 
     With ``block_types`` (see :func:`parse_block_types`): every outermost module of those types;
     a type that matches no module is an error. Without: the children of the ``nn.ModuleList`` or
-    ``nn.Sequential`` holding the most parameters (empty when there is none)."""
+    ``nn.Sequential`` holding the most parameters (empty when there is none), or, where that is a
+    top-level stem/body/head whose body is a plain container of identical blocks, the body's
+    children."""
     if block_types is not None:
         return _named_blocks(module, block_types)
     return _detected_blocks(module)

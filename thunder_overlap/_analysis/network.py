@@ -22,8 +22,10 @@ import math
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:  # torch is imported where a group is read: the CLI checks networks without it
+    import torch.distributed as dist
 
 from thunder_overlap._backends import GLOO
 
@@ -160,6 +162,8 @@ class NodeTopology:
         """The global ranks of ``group``, remembered from the first time it was seen alive."""
         ranks = self._ranks.get(group)
         if ranks is None:
+            import torch.distributed as dist
+
             try:
                 ranks = tuple(dist.get_process_group_ranks(group))
             except (KeyError, RuntimeError, ValueError) as e:

@@ -4,7 +4,7 @@ layout, and the gradient shards it has handed out.
 ``flat_shard`` lives for the life of the module: the optimizer updates it in place and the
 all-gather sends it with no copy-in. Each step a reduce-scatter writes into a new gradient shard
 that ``.grad`` alone owns (``zero_grad(set_to_none=True)`` gives it back, as it does an
-unbucketed gradient), see ``docs/memory.md`` ([Note: gradient shards]). The layout is set by the
+unbucketed gradient), see ``docs/memory.md`` ("What buckets cost"). The layout is set by the
 bucket's owner, :class:`~thunder_overlap._transforms.BucketingTransform`, and read here.
 """
 

@@ -10,6 +10,9 @@ run time (about 5 s per transformer layer and FSDP here); a heartbeat shows it i
 shard groups of N consecutive ranks) passed to ``thunder_overlap.fsdp``. With ``--network auto``
 each process group is costed on its own network: NVLink when its ranks lie in one node of
 ``--gpus-per-node`` consecutive ranks, InfiniBand when they span nodes.
+
+Arguments are parsed and checked before torch or Thunder is imported: ``--help`` and every usage
+error answer at once.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
-from thunder_overlap._analysis.network import DEFAULT_GPUS_PER_NODE, NodeTopology
+# Each of these imports neither torch nor Thunder.
+from thunder_overlap._analysis.devices import DEVICE_PROFILES, device_profile
+from thunder_overlap._analysis.network import DEFAULT_GPUS_PER_NODE, NETWORK_PROFILES, NodeTopology, network_profile
 from thunder_overlap.options import BucketingStrategy, ShardingStrategy, parse_bucketing_strategy, parse_sharding_strategy
-from thunder_overlap.report._models import BUILTIN_MODELS, model_recipe, trace_model
+from thunder_overlap.report._models import BUILTIN_MODELS
 
 __all__ = ["DEFAULT_OUT", "main"]
 
@@ -36,7 +39,10 @@ HEARTBEAT_S = 15.0
 # Where report.json, report.trace.json and report.png go unless --out says otherwise.
 DEFAULT_OUT = "thunder_overlap_report"
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# --dtype: the torch dtype of each accepted name (looked up once torch is imported).
+DTYPES = ("bfloat16", "float16", "float32")
+AUTO_NETWORK = "auto"
+CUSTOM_NETWORK = "custom:<latency_us>:<GB/s>[:ring|tree[:<concurrent launches>]]"
 
 
 class UsageError(ValueError):
@@ -44,8 +50,6 @@ class UsageError(ValueError):
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from thunder_overlap._analysis.cost_model import DEVICE_PROFILES, NETWORK_PROFILES
-
     parser = argparse.ArgumentParser(prog="python -m thunder_overlap report", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model", default="llama-2-7b", help=f"built-in {sorted(BUILTIN_MODELS)} or a litgpt config name (default: llama-2-7b)"
@@ -70,13 +74,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device-profile", default="h100", help=f"one of {sorted(DEVICE_PROFILES)}")
     parser.add_argument(
         "--network",
-        default="auto",
+        default=AUTO_NETWORK,
         help=(
-            "auto (each process group over nvlink when its ranks lie in one node, else infiniband), "
-            f"{sorted(NETWORK_PROFILES)}, or custom:<latency_us>:<GB/s>[:ring|tree[:<concurrent launches>]] for every group"
+            f"{AUTO_NETWORK} (each process group over nvlink when its ranks lie in one node, else infiniband), "
+            f"{sorted(NETWORK_PROFILES)}, or {CUSTOM_NETWORK} for every group"
         ),
     )
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES), help="parameter and activation dtype")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="parameter and activation dtype")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=None, help="default: the model's block size")
     parser.add_argument(
@@ -102,6 +106,24 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         )
     if args.batch_size < 1:
         raise UsageError(f"--batch-size {args.batch_size} must be at least 1")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise UsageError(f"--seq-len {args.seq_len} is impossible; accepted: 1 to the model's block size")
+    if args.steps < 0:
+        raise UsageError(f"--steps {args.steps} is impossible; accepted: 0 (no per-step table, the default) or more rows")
+    try:
+        device_profile(args.device_profile)
+    except ValueError:
+        accepted = ", ".join(sorted(DEVICE_PROFILES))
+        raise UsageError(f"--device-profile: unknown device profile {args.device_profile!r}; accepted: {accepted}") from None
+    if args.network != AUTO_NETWORK:
+        try:
+            network_profile(args.network)
+        except ValueError:
+            raise UsageError(
+                f"--network: unknown network {args.network!r}; accepted: {AUTO_NETWORK} (the default), "
+                f"{', '.join(sorted(NETWORK_PROFILES))}, or {CUSTOM_NETWORK} with latency >= 0, bandwidth > 0 "
+                "and concurrent launches >= 1"
+            ) from None
     try:
         args.sharding = parse_sharding_strategy(args.sharding, flag="--sharding")
         args.bucketing = parse_bucketing_strategy(args.bucketing, flag="--bucketing")
@@ -110,7 +132,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     # auto: a topology gives each process group its network; the default network (the one
     # bucket sizing and the report's header use) is the group parameters are sharded over's.
     args.topology = None
-    if args.network == "auto":
+    if args.network == AUTO_NETWORK:
         args.topology = NodeTopology("nvlink", "infiniband", args.gpus_per_node)
         args.network = args.topology.network_of_ranks(range(args.shard_group_size or args.world_size)).name
     return args
@@ -157,28 +179,37 @@ def _progress(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the report command; returns the process exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = _parse(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    # The arguments are sound: from here on torch and Thunder are needed.
+    import torch
+
     from thunder_overlap._analysis.cost_model import CostModel
     from thunder_overlap.config import OverlapConfig
+    from thunder_overlap.report._models import model_recipe, trace_model
     from thunder_overlap.report._policies import compare_policies
     from thunder_overlap.report._report import report
     from thunder_overlap.report._thunder_baseline import fake_process_group, thunder_fsdp_baseline
 
-    argv = sys.argv[1:] if argv is None else argv
     try:
-        args = _parse(argv)
         cost_model = CostModel.named(args.device_profile, args.network, topology=args.topology)
         spec = model_recipe(args.model, args.n_layer)
         seq_len = args.seq_len or spec.block_size
         if not 1 <= seq_len <= spec.block_size:
             raise UsageError(f"--seq-len {seq_len} must be between 1 and the model's block size {spec.block_size}")
-    except ValueError as e:  # UsageError, UnknownModelError, an unknown profile or network
+    except ValueError as e:  # UsageError, UnknownModelError
         print(f"error: {e}", file=sys.stderr)
         return 2
 
     start = time.perf_counter()
     _progress(f"building {args.model} ({args.n_layer or 'all'} layers) on the meta device")
     with torch.device("meta"):
-        model = spec.build().to(_DTYPES[args.dtype])
+        model = spec.build().to(getattr(torch, args.dtype))
     layers = args.n_layer or "all"
     hybrid = f", hybrid: {args.world_size // args.shard_group_size} replicas of {args.shard_group_size}" if args.shard_group_size else ""
     _progress(

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # the report's command line lists BUILTIN_MODELS before it imports torch
+    from torch import nn
 
 __all__ = ["BUILTIN_MODELS", "ModelRecipe", "UnknownModelError", "hybrid_mesh", "litgpt_recipe", "model_recipe", "trace_model"]
 
@@ -120,6 +121,7 @@ def trace_model(
     in a fake group of its own. ``shard_group_size``: hybrid sharding on the (replicate, shard)
     mesh of :func:`hybrid_mesh`; None shards over the whole world."""
     import thunder
+    import torch
     import torch.distributed as dist
 
     from thunder_overlap.api import fsdp

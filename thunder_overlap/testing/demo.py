@@ -23,8 +23,6 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch.multiprocessing as mp
-
 from thunder_overlap._console import (
     Heartbeat,
     children_without_known_warnings,
@@ -33,10 +31,10 @@ from thunder_overlap._console import (
     silence_known_warnings,
 )
 from thunder_overlap.options import BucketingStrategy, ShardingStrategy
-from thunder_overlap.report._report import speed_change
 from thunder_overlap.testing.demo_prediction import PREDICTED_SCALES, PredictedStep, PredictionSetup, predict_step
 
-if TYPE_CHECKING:  # importing training imports thunder; the command defers it past argument parsing
+# torch and Thunder are imported past argument parsing: --help and usage errors answer at once.
+if TYPE_CHECKING:
     from thunder_overlap.testing.training import RankResult, TrainSetup
 
 __all__ = ["MEASURED_PREFIX", "main"]
@@ -98,6 +96,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _run(args: argparse.Namespace) -> DemoResults:
+    import torch.multiprocessing as mp
+
     from thunder_overlap.report._builtin_models import TinyGPTConfig
     from thunder_overlap.testing.local_ranks import run_local_ranks
     from thunder_overlap.testing.training import TrainSetup
@@ -188,7 +188,7 @@ def _losses(results: DemoResults) -> list[str]:
 def _predicted(results: DemoResults, args: argparse.Namespace) -> list[str]:
     if not results.predictions:
         return []
-    from thunder_overlap.report._report import BASELINE, OVERLAP, UNSCHEDULED
+    from thunder_overlap.report._report import BASELINE, OVERLAP, UNSCHEDULED, speed_change
 
     first = results.predictions[0]
     head = (

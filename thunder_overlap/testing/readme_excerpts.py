@@ -1,10 +1,10 @@
 """README excerpts rendered from real runs, so they cannot go stale.
 
-    python -m thunder_overlap.testing.readme_excerpts            # rewrite README.md's excerpts
+    python -m thunder_overlap.testing.readme_excerpts            # rewrite the excerpts
     python -m thunder_overlap.testing.readme_excerpts --check    # exit 1 with a diff if stale
 
-Each excerpt is the stdout of one ``python -m thunder_overlap ...`` command, kept in README.md as
-a fenced block between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``. Lines holding measured
+Each excerpt is the stdout of one ``python -m thunder_overlap ...`` command, kept in README.md (or
+a page of docs/) as a fenced block between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``. Lines holding measured
 times (they start with the demo's ``MEASURED_PREFIX``) are compared with their numbers masked;
 every other line must match exactly. ``tests/test_readme.py`` runs the check.
 """
@@ -24,7 +24,9 @@ from thunder_overlap._console import KNOWN_WARNINGS, without_known_output
 
 __all__ = ["EXCERPTS", "Excerpt", "check", "masked", "read_block", "render", "replace_block"]
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+DESIGN = ROOT / "docs" / "design.md"
 FENCE = "```"
 # argparse wraps --help to the terminal width; a fixed width makes the text the same everywhere.
 HELP_COLUMNS = "100"
@@ -35,9 +37,10 @@ _NUMBER = re.compile(r"\d+(\.\d+)?")
 
 @dataclass(frozen=True)
 class Excerpt:
-    name: str  # the marker name in README.md
+    name: str  # the marker name in the document
     argv: tuple[str, ...]  # arguments after ``python -m thunder_overlap``
     measured_prefix: str | None = None  # lines starting with it hold numbers that vary between runs
+    document: Path = README  # the file that holds the excerpt
 
     @property
     def command(self) -> str:
@@ -53,7 +56,7 @@ def _demo_measured_prefix() -> str:
 EXCERPTS: tuple[Excerpt, ...] = (
     Excerpt("demo-output", ("demo",), _demo_measured_prefix()),
     Excerpt("cli-help", ("--help",)),
-    Excerpt("report-help", ("report", "--help")),
+    Excerpt("report-help", ("report", "--help"), document=DESIGN),
 )
 
 
@@ -70,7 +73,7 @@ def render(excerpt: Excerpt, *, python: str = sys.executable) -> str:
         capture_output=True,
         text=True,
         env=env,
-        cwd=README.parent,
+        cwd=ROOT,
         timeout=COMMAND_TIMEOUT_S,
     )
     if done.returncode != 0:
@@ -88,7 +91,7 @@ def read_block(readme: str, name: str) -> str:
     """The text inside the fenced block between ``name``'s markers."""
     start, end = _markers(name)
     if readme.count(start) != 1 or readme.count(end) != 1:
-        raise ValueError(f"README must hold exactly one {start} and one {end}")
+        raise ValueError(f"the document must hold exactly one {start} and one {end}")
     inner = readme.split(start, 1)[1].split(end, 1)[0].strip("\n")
     lines = inner.splitlines()
     if len(lines) < 2 or not lines[0].startswith(FENCE) or lines[-1] != FENCE:
@@ -115,12 +118,12 @@ def masked(text: str, measured_prefix: str | None) -> str:
 
 
 def check(readme: str, excerpt: Excerpt, fresh: str) -> list[str]:
-    """A unified diff between the README's block and ``fresh`` output (masked); empty if equal."""
+    """A unified diff between the document's block and ``fresh`` output (masked); empty if equal."""
     expected = masked(read_block(readme, excerpt.name), excerpt.measured_prefix)
     actual = masked(fresh, excerpt.measured_prefix)
     return list(
         difflib.unified_diff(
-            expected.splitlines(), actual.splitlines(), f"README.md {excerpt.name}", f"fresh `{excerpt.command}`", lineterm=""
+            expected.splitlines(), actual.splitlines(), f"{excerpt.document.name} {excerpt.name}", f"fresh `{excerpt.command}`", lineterm=""
         )
     )
 
@@ -130,21 +133,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 if an excerpt is stale")
     parser.add_argument("--only", choices=[e.name for e in EXCERPTS], action="append", help="render only these excerpts")
     args = parser.parse_args(argv)
-    readme = README.read_text()
+    texts = {excerpt.document: excerpt.document.read_text() for excerpt in EXCERPTS}
     stale = False
     for excerpt in EXCERPTS:
         if args.only and excerpt.name not in args.only:
             continue
         print(f"running `{excerpt.command}` ...", file=sys.stderr, flush=True)
         fresh = render(excerpt)
-        diff = check(readme, excerpt, fresh)
+        diff = check(texts[excerpt.document], excerpt, fresh)
         if args.check:
             stale |= bool(diff)
             print("\n".join(diff) if diff else f"{excerpt.name}: up to date")
         elif diff:
-            readme = replace_block(readme, excerpt.name, fresh)
+            texts[excerpt.document] = replace_block(texts[excerpt.document], excerpt.name, fresh)
     if not args.check:
-        README.write_text(readme)
+        for document, text in texts.items():
+            document.write_text(text)
     return 1 if stale else 0
 
 

@@ -1,0 +1,140 @@
+"""The command line answers ``--help`` and every usage error without importing torch or Thunder,
+and the package's lazy exports still behave as plain attributes for a program.
+
+Each command runs in a fresh interpreter under ``python -X importtime``, which lists every module
+the process imported on stderr; none may be torch or Thunder (importing them takes seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import thunder_overlap
+
+ROOT = Path(__file__).resolve().parents[1]
+# Seconds a command may take: without torch they answer in well under one.
+COMMAND_TIMEOUT_S = 120
+HEAVY = ("torch", "thunder")
+
+
+def _run(*args: str, importtime: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    flags = ["-X", "importtime"] if importtime else []
+    return subprocess.run(
+        [sys.executable, *flags, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=COMMAND_TIMEOUT_S
+    )
+
+
+def _imported(stderr: str) -> list[str]:
+    """Module names from ``-X importtime``'s lines: ``import time: self | cumulative | name``."""
+    names = []
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and line.count("|") == 2:
+            names.append(line.rsplit("|", 1)[1].strip())
+    return names
+
+
+def _heavy(names: list[str]) -> list[str]:
+    return [n for n in names if n.split(".")[0] in HEAVY]
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "says"),
+    [
+        (["--help"], 0, ["usage: python -m thunder_overlap", "demo", "report"]),
+        (["--version"], 0, [f"thunder_overlap {thunder_overlap.__version__}"]),
+        (["report", "--help"], 0, ["--world-size", "--network"]),
+        (["demo", "--help"], 0, ["--sharding", "--bucketing"]),
+        (["reprot"], 2, ["unknown command 'reprot'; accepted: demo, report"]),
+        (["report", "--network", "carrier-pigeon"], 2, ["unknown network 'carrier-pigeon'", "accepted: auto (the default)", "nvlink"]),
+        (["report", "--sharding", "zero4"], 2, ["--sharding must be zero2 or zero3 (got 'zero4')"]),
+        (["report", "--bucketing", "blocks"], 2, ["--bucketing must be none, layer, block or auto (got 'blocks')"]),
+        (["report", "--steps", "-1"], 2, ["--steps -1 is impossible; accepted: 0"]),
+        (["report", "--device-profile", "tpu"], 2, ["unknown device profile 'tpu'; accepted: a100, cpu, h100, h200"]),
+        (["report", "--world-size", "0"], 2, ["--world-size 0 is impossible"]),
+        (["report", "--seq-len", "0"], 2, ["--seq-len 0 is impossible"]),
+        (["demo", "--sharding", "zero4"], 2, ["invalid choice: 'zero4'", "'zero2', 'zero3'"]),
+        (["demo", "--steps", "1"], 2, ["--steps 1 is not allowed; it must be at least 2"]),
+    ],
+)
+def test_help_and_usage_errors_import_no_torch(argv, status, says):
+    done = _run("-m", "thunder_overlap", *argv)
+    assert done.returncode == status, done.stderr[-3000:]
+    printed = done.stdout + "\n".join(line for line in done.stderr.splitlines() if not line.startswith("import time:"))
+    for words in says:
+        assert words in printed, printed
+    names = _imported(done.stderr)
+    assert "thunder_overlap" in names  # the check reads real import lines
+    assert not _heavy(names), f"`python -m thunder_overlap {' '.join(argv)}` imported {_heavy(names)[:5]}"
+
+
+def test_a_command_loads_the_public_names_on_first_use():
+    # A command (argv as `python -m thunder_overlap`) imports nothing heavy until a name is used;
+    # then every name of __all__ is the object the library defines, the report function included.
+    probe = """
+import sys
+sys.orig_argv = [sys.executable, "-m", "thunder_overlap"]
+import thunder_overlap
+assert not [m for m in sys.modules if m.split(".")[0] in ("torch", "thunder")], "imported at package import"
+assert set(thunder_overlap.__all__) <= set(dir(thunder_overlap))
+import thunder_overlap.report._cli  # binds the subpackage to the package's attribute "report"
+fsdp = thunder_overlap.fsdp
+from thunder_overlap.api import fsdp as api_fsdp
+from thunder_overlap.report._report import report
+assert fsdp is api_fsdp and thunder_overlap.report is report
+from thunder.plugins import get_plugin
+assert get_plugin("fsdp-overlap") is thunder_overlap.FSDPOverlap
+print("ok")
+"""
+    done = _run("-c", probe, importtime=False)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_a_program_gets_every_name_and_the_plugin_at_import_without_the_known_warning():
+    probe = """
+import warnings
+warnings.simplefilter("always")
+import thunder_overlap
+from thunder_overlap import OverlapConfig, fsdp, report
+from thunder.plugins import get_plugin
+assert fsdp is thunder_overlap.fsdp and callable(report) and OverlapConfig is thunder_overlap.OverlapConfig
+assert get_plugin("fsdp-overlap") is thunder_overlap.FSDPOverlap
+try:
+    thunder_overlap.fdsp
+except AttributeError as e:
+    assert "no attribute 'fdsp'" in str(e)
+else:
+    raise AssertionError("a misspelt name must raise AttributeError")
+warnings.warn("a warning of the program's own")
+print("ok")
+"""
+    done = _run("-c", probe, importtime=False)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    assert "transformer_engine module not found" not in done.stderr
+    # Only that warning is filtered, and only while Thunder imports: others still show.
+    assert "a warning of the program's own" in done.stderr
+
+
+def test_the_plugin_compiles_by_name_after_import(one_rank_gloo_group):
+    import thunder
+    from thunder.recipes import BaseRecipe
+
+    from thunder_overlap._transforms import OverlapScheduleTransform
+
+    # The default recipe needs nvFuser; on CPU the torch.compile fuser stands in.
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(2)))
+    jm = thunder.compile(model, recipe=BaseRecipe(fuser="torch.compile"), plugins="fsdp-overlap")
+    x = torch.randn(3, 4)
+    out = jm(x)
+    assert OverlapScheduleTransform.of(jm) is not None  # thunder_overlap's transforms ran
+    # One rank: each shard is its whole parameter, so the output is the plain model's on them.
+    w1, b1, w2, b2 = (p.detach() for _, p in jm.named_parameters())
+    gelu, linear = nn.functional.gelu, nn.functional.linear
+    torch.testing.assert_close(out, gelu(linear(gelu(linear(x, w1, b1)), w2, b2)))

@@ -1,0 +1,90 @@
+"""examples/train_fsdp.py, run as the README shows it: torchrun on 2 gloo ranks, against the same
+script on one rank with the same global batch, and resumed from its checkpoint.
+
+Three runs of the tiny Llama-style litgpt model (about 30 s each on an idle 2-core machine,
+mostly Thunder compiling): the README's two commands (2 ranks for 2 steps saving a checkpoint,
+then 2 ranks resuming from it to step 4), as written, in a scratch directory holding the
+examples, and 1 rank for 4 steps. Every loss must match the one-rank run's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# The README's commands, run as written (tests/test_readme.py checks that it shows these).
+SAVE = "torchrun --standalone --nproc_per_node 2 examples/train_fsdp.py --steps 2 --device cpu --save-dir ckpt"
+RESUME = "torchrun --standalone --nproc_per_node 2 examples/train_fsdp.py --steps 4 --device cpu --resume ckpt"
+RUN_AS_WRITTEN = (SAVE, RESUME)
+# The reference: one rank, the same global batch, all four steps in one run.
+ONE_RANK = "torchrun --standalone --nproc_per_node 1 examples/train_fsdp.py --steps 4 --device cpu"
+# Seconds one torchrun may take: compiling and a few steps, with room for a loaded machine.
+RUN_TIMEOUT_S = 300
+# Both runs compute the same float32 math on the same tokens from the same initial weights; they
+# differ only in the order of sums: two ranks average two half-batch losses and reduce-scatter
+# two half-batch gradients where one rank sums the whole batch at once. That reorders sums of
+# about 10^3-10^4 terms, a relative difference of order 1e-6 (float32's epsilon is 1.2e-7; the
+# runs above differed by 2e-7). Later steps see parameters moved by AdamW, whose update per
+# element is at most lr and differs only through those rounded gradients (elements whose
+# gradient is below the rounding carry it divided by eps = 1e-8, but such a gradient is far
+# smaller than eps), so over 4 steps the losses stay well within 1e-4 relative of each other;
+# a real error (a missing or doubled gradient share, another batch) moves them by 1e-2 or more.
+LOSS_RTOL = 1e-4
+STEP_LINE = re.compile(r"^step (\d+)/(\d+)  loss (\d+\.\d+)  [\d,]+ tokens/s", re.M)
+
+
+def _train(command: str, cwd: Path) -> tuple[dict[int, float], str]:
+    """Runs ``command`` in ``cwd`` (where ``examples/`` is the repository's); torchrun is the
+    module of this interpreter's torch. Returns rank 0's losses by step and its output."""
+    words = shlex.split(command)
+    assert words[0] == "torchrun"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *words[1:]], capture_output=True, text=True, cwd=cwd, timeout=RUN_TIMEOUT_S
+    )
+    assert done.returncode == 0, f"`{command}` failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    return {int(m[1]): float(m[3]) for m in STEP_LINE.finditer(done.stdout)}, done.stdout
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    """A directory whose ``examples/`` is the repository's, so the commands write ``ckpt`` there."""
+    directory = tmp_path_factory.mktemp("example")
+    (directory / "examples").symlink_to(ROOT / "examples", target_is_directory=True)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def one_rank_losses(scratch) -> dict[int, float]:
+    losses, _ = _train(ONE_RANK, scratch)
+    assert sorted(losses) == [1, 2, 3, 4]
+    return losses
+
+
+def _assert_match(losses: dict[int, float], reference: dict[int, float]) -> None:
+    for step, loss in losses.items():
+        assert math.isclose(loss, reference[step], rel_tol=LOSS_RTOL), f"step {step}: {loss} against one rank's {reference[step]}"
+
+
+def test_two_ranks_match_one_rank_then_resume_from_their_checkpoint(scratch, one_rank_losses):
+    ckpt = Path("ckpt")
+    losses, out = _train(SAVE, scratch)
+    assert sorted(losses) == [1, 2], out
+    _assert_match(losses, one_rank_losses)
+    # The model learns the synthetic pattern: the loss falls.
+    assert one_rank_losses[4] < one_rank_losses[1]
+    assert f"saved {ckpt} after step 2" in out
+    assert json.loads((scratch / ckpt / "trainer.json").read_text()) == {"step": 2}
+
+    resumed, out = _train(RESUME, scratch)
+    assert f"resumed from {ckpt} after step 2" in out
+    # Steps 3 and 4 continue from the checkpoint's weights and AdamW moments: as one run of 4 steps.
+    assert sorted(resumed) == [3, 4], out
+    _assert_match(resumed, one_rank_losses)
