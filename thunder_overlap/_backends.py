@@ -15,9 +15,11 @@ The fake process group, on which predictions trace, stands for NCCL.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:  # torch is imported by the function that reads a group, so the command line's help needs none
+    import torch
+    import torch.distributed as dist
 
 __all__ = ["FAKE", "GLOO", "NCCL", "Backend", "backend_of"]
 
@@ -54,6 +56,8 @@ def backend_of(group: dist.ProcessGroup, device: torch.device) -> Backend:
     """The backend that moves ``device``'s tensors on ``group``: NCCL for CUDA tensors on a group
     with NCCL, the fake group as NCCL, gloo otherwise (CPU tensors go through gloo whatever else
     the group has)."""
+    import torch.distributed as dist
+
     name = str(dist.get_backend(group))
     if name == "fake":
         return FAKE
