@@ -215,7 +215,8 @@ def deep_runs():
     # gloo's copy at the launch).
     laid_out = OverlapConfig(_tuning=Tuning(per_tensor_gather_max_slowdown=None))
     setups["zero3"] = replace(setups["zero3"], config=laid_out)
-    setups["zero3, two blocks ahead"] = replace(setups["zero3"], config=replace(laid_out, bucket_eager_prefetch_blocks=None))
+    two_ahead = replace(laid_out, _tuning=replace(laid_out.tuning, bucket_eager_prefetch_blocks=None))
+    setups["zero3, two blocks ahead"] = replace(setups["zero3"], config=two_ahead)
     setups["zero3, as on NCCL"] = replace(setups["zero3"], buckets_as_on_nccl=True)
     return {s: run_local_ranks(train_rank, WORLD_SIZE, (setup,))[0].bucket_census for s, setup in setups.items()}
 
