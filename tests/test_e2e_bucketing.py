@@ -299,14 +299,14 @@ def _pool_reuse_after_in_place_all_reduces(rank: int, world_size: int, rounds: i
     dropped, ``rounds`` times over: the bucket path of a laid-out reduce-scatter over gloo."""
     import torch.distributed as dist
 
-    from thunder_overlap._bucketing.buffers import BufferPool, PendingCollective, _all_reduce_in_place
+    from thunder_overlap._bucketing.pool import BufferPool, PendingCollective, all_reduce_in_place
 
     pool = BufferPool()
     for _ in range(rounds):
         buffer = pool.acquire(1 << 16, torch.float32, torch.device("cpu"), "reduce-scatter")
         pending = PendingCollective(None, buffer, source=buffer)
         pending.mark_launch()
-        pending.work = _all_reduce_in_place(buffer, dist.group.WORLD)
+        pending.work = all_reduce_in_place(buffer, dist.group.WORLD)
         pending.work.wait()
         pending.settle()
         del buffer, pending

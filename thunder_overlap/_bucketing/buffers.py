@@ -28,8 +28,8 @@ class BucketBuffers(BucketState):
     # --- all-gather (gather.py) -------------------------------------------------------------
 
     def start_all_gather(self, shards: list[torch.Tensor], slots: tuple[int, ...]) -> PendingCollective:
-        pending = gather.prepare(self, shards, slots)
-        pending.work = gather.launch(self, pending, async_op=True)
+        pending = self.prepare_all_gather(shards, slots)
+        pending.work = self.launch_all_gather(pending, async_op=True)
         return pending
 
     def prepare_all_gather(self, shards: list[torch.Tensor], slots: tuple[int, ...]) -> PendingCollective:
@@ -50,8 +50,8 @@ class BucketBuffers(BucketState):
     # --- reduce-scatter, all-reduce and no_sync (reduction.py) --------------------------------
 
     def start_reduce_scatter(self, grads: list[torch.Tensor], divisor: float | None) -> PendingCollective:
-        pending = reduction.prepare(self, grads, divisor)
-        pending.work = reduction.launch(self, pending, async_op=True)
+        pending = self.prepare_reduce_scatter(grads, divisor)
+        pending.work = self.launch_reduce_scatter(pending, async_op=True)
         return pending
 
     def prepare_reduce_scatter(self, grads: list[torch.Tensor], divisor: float | None) -> PendingCollective:
