@@ -21,8 +21,8 @@ Variants:
 - ``layer``/``block``: thunder_overlap's persistent bucket buffers, as they run over gloo:
   gathered rank-major and copied out, gradients laid out and all-reduced in place until the
   wait, except where that would make the pool hold a buffer the step can spare: there buckets
-  gather per parameter (``OverlapConfig.per_tensor_gather_max_slowdown``) and reduce-scatter
-  from gloo's copy of the lay-out (``OverlapConfig.reduce_from_copy_max_slowdown``), as listed
+  gather per parameter (``Tuning.per_tensor_gather_max_slowdown``) and reduce-scatter
+  from gloo's copy of the lay-out (``Tuning.reduce_from_copy_max_slowdown``), as listed
   under the table;
 - ``<strategy>:laid_out``: the same with every bucket copied out and every lay-out held to its
   wait, as before those choices;

@@ -8,7 +8,7 @@ waited on before the next):
 
 - gather: the flat shard all-gathered rank-major in one launch (then copied out), against one
   all-gather per parameter into its place in one coalesced launch (gloo runs its members one
-  after another): what ``OverlapConfig.per_tensor_gather_max_slowdown`` trades for a buffer;
+  after another): what ``Tuning.per_tensor_gather_max_slowdown`` trades for a buffer;
 - reduce-scatter: the laid-out gradients all-reduced in place in one launch (gloo's
   reduce-scatter is an all-reduce of a copy of its input), against one reduce-scatter per
   gradient where it is in one coalesced launch: why buckets never send gradients per tensor

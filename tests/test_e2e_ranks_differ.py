@@ -159,23 +159,62 @@ def test_ranks_that_would_move_different_collectives_raise_on_every_rank():
         assert "ranks [1]" in message and "rank 0 issues all_gather" in message, message
 
 
-def _ranks_with_different_policies(rank: int, world_size: int) -> tuple[list[str], dict[str, bool], float]:
+def _ranks_with_different_orders(rank: int, world_size: int) -> tuple[list[str], dict[str, bool], float]:
     import thunder_overlap
     from thunder_overlap import OverlapConfig, OverlapScheduleTransform
 
     torch.manual_seed(0)
-    # Greedy raises every ZeRO3 re-gather to the top of the backward; just-in-time interleaves
-    # them with the reduce-scatters: on their own, the two ranks would pair different collectives.
-    policy = "greedy" if rank == 0 else "just_in_time"
-    jm = thunder_overlap.fsdp(TinyGPT(MODEL), sharding_strategy="zero3", config=OverlapConfig(policy=policy))
+    jm = thunder_overlap.fsdp(TinyGPT(MODEL), sharding_strategy="zero3", config=OverlapConfig(policy="greedy"))
+    # Each rank's own order, as rank-dependent estimates or shapes can make them: greedy raises
+    # every ZeRO3 re-gather to the top of the backward, just-in-time interleaves them with the
+    # reduce-scatters. The settings the ranks compare were fixed when fsdp() built the transform.
+    if rank == 1:
+        OverlapScheduleTransform.of(jm).config = OverlapConfig(policy="just_in_time")
     idx, targets = _batch(rank, 0, (2, 8))
     loss = _loss(jm(idx), targets)
     loss.backward()
     return _issue_order(jm), OverlapScheduleTransform.of(jm).agreement.adopted, loss.item()
 
 
+# Settings one rank alone changes, and the field each makes differ; with the first three the
+# ranks made a different number of exchanges at the first compile (a gloo abort, not an error).
+OTHER_SETTINGS = {
+    "policy": ({"config": {"policy": "just_in_time"}}, "policy: rank 0 'memory_aware', rank 1 'just_in_time'"),
+    "reduce_in_pool": ({"config": {"reduce_in_pool": False}}, "reduce_in_pool: rank 0 True, rank 1 False"),
+    "check_ranks_agree": ({"tuning": {"check_ranks_agree": False}}, "tuning.check_ranks_agree: rank 0 True, rank 1 False"),
+    "per_tensor_gather_max_slowdown": (
+        {"tuning": {"per_tensor_gather_max_slowdown": None}},
+        "tuning.per_tensor_gather_max_slowdown: rank 0 0.01, rank 1 None",
+    ),
+}
+
+
+def _ranks_given_other_settings(rank: int, world_size: int) -> dict[str, str | None]:
+    import thunder_overlap
+    from thunder_overlap import OverlapConfig
+    from thunder_overlap.config import Tuning
+
+    messages = {}
+    for name, (change, _) in OTHER_SETTINGS.items():
+        torch.manual_seed(0)
+        config = OverlapConfig(**change.get("config", {}), _tuning=Tuning(**change.get("tuning", {}))) if rank == 1 else None
+        jm = thunder_overlap.fsdp(TinyGPT(MODEL), sharding_strategy="zero3", bucketing_strategy="block", config=config)
+        messages[name] = _first_step_error(jm)
+    return messages
+
+
+def test_ranks_given_other_settings_raise_naming_the_fields():
+    # Compared before any other exchange, so every rank raises the same error, naming the field.
+    ranks = run_local_ranks(_ranks_given_other_settings, WORLD_SIZE, (), timeout_s=300)
+    for name, (_, named) in OTHER_SETTINGS.items():
+        for messages in ranks:
+            message = messages[name]
+            assert message is not None and "rank 1 of the process group was given other settings than rank 0" in message, (name, message)
+            assert named in message, (name, message)
+
+
 def test_ranks_whose_own_orders_differ_adopt_the_first_ranks_order():
-    (order_0, adopted_0, _), (order_1, adopted_1, _) = run_local_ranks(_ranks_with_different_policies, WORLD_SIZE, (), timeout_s=300)
+    (order_0, adopted_0, _), (order_1, adopted_1, _) = run_local_ranks(_ranks_with_different_orders, WORLD_SIZE, (), timeout_s=300)
     assert order_0 == order_1
     # Not vacuous: rank 1's own backward order was another one, and it gave it up.
     assert adopted_1["backward"] and not any(adopted_0.values())
@@ -193,5 +232,23 @@ def _one_rank_caps_its_buckets_differently(rank: int, world_size: int) -> str | 
 def test_ranks_with_different_bucket_plans_raise_on_every_rank():
     messages = run_local_ranks(_one_rank_caps_its_buckets_differently, WORLD_SIZE, (), timeout_s=120)
     for message in messages:
+        # The cap that made the plans differ is named, with both values.
+        assert message is not None and "rank 1 of the process group was given other settings than rank 0" in message, messages
+        assert "bucket_cap_bytes: rank 0 None, rank 1 52428" in message, message
+
+
+def _one_rank_plans_other_buckets(rank: int, world_size: int) -> str | None:
+    import thunder_overlap
+
+    torch.manual_seed(0)
+    model = TinyGPT(MODEL)
+    if rank == 1:  # the same options, another model: its frozen final norm makes a bucket of its own
+        model.norm_f.requires_grad_(False)
+    return _first_step_error(thunder_overlap.fsdp(model, sharding_strategy="zero3", bucketing_strategy="block"))
+
+
+def test_ranks_with_the_same_settings_but_other_bucket_plans_raise_on_every_rank():
+    messages = run_local_ranks(_one_rank_plans_other_buckets, WORLD_SIZE, (), timeout_s=120)
+    for message in messages:
         assert message is not None and "ranks [1] of the process group planned other buckets than rank 0" in message, messages
-        assert "bucket_cap_mb" in message and "summaries['plan']" in message, message
+        assert "summaries['plan']" in message, message

@@ -7,7 +7,7 @@ in first-use order (registration order, which the forward of a transformer follo
 contiguous buckets:
 
 - a bucket ends as soon as it saturates bandwidth, i.e. once its latency share of one all-gather
-  is at most ``OverlapConfig.auto_bucket_latency_share`` (``bytes >= latency x bandwidth x (1 -
+  is at most ``Tuning.auto_bucket_latency_share`` (``bytes >= latency x bandwidth x (1 -
   share) / share``, for the actual world size and network; where the backend runs k launches at
   once, the latency another launch's transfer hides does not count), even inside a block: a larger bucket
   saves little latency but arrives later, so the first compute that needs it waits longer, and

@@ -208,7 +208,7 @@ class BucketPlanSummary:
     network: str
     # Latency one launch pays on world_size ranks.
     latency_ms: float
-    # auto: the smallest bucket whose latency share is at most OverlapConfig.auto_bucket_latency_share.
+    # auto: the smallest bucket whose latency share is at most Tuning.auto_bucket_latency_share.
     target_bytes: int | None
     # The binding cap and which limit it comes from ("bucket_cap_mb", "prefetch limit", "memory slack").
     cap_bytes: int | None

@@ -123,7 +123,7 @@ def _first_difference(theirs: list[CollectiveKey], reference: list[CollectiveKey
 class IssueOrderAgreement:
     """The agreed issue order of each pass, and the one exchange that agrees on it.
 
-    ``exchange=False`` (``OverlapConfig.check_ranks_agree=False``) skips the exchange: each rank
+    ``exchange=False`` (``Tuning.check_ranks_agree=False``) skips the exchange: each rank
     keeps its own first order, which is only safe when every rank's first step has equal shapes
     and estimates.
     """
