@@ -21,7 +21,7 @@ PACKAGE = Path(thunder_overlap.__file__).parent
 LAYERS: list[tuple[str, ...]] = [
     ("thunder_overlap._console", "thunder_overlap._backends", "thunder_overlap._ops"),
     ("thunder_overlap._analysis",),
-    ("thunder_overlap.config", "thunder_overlap.options"),
+    ("thunder_overlap.config", "thunder_overlap.options", "thunder_overlap._process_groups"),
     ("thunder_overlap._scheduling",),
     ("thunder_overlap._bucketing",),
     ("thunder_overlap._transforms",),

@@ -22,7 +22,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
-import os
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -168,68 +167,6 @@ def _parse_bucket_cap_mb(value: float | None, bucketing: BucketingStrategy) -> i
     return int(value * 2**20)
 
 
-# The device types each backend communicates. "undefined" is what init_process_group() without
-# a backend reports: it then creates gloo for CPU and NCCL for CUDA tensors.
-_BACKEND_DEVICE_TYPES = {"gloo": {"cpu"}, "nccl": {"cuda"}, "undefined": {"cpu", "cuda"}}
-
-
-def _device_types(backend: str) -> set[str] | None:
-    """Device types a backend string such as "gloo" or "cpu:gloo,cuda:nccl" serves; None when
-    unknown (e.g. "fake" for tracing), in which case any device is accepted."""
-    types: set[str] = set()
-    for part in backend.split(","):
-        if ":" in part:
-            types.add(part.split(":", 1)[0])
-        elif part in _BACKEND_DEVICE_TYPES:
-            types |= _BACKEND_DEVICE_TYPES[part]
-        else:
-            return None
-    return types
-
-
-def _cuda_index() -> int:
-    """This process's GPU: LOCAL_RANK (torchrun sets it), else the device the caller selected."""
-    import torch
-
-    local_rank = os.environ.get("LOCAL_RANK")
-    if local_rank is None:
-        return torch.cuda.current_device()
-    index = int(local_rank)
-    if not 0 <= index < torch.cuda.device_count():
-        raise ValueError(
-            f"LOCAL_RANK={index} names no visible CUDA device ({torch.cuda.device_count()} visible); "
-            "pass device= explicitly"
-        )
-    return index
-
-
-def _resolve_device(device: torch.device | str | None, process_group: dist.ProcessGroup) -> torch.device:
-    import torch
-    import torch.distributed as dist
-
-    backend = str(dist.get_backend(process_group))
-    allowed = _device_types(backend)
-    if device is None:
-        uses_cuda = allowed is not None and "cuda" in allowed and torch.cuda.is_available()
-        device = torch.device("cuda", _cuda_index()) if uses_cuda else torch.device("cpu")
-    try:
-        device = torch.device(device)
-    except (TypeError, RuntimeError) as e:
-        raise ValueError(f"device={device!r} is not a valid torch device") from e
-    if allowed is not None and device.type not in allowed:
-        raise ValueError(
-            f"device={str(device)!r} does not match the process group backend {backend!r}, "
-            f"which communicates {sorted(allowed)} tensors"
-        )
-    if device.type == "cuda":
-        if device.index is None:
-            device = torch.device("cuda", _cuda_index())
-        # NCCL and the object collectives (rank agreement, cost-model broadcast) run on the
-        # current device; left at cuda:0, every rank would use the first GPU.
-        torch.cuda.set_device(device)
-    return device
-
-
 @dataclass(frozen=True)
 class FSDPOptions:
     """Resolved options of :func:`thunder_overlap.fsdp`; build with :meth:`FSDPOptions.resolve`."""
@@ -304,10 +241,8 @@ class FSDPOptions:
 
         A CUDA device becomes this process's current device (``torch.cuda.set_device``).
         """
-        import torch.distributed as dist
-        from thunder.distributed import copy_default_process_group
-
         from thunder_overlap._analysis.blocks import parse_block_types
+        from thunder_overlap._process_groups import resolve_device, resolve_groups
         from thunder_overlap.config import OverlapConfig
 
         if config is not None and not isinstance(config, OverlapConfig):
@@ -318,41 +253,9 @@ class FSDPOptions:
         bucketing = parse_bucketing_strategy(bucketing_strategy)
         bucket_cap_bytes = _parse_bucket_cap_mb(bucket_cap_mb, bucketing)
         parsed_block_types = parse_block_types(block_types)
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "thunder_overlap.fsdp needs an initialised process group: call "
-                "torch.distributed.init_process_group(...) first (torchrun sets up the environment for it)"
-            )
-        hybrid_mesh = None
-        if device_mesh is not None:
-            if process_group is not None:
-                raise ValueError(
-                    "pass either device_mesh or process_group, not both: a 1-D mesh is the group to shard over, "
-                    "a 2-D mesh (replicate, shard) is hybrid sharding"
-                )
-            process_group, hybrid_mesh = _groups_of_mesh(device_mesh)
-            if broadcast_from is not None and hybrid_mesh is not None:
-                raise ValueError(
-                    f"broadcast_from={broadcast_from!r} is not supported with a 2-D device_mesh (hybrid sharding): "
-                    "give every rank the same initial parameters (the same seed) and pass broadcast_from=None"
-                )
-        elif process_group is None:
-            from thunder_overlap._console import filter_known_output
-
-            # gloo's native code prints "[Gloo] Rank ... connected ..." for every group it
-            # creates; only that exact message is dropped from the copy's output.
-            with filter_known_output():
-                process_group = copy_default_process_group()
-        elif not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r}")
-        if broadcast_from is not None:
-            if isinstance(broadcast_from, bool) or not isinstance(broadcast_from, int):
-                raise TypeError(f"broadcast_from must be a rank (int) or None, got {broadcast_from!r}")
-            world_size = dist.get_world_size(process_group)
-            if not 0 <= broadcast_from < world_size:
-                raise ValueError(f"broadcast_from={broadcast_from} is not a rank of this process group (0..{world_size - 1})")
+        process_group, hybrid_mesh = resolve_groups(process_group, device_mesh, broadcast_from)
         return cls(
-            device=_resolve_device(device, process_group),
+            device=resolve_device(device, process_group),
             process_group=process_group,
             sharding=sharding,
             bucketing=bucketing,
@@ -363,30 +266,6 @@ class FSDPOptions:
             block_types=parsed_block_types,
             hybrid_mesh=hybrid_mesh,
         )
-
-
-def _groups_of_mesh(device_mesh: object) -> tuple[dist.ProcessGroup, DeviceMesh | None]:
-    """(shard group, the mesh if it is hybrid): a 1-D mesh is the shard group, a 2-D mesh has
-    dims (replicate, shard), FSDP2's order; the mesh must hold every rank of the world."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if not isinstance(device_mesh, DeviceMesh):
-        raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh or None, got {device_mesh!r}")
-    if device_mesh.ndim not in (1, 2):
-        raise ValueError(
-            f"device_mesh must have 1 dim (shard) or 2 dims (replicate, shard), got {device_mesh.ndim} dims "
-            f"of sizes {tuple(device_mesh.shape)}"
-        )
-    world_size = dist.get_world_size()
-    if device_mesh.size() != world_size:
-        raise ValueError(
-            f"device_mesh of shape {tuple(device_mesh.shape)} holds {device_mesh.size()} ranks, but the world has "
-            f"{world_size}: the mesh must cover every rank"
-        )
-    if device_mesh.ndim == 1:
-        return device_mesh.get_group(0), None
-    return device_mesh.get_group(1), device_mesh
 
 
 def unknown_keywords_message(caller: str, unknown: Iterable[str], accepted: Iterable[str]) -> str:

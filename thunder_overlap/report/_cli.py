@@ -49,7 +49,7 @@ class UsageError(ValueError):
     """A bad command-line value; printed without a traceback."""
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m thunder_overlap report", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model", default="llama-2-7b", help=f"built-in {sorted(BUILTIN_MODELS)} or a litgpt config name (default: llama-2-7b)"
@@ -92,7 +92,29 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="also schedule with every policy (stock, just_in_time, heuristic, greedy, memory_aware) and print them side by side",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The command line's options, each checked, naming a bad value and what is accepted."""
+    args = _parser().parse_args(argv)
+    _check_sizes(args)
+    _check_profiles(args)
+    try:
+        args.sharding = parse_sharding_strategy(args.sharding, flag="--sharding")
+        args.bucketing = parse_bucketing_strategy(args.bucketing, flag="--bucketing")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    # auto: a topology gives each process group its network; the default network (the one
+    # bucket sizing and the report's header use) is the group parameters are sharded over's.
+    args.topology = None
+    if args.network == AUTO_NETWORK:
+        args.topology = NodeTopology("nvlink", "infiniband", args.gpus_per_node)
+        args.network = args.topology.network_of_ranks(range(args.shard_group_size or args.world_size)).name
+    return args
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
     if not 1 <= args.world_size <= MAX_WORLD_SIZE:
         raise UsageError(f"--world-size {args.world_size} is impossible; accepted: 1 to {MAX_WORLD_SIZE} ranks")
     if args.n_layer is not None and args.n_layer < 1:
@@ -110,6 +132,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         raise UsageError(f"--seq-len {args.seq_len} is impossible; accepted: 1 to the model's block size")
     if args.steps < 0:
         raise UsageError(f"--steps {args.steps} is impossible; accepted: 0 (no per-step table, the default) or more rows")
+
+
+def _check_profiles(args: argparse.Namespace) -> None:
     try:
         device_profile(args.device_profile)
     except ValueError:
@@ -124,18 +149,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                 f"{', '.join(sorted(NETWORK_PROFILES))}, or {CUSTOM_NETWORK} with latency >= 0, bandwidth > 0 "
                 "and concurrent launches >= 1"
             ) from None
-    try:
-        args.sharding = parse_sharding_strategy(args.sharding, flag="--sharding")
-        args.bucketing = parse_bucketing_strategy(args.bucketing, flag="--bucketing")
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    # auto: a topology gives each process group its network; the default network (the one
-    # bucket sizing and the report's header use) is the group parameters are sharded over's.
-    args.topology = None
-    if args.network == AUTO_NETWORK:
-        args.topology = NodeTopology("nvlink", "infiniband", args.gpus_per_node)
-        args.network = args.topology.network_of_ranks(range(args.shard_group_size or args.world_size)).name
-    return args
 
 
 def _divisors(n: int, shown: int = 12) -> str:
@@ -187,14 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     # The arguments are sound: from here on torch and Thunder are needed.
-    import torch
-
     from thunder_overlap._analysis.cost_model import CostModel
-    from thunder_overlap.config import OverlapConfig
-    from thunder_overlap.report._models import model_recipe, trace_model
-    from thunder_overlap.report._policies import compare_policies
-    from thunder_overlap.report._report import report
-    from thunder_overlap.report._thunder_baseline import fake_process_group, thunder_fsdp_baseline
+    from thunder_overlap.report._models import model_recipe
 
     try:
         cost_model = CostModel.named(args.device_profile, args.network, topology=args.topology)
@@ -205,6 +212,22 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # UsageError, UnknownModelError
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+    jm, result, comparison = _predict(args, spec, seq_len, cost_model)
+    _write(args, jm, result, comparison)
+    return 0
+
+
+def _predict(args: argparse.Namespace, spec, seq_len: int, cost_model):
+    """Traces the model with thunder_overlap and with Thunder's own FSDP on the meta device, and
+    reports both (and every policy, with --compare-policies)."""
+    import torch
+
+    from thunder_overlap.config import OverlapConfig
+    from thunder_overlap.report._models import trace_model
+    from thunder_overlap.report._policies import compare_policies
+    from thunder_overlap.report._report import report
+    from thunder_overlap.report._thunder_baseline import fake_process_group, thunder_fsdp_baseline
 
     start = time.perf_counter()
     _progress(f"building {args.model} ({args.n_layer or 'all'} layers) on the meta device")
@@ -240,12 +263,17 @@ def main(argv: list[str] | None = None) -> int:
             config = OverlapConfig(cost_model=cost_model)
             comparison = compare_policies(jm, cost_model=cost_model, config=config, thunder_fsdp=thunder_fsdp)
 
+    return jm, result, comparison
+
+
+def _write(args: argparse.Namespace, jm, result, comparison) -> None:
+    """Prints the report (and the auto plan, the step table, the policies) and writes its files."""
     print(result)
     if args.bucketing is BucketingStrategy.AUTO:
         from thunder_overlap._transforms import BucketingTransform
 
         # Which buckets the cost model chose for this world size and network, and why.
-        print(BucketingTransform.of(jm).summaries["plan"])
+        print(BucketingTransform.of(jm).summaries.plan)
     if args.steps:
         print(result["forward"].step_table(max_rows=args.steps))
     out = Path(args.out)
@@ -263,7 +291,6 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:  # no matplotlib: the text and JSON are still useful
         _progress(f"skipped the PNG: {e}")
     _progress(f"wrote {', '.join(w for w in written)} to {out.resolve()}{' (the default --out)' if args.out == DEFAULT_OUT else ''}")
-    return 0
 
 
 if __name__ == "__main__":
