@@ -39,6 +39,18 @@ def _check(owner: str, name: str, value: object, kind: type, *, optional: bool, 
         raise ValueError(f"{owner}.{name} must be {accepted}, got {value!r}")
 
 
+# Tuning's fields by what they accept: (type, None allowed, zero allowed).
+_TUNING_RULES: dict[tuple[type, bool, bool], tuple[str, ...]] = {
+    (int, True, False): ("max_in_flight_allgathers", "max_in_flight_reduce_scatter_bytes"),
+    (int, True, True): ("max_prefetch_compute_ops",),
+    (int, False, False): ("fallback_in_flight_allgathers",),
+    (int, False, True): ("chained_wait_compute_ops",),
+    (float, True, False): ("bucket_eager_prefetch_blocks", "bucket_reduce_scatter_blocks", "prefetch_time_margin"),
+    (float, True, True): ("per_tensor_gather_max_slowdown", "reduce_from_copy_max_slowdown"),
+    (bool, False, False): ("check_ranks_agree", "coalesce"),
+}
+
+
 @dataclass(frozen=True)
 class Tuning:
     """Internal constants of the scheduler and the bucket paths. Their defaults are the
@@ -65,21 +77,9 @@ class Tuning:
     auto_bucket_latency_share: float = 0.1  # auto buckets: latency <= this share of their time
 
     def __post_init__(self) -> None:
-        for name, kind, optional, zero in (
-            ("max_in_flight_allgathers", int, True, False),
-            ("bucket_eager_prefetch_blocks", float, True, False),
-            ("per_tensor_gather_max_slowdown", float, True, True),
-            ("reduce_from_copy_max_slowdown", float, True, True),
-            ("bucket_reduce_scatter_blocks", float, True, False),
-            ("max_in_flight_reduce_scatter_bytes", int, True, False),
-            ("fallback_in_flight_allgathers", int, False, False),
-            ("chained_wait_compute_ops", int, False, True),
-            ("max_prefetch_compute_ops", int, True, True),
-            ("prefetch_time_margin", float, True, False),
-            ("check_ranks_agree", bool, False, False),
-            ("coalesce", bool, False, False),
-        ):
-            _check("Tuning", name, getattr(self, name), kind, optional=optional, zero=zero)
+        for (kind, optional, zero), names in _TUNING_RULES.items():
+            for name in names:
+                _check("Tuning", name, getattr(self, name), kind, optional=optional, zero=zero)
         _check("Tuning", "auto_bucket_latency_share", self.auto_bucket_latency_share, float, optional=False, zero=False, below_one=True)
 
 

@@ -26,16 +26,6 @@ from thunder_overlap.checkpoint._files import load, save
 from thunder_overlap.checkpoint._state_dict import LoadResult, StateDictOptions, get_state_dict, set_state_dict
 
 __all__ = [
-    "CheckpointError",
-    "CheckpointKeyError",
-    "CheckpointNotFoundError",
-    "CheckpointValueError",
-    "CorruptCheckpointError",
-    "DistributedCheckpointError",
-    "LoadResult",
-    "StateDictOptions",
-    "get_state_dict",
-    "load",
-    "save",
-    "set_state_dict",
-]
+    "CheckpointError", "CheckpointKeyError", "CheckpointNotFoundError", "CheckpointValueError", "CorruptCheckpointError",
+    "DistributedCheckpointError", "LoadResult", "StateDictOptions", "get_state_dict", "load", "save", "set_state_dict",
+]  # fmt: skip
