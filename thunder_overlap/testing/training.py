@@ -27,7 +27,7 @@ from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import BucketingStrategy, ShardingStrategy, parse_bucketing_strategy, parse_sharding_strategy
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.report._schedule_view import ScheduleStats, schedule_picture, schedule_stats
-from thunder_overlap.testing.bucket_census import BucketCensus
+from thunder_overlap.testing.bucket_census import BucketCensus, bucket_census
 from thunder_overlap.testing.live_memory import LiveMemoryTracker
 from thunder_overlap.testing.op_census import OpCensus
 
@@ -241,10 +241,10 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
         losses.append(loss.item())
         if bucketing is not None and step == 0:
             allocations_after_first_step = bucketing.allocations
-    bucket_census = None
+    census_of_buckets = None
     if census.records:
         backward = thunder.last_backward_traces(jm)[-1]
-        bucket_census = bucket_census(jm, bucketing, census, allocations_after_first_step, unsharded_numels, backward)
+        census_of_buckets = bucket_census(jm, bucketing, census, allocations_after_first_step, unsharded_numels, backward)
 
     shards = {name: p.detach().clone() for name, p in jm.named_parameters()}
     peak = predicted_peak = None
@@ -266,7 +266,7 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
         collectives=collective_sequence(forward) + collective_sequence(backward),
         shards=shards,
         saved_unsharded=saved_unsharded(forward),
-        bucket_census=bucket_census,
+        bucket_census=census_of_buckets,
         first_grads=first_grads,
         forward_groups=collective_groups(forward),
         backward_groups=collective_groups(backward),
