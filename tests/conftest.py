@@ -1,17 +1,33 @@
-"""Process groups shared by the test modules.
+"""Process groups and rank processes shared by the test modules, and the two tiers.
 
-Each fixture creates the default process group and destroys it when its scope ends, so no test
-depends on another having run first. A group a fixture finds already alive is an error: the
-fixture that made it did not clean up, and the two modules would silently share one world size.
+Each process-group fixture creates the default process group and destroys it when its scope
+ends, so no test depends on another having run first. A group a fixture finds already alive is an
+error: the fixture that made it did not clean up, and the two modules would silently share one
+world size.
+
+``local_ranks`` runs functions on local gloo ranks started once per world size for the whole
+run (thunder_overlap.testing.rank_session), instead of spawning ranks, each importing torch and
+Thunder, for every call.
+
+Tiers: a test that starts rank processes (``local_ranks``, ``run_local_ranks``, torchrun, the
+demo) is marked ``ranks``; ``make test-fast`` runs the others (``-m "not ranks"``), ``make test``
+all. An unmarked test that requests ``local_ranks`` fails collection, and one that starts ranks
+another way fails when it does, so no spawning test can slip into the fast tier.
 """
 
 from __future__ import annotations
 
+import multiprocessing.process
+import subprocess
 from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from thunder_overlap.testing.rank_session import RankSessions
+
+RANKS = "ranks"
 
 
 def _describe_default_group() -> str:
@@ -65,3 +81,76 @@ def _no_process_group_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         leaked = _describe_default_group()
         dist.destroy_process_group()  # so that the next test starts clean
         pytest.fail(f"{request.node.nodeid} left a default process group alive ({leaked})")
+
+
+@pytest.fixture(scope="session")
+def local_ranks():
+    """``run_local_ranks(fn, world_size=2, args=(), *, timeout_s=600)`` on ranks shared by every
+    test of the run (one RankSession per world size). The functions sent build their own models
+    and set their own seeds; one that patches anything restores it."""
+    sessions = RankSessions()
+    yield sessions.run
+    sessions.close()
+
+
+# --- tiers ---------------------------------------------------------------------------------------
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: an unmarked test fails the fast tier too
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = [item.nodeid for item in items if "local_ranks" in item.fixturenames and item.get_closest_marker(RANKS) is None]
+    if unmarked:
+        raise pytest.UsageError(
+            f"these tests start rank processes (through the local_ranks fixture) but are not marked `{RANKS}`, "
+            f"so make test-fast would run them: mark them (pytestmark = pytest.mark.{RANKS} for a whole module):\n  "
+            + "\n  ".join(unmarked)
+        )
+
+
+_running: list[pytest.Item] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    _running.append(item)  # fixtures of any scope are set up and torn down inside
+    try:
+        yield
+    finally:
+        _running.pop()
+
+
+def _refuse_unmarked(what: str) -> None:
+    if _running and _running[-1].get_closest_marker(RANKS) is None:
+        raise RuntimeError(
+            f"{_running[-1].nodeid} starts {what} but is not marked `{RANKS}`, so make test-fast would run it: "
+            f"mark the test (or its module: pytestmark = pytest.mark.{RANKS})"
+        )
+
+
+_process_start = multiprocessing.process.BaseProcess.start
+_popen_init = subprocess.Popen.__init__
+
+
+def _guarded_start(self) -> None:
+    _refuse_unmarked(f"a process ({self.name})")
+    _process_start(self)
+
+
+def _command_words(args) -> list[str]:
+    return [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+
+
+def _starts_ranks(words: list[str]) -> bool:
+    """torchrun (or python -m torch.distributed.run), or the demo (which starts 2 ranks)."""
+    torchrun = "torch.distributed.run" in words or any(w.endswith("torchrun") for w in words)
+    return torchrun or ("thunder_overlap" in words and "demo" in words)
+
+
+def _guarded_popen_init(self, args, *rest, **kwargs) -> None:
+    if _starts_ranks(_command_words(args)):
+        _refuse_unmarked(f"`{' '.join(_command_words(args))}`")
+    _popen_init(self, args, *rest, **kwargs)
+
+
+multiprocessing.process.BaseProcess.start = _guarded_start
+subprocess.Popen.__init__ = _guarded_popen_init

@@ -44,6 +44,7 @@ def _run_benchmark(tmp_path: Path, impl: str, shard_mode: str, bucketing_mode: s
     return json.loads(json_path.read_text())
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("impl", ["thunder_overlap", "fsdp2", "compute_with_comm"])
 def test_benchmark_writes_sane_json(tmp_path, impl):
     bucketing_mode = "block" if impl == "thunder_overlap" else "none"

@@ -1,7 +1,7 @@
-"""Bucketing (layer, block and auto): parity with a float64 single process, one collective per
-bucket, nothing allocated or copied beyond one copy per bucket and direction after the first step,
-and every user-facing feature (accumulation, zero_grad modes, state dicts, retracing) behaving as
-without buckets."""
+"""Bucketing (layer, block and auto) on two gloo ranks: parity with a float64 single process, one
+collective per bucket, nothing allocated or copied beyond one copy per bucket and direction after
+the first step, and every user-facing feature (accumulation, zero_grad modes, state dicts,
+retracing) behaving as without buckets. Plans and one-rank dtypes: tests/test_bucketing_one_rank.py."""
 
 from __future__ import annotations
 
@@ -10,16 +10,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from thunder_overlap._analysis.layout import ReducePath
-from thunder_overlap._bucketing.plan import bucket_owner, plan_buckets
 from thunder_overlap.config import OverlapConfig, Tuning
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
-from thunder_overlap.testing.local_ranks import run_local_ranks
-from thunder_overlap.testing.op_census import OpCensus
 from thunder_overlap.testing.training import TrainSetup, check_against_reference, train_rank
+
+pytestmark = pytest.mark.ranks
 
 WORLD_SIZE = 2
 MODEL = TinyGPTConfig(n_layer=2)
@@ -34,59 +32,29 @@ CASES = [(sharding, bucketing) for sharding in ("zero2", "zero3") for bucketing 
 ]
 
 
-# --- planning -----------------------------------------------------------------------------------
-
-
-def test_block_buckets_hold_whole_blocks_and_layer_buckets_one_module():
-    model = TinyGPT(TinyGPTConfig(n_layer=2))
-    shards = list(model.named_parameters())
-    block = plan_buckets(shards, bucket_owner(model, "block"), world_size=2)
-    layer = plan_buckets(shards, bucket_owner(model, "layer"), world_size=2)
-    assert [p.label for p in block] == ["wte", "wpe (float32, frozen)", "blocks.0", "blocks.1", "norm_f"]
-    assert len(block[2].slots) == len(list(model.blocks[0].parameters()))
-    assert {p.label for p in layer} >= {"blocks.0.attn.qkv", "blocks.1.fc", "norm_f"}
-    assert all(len(p.slots) <= 2 for p in layer)  # weight and bias
-    # Slots lie back to back in the flat shard.
-    for plan in block + layer:
-        offsets = [s.offset for s in plan.slots]
-        assert offsets == [sum(s.numel for s in plan.slots[:i]) for i in range(len(plan.slots))]
-
-
-def test_buckets_split_by_dtype_frozen_and_cap():
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-    model[0].bias.requires_grad_(False)
-    model[1].to(torch.bfloat16)
-    owners = {name: "all" for name, _ in model.named_parameters()}
-    plans = plan_buckets(list(model.named_parameters()), owners, world_size=2)
-    assert [(p.dtype, p.requires_grad, [s.name for s in p.slots]) for p in plans] == [
-        (torch.float32, True, ["0.weight"]),
-        (torch.float32, False, ["0.bias"]),
-        (torch.bfloat16, True, ["1.weight", "1.bias"]),
-    ]
-    # 1.weight is 8*8*2 bytes = 128 unsharded; a 150-byte cap leaves no room for the bias beside it.
-    capped = plan_buckets(list(model.named_parameters()), owners, world_size=2, cap_bytes=150)
-    assert [[s.name for s in p.slots] for p in capped if p.dtype == torch.bfloat16] == [["1.weight"], ["1.bias"]]
-
-
 # --- two ranks ----------------------------------------------------------------------------------
 
 
 class _Runs(dict):
     """(sharding, bucketing) -> (ranks, their check against a float64 reference), each case
-    spawned on first use only, so that selecting one case (-k) spawns one."""
+    run on first use only, so that selecting one case (-k) runs one."""
+
+    def __init__(self, local_ranks) -> None:
+        super().__init__()
+        self.local_ranks = local_ranks
 
     def __missing__(self, case: tuple[str, str]):
         sharding, bucketing = case
         strategy, as_on_nccl = bucketing.removesuffix(AS_ON_NCCL), bucketing.endswith(AS_ON_NCCL)
         setup = TrainSetup(sharding=sharding, bucketing=strategy, model=MODEL, steps=3, measure_memory=False, buckets_as_on_nccl=as_on_nccl)
-        ranks = run_local_ranks(train_rank, WORLD_SIZE, (setup,))
+        ranks = self.local_ranks(train_rank, WORLD_SIZE, (setup,))
         self[case] = (ranks, check_against_reference(setup, WORLD_SIZE, ranks))
         return self[case]
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return _Runs()
+def runs(local_ranks):
+    return _Runs(local_ranks)
 
 
 @pytest.mark.parametrize(("sharding", "bucketing"), CASES)
@@ -203,7 +171,7 @@ def test_steady_state_step_allocates_only_gradient_shards_and_copies_at_most_onc
 
 
 @pytest.fixture(scope="module")
-def deep_runs():
+def deep_runs(local_ranks):
     """Block buckets on a model deeper than the prefetch window (2 blocks)."""
     deep = TinyGPTConfig(n_layer=6)
     setups = {s: TrainSetup(sharding=s, bucketing="block", model=deep, steps=2, measure_memory=False) for s in ("zero2", "zero3")}
@@ -215,7 +183,7 @@ def deep_runs():
     two_ahead = replace(laid_out, _tuning=replace(laid_out._tuning, bucket_eager_prefetch_blocks=None))
     setups["zero3, two blocks ahead"] = replace(setups["zero3"], config=two_ahead)
     setups["zero3, as on NCCL"] = replace(setups["zero3"], buckets_as_on_nccl=True)
-    return {s: run_local_ranks(train_rank, WORLD_SIZE, (setup,))[0].bucket_census for s, setup in setups.items()}
+    return {s: local_ranks(train_rank, WORLD_SIZE, (setup,))[0].bucket_census for s, setup in setups.items()}
 
 
 def _split_use(use: str) -> tuple[str, str]:
@@ -310,10 +278,10 @@ def _pool_reuse_after_in_place_all_reduces(rank: int, world_size: int, rounds: i
     return pool.allocations
 
 
-def test_a_buffer_all_reduced_in_place_is_idle_once_settled():
+def test_a_buffer_all_reduced_in_place_is_idle_once_settled(local_ranks):
     # gloo's all-reduce work holds the tensor it is handed until its worker thread lets go,
     # sometimes after wait returns; settle must see that hold, or the pool grows by chance.
-    assert run_local_ranks(_pool_reuse_after_in_place_all_reduces, WORLD_SIZE, (200,)) == [1, 1]
+    assert local_ranks(_pool_reuse_after_in_place_all_reduces, WORLD_SIZE, (200,)) == [1, 1]
 
 
 @pytest.mark.parametrize("name", ["zero2", "zero3", "zero3, two blocks ahead", "zero3, as on NCCL"])
@@ -386,8 +354,8 @@ def _user_session(rank: int, world_size: int, bucketing: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def sessions():
-    return {b: run_local_ranks(_user_session, WORLD_SIZE, (b,)) for b in ("none", "block")}
+def sessions(local_ranks):
+    return {b: local_ranks(_user_session, WORLD_SIZE, (b,)) for b in ("none", "block")}
 
 
 def test_accumulation_zero_grad_modes_and_retrace_match_unbucketed(sessions):
@@ -475,8 +443,8 @@ def _no_sync_steps(rank: int, mode: str, sent: list, result: dict):
     return jm
 
 
-def test_no_sync_accumulates_in_the_buckets_and_sends_once():
-    for r in run_local_ranks(_no_sync_session, WORLD_SIZE):
+def test_no_sync_accumulates_in_the_buckets_and_sends_once(local_ranks):
+    for r in local_ranks(_no_sync_session, WORLD_SIZE):
         trainable_buckets = r["reduce_scatters"]
         assert trainable_buckets > 0
         # Under no_sync one local accumulation per bucket replaces each reduce-scatter.
@@ -499,50 +467,3 @@ def test_replacing_a_parameter_is_a_clear_error(sessions):
     for bucketed in sessions["block"]:
         assert "no longer lives in bucket" in bucketed["assign_error"]
         assert "assign=False" in bucketed["assign_error"]
-
-
-# --- one rank: dtypes -----------------------------------------------------------------------------
-
-
-class _MixedPrecisionModel(nn.Module):
-    """An fp32 layer feeding a bf16 layer (with a frozen bias): three dtype/frozen buckets."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fp32 = nn.Linear(8, 16)
-        self.bf16 = nn.Linear(16, 4).to(torch.bfloat16)
-        self.bf16.bias.requires_grad_(False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bf16(torch.relu(self.fp32(x)).to(torch.bfloat16)).float()
-
-
-@pytest.mark.parametrize("sharding", ["zero2", "zero3"])
-def test_mixed_dtypes_get_buckets_of_their_own_and_train_like_eager(one_rank_gloo_group, sharding):
-    import thunder_overlap
-    from thunder_overlap._transforms import BucketingTransform
-
-    torch.manual_seed(0)
-    eager = _MixedPrecisionModel()
-    torch.manual_seed(0)
-    jm = thunder_overlap.fsdp(_MixedPrecisionModel(), sharding_strategy=sharding, bucketing_strategy="block")
-    plans = BucketingTransform.of(jm).plans
-    assert sorted((str(p.dtype), p.requires_grad) for p in plans) == [
-        ("torch.bfloat16", False), ("torch.bfloat16", True), ("torch.float32", True)
-    ]
-    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (eager, jm)]
-    for step in range(3):
-        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
-        for model, optimizer in zip((eager, jm), optimizers, strict=True):
-            optimizer.zero_grad()
-            model(x).square().sum().backward()
-            optimizer.step()
-    # On one rank a gathered bucket is already laid out parameter by parameter: no copy-out.
-    with OpCensus() as census:
-        jm(torch.randn(5, 8)).square().sum().backward()
-    assert census.count("split_with_sizes_copy") == 0
-    summaries = BucketingTransform.of(jm).summaries
-    assert (summaries["forward"].all_gathers, summaries["backward"].reduce_scatters) == (3, 2)
-    assert not summaries["forward"].unbucketed and not summaries["backward"].unbucketed
-    for name, p in eager.named_parameters():
-        torch.testing.assert_close(jm.get_parameter(name), p, msg=name)

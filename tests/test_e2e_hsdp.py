@@ -16,9 +16,10 @@ import torch
 
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.testing.float_error import rounding_count
-from thunder_overlap.testing.local_ranks import run_local_ranks
 from thunder_overlap.testing.parity import Mismatches, check_gradient_shards, reference_gradients
 from thunder_overlap.testing.training import TrainSetup, check_against_reference, global_batch, shard_group_rank, train_rank
+
+pytestmark = pytest.mark.ranks
 
 WORLD_SIZE = 4
 REPLICAS = 2
@@ -99,10 +100,10 @@ def _session(rank: int, world_size: int, setups: list[TrainSetup], directory: st
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory):
+def session(tmp_path_factory, local_ranks):
     directory = tmp_path_factory.mktemp("hsdp")
     setups = [_setup(*run) for run in RUNS]
-    per_rank = run_local_ranks(_session, WORLD_SIZE, (setups, str(directory)))
+    per_rank = local_ranks(_session, WORLD_SIZE, (setups, str(directory)))
     return directory, setups, per_rank
 
 

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.testing.float_error import OptimizerReplay, rounding_count
-from thunder_overlap.testing.local_ranks import run_local_ranks
 from thunder_overlap.testing.parity import RankSteps, check_steps
+
+pytestmark = pytest.mark.ranks
 
 WORLD_SIZE = 2
 MODEL = TinyGPTConfig(n_layer=2, n_embd=32, n_head=2)
@@ -116,8 +117,8 @@ def _check(runs: list[RankRun], schedule: dict[int, list[tuple[int, int]]]):
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_local_ranks(_train_every_config, WORLD_SIZE, (), timeout_s=900)
+def runs(local_ranks):
+    return local_ranks(_train_every_config, WORLD_SIZE, (), timeout_s=900)
 
 
 @pytest.mark.parametrize("schedule_name", sorted(SCHEDULES))
@@ -155,9 +156,9 @@ def _first_step_error(jm) -> str | None:
     return None
 
 
-def test_ranks_that_would_move_different_collectives_raise_on_every_rank():
+def test_ranks_that_would_move_different_collectives_raise_on_every_rank(local_ranks):
     # A short timeout: a deadlock would fail this test instead of stalling CI.
-    messages = run_local_ranks(_one_rank_moves_other_collectives, WORLD_SIZE, (), timeout_s=120)
+    messages = local_ranks(_one_rank_moves_other_collectives, WORLD_SIZE, (), timeout_s=120)
     for message in messages:
         assert message is not None and "would hang" in message, messages
         assert "ranks [1]" in message and "rank 0 issues all_gather" in message, message
@@ -188,8 +189,8 @@ def _ranks_with_different_estimates(rank: int, world_size: int) -> tuple[list[st
     return _issue_order(jm), OverlapScheduleTransform.of(jm).agreement.adopted
 
 
-def test_ranks_whose_own_orders_differ_adopt_the_first_ranks_order():
-    (order_0, adopted_0), (order_1, adopted_1) = run_local_ranks(_ranks_with_different_estimates, WORLD_SIZE, (), timeout_s=300)
+def test_ranks_whose_own_orders_differ_adopt_the_first_ranks_order(local_ranks):
+    (order_0, adopted_0), (order_1, adopted_1) = local_ranks(_ranks_with_different_estimates, WORLD_SIZE, (), timeout_s=300)
     assert order_0 == order_1
     # Not vacuous: rank 1's own backward order was another one, and it gave it up.
     assert adopted_1["backward"] and not any(adopted_0.values())
@@ -204,11 +205,11 @@ def _ranks_with_different_policies(rank: int, world_size: int) -> str | None:
     return _first_step_error(thunder_overlap.fsdp(TinyGPT(MODEL), sharding_strategy="zero3", config=OverlapConfig(policy=policy)))
 
 
-def test_ranks_given_other_settings_raise_on_every_rank_naming_them():
+def test_ranks_given_other_settings_raise_on_every_rank_naming_them(local_ranks):
     # A setting that shapes the collectives (here the scheduling policy: greedy raises every ZeRO3
     # re-gather to the top of the backward, just-in-time interleaves them) is compared at the
     # first compile, before any collective could pair wrongly.
-    messages = run_local_ranks(_ranks_with_different_policies, WORLD_SIZE, (), timeout_s=120)
+    messages = local_ranks(_ranks_with_different_policies, WORLD_SIZE, (), timeout_s=120)
     for message in messages:
         assert message is not None and "rank 1 of the process group was given other settings than rank 0" in message, messages
         assert "policy: rank 0 'greedy', rank 1 'just_in_time'" in message, message
@@ -228,8 +229,8 @@ def _one_rank_plans_other_buckets(rank: int, world_size: int) -> str | None:
     return _first_step_error(thunder_overlap.fsdp(TinyGPT(MODEL), sharding_strategy="zero3", bucketing_strategy="auto", config=config))
 
 
-def test_ranks_with_different_bucket_plans_raise_on_every_rank():
-    messages = run_local_ranks(_one_rank_plans_other_buckets, WORLD_SIZE, (), timeout_s=120)
+def test_ranks_with_different_bucket_plans_raise_on_every_rank(local_ranks):
+    messages = local_ranks(_one_rank_plans_other_buckets, WORLD_SIZE, (), timeout_s=120)
     for message in messages:
         assert message is not None and "ranks [1] of the process group planned other buckets than rank 0" in message, messages
         assert "bucket_cap_mb" in message and "summaries['plan']" in message, message

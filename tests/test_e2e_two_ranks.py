@@ -12,8 +12,9 @@ import torch
 
 from thunder_overlap._analysis.blocks import largest_block_bytes
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
-from thunder_overlap.testing.local_ranks import run_local_ranks
 from thunder_overlap.testing.training import TrainSetup, check_against_reference, shard_of, train_rank
+
+pytestmark = pytest.mark.ranks
 
 WORLD_SIZE = 2
 MODEL = TinyGPTConfig(n_layer=4)
@@ -21,11 +22,11 @@ STRATEGIES = ("zero2", "zero3")
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(local_ranks):
     results = {}
     for sharding in STRATEGIES:
         setup = TrainSetup(sharding=sharding, model=MODEL, steps=3)
-        ranks = run_local_ranks(train_rank, WORLD_SIZE, (setup,))
+        ranks = local_ranks(train_rank, WORLD_SIZE, (setup,))
         results[sharding] = (setup, ranks, check_against_reference(setup, WORLD_SIZE, ranks))
     return results
 
@@ -151,31 +152,31 @@ def _issue_order(collectives: list[str]) -> list[str]:
     return [c for c in collectives if "wait" not in c.split("(")[0]]
 
 
-def test_ranks_with_rank_dependent_estimates_issue_one_order():
+def test_ranks_with_rank_dependent_estimates_issue_one_order(local_ranks):
     from thunder_overlap._analysis.cost_model import CostModel
     from thunder_overlap.config import OverlapConfig, Tuning
 
     cost_model = CostModel.named("cpu", "gloo-loopback", collective_estimate=RankDependentCollectiveEstimate())
     config = OverlapConfig(cost_model=cost_model, _tuning=Tuning(max_prefetch_compute_ops=1))
     setup = TrainSetup(sharding="zero3", model=MODEL, steps=1, config=config, measure_memory=False)
-    ranks = run_local_ranks(train_rank, WORLD_SIZE, (setup,))
+    ranks = local_ranks(train_rank, WORLD_SIZE, (setup,))
     # Each rank places collectives by its own estimates; which comes before which is agreed.
     assert _issue_order(ranks[0].collectives) == _issue_order(ranks[1].collectives)
     # Not vacuous: rank 1's estimates on both ranks give another placement.
     slow = CostModel.named("cpu", "gloo-loopback", collective_estimate=SlowCollectiveEstimate())
     slow_config = OverlapConfig(cost_model=slow, _tuning=Tuning(max_prefetch_compute_ops=1))
     slow_setup = TrainSetup(sharding="zero3", model=MODEL, steps=1, config=slow_config, measure_memory=False)
-    (slow_rank, _) = run_local_ranks(train_rank, WORLD_SIZE, (slow_setup,))
+    (slow_rank, _) = local_ranks(train_rank, WORLD_SIZE, (slow_setup,))
     assert slow_rank.forward_picture != ranks[0].forward_picture
 
 
 
-def test_memory_estimate_predicts_the_measured_peak_with_reduce_scatters_in_flight():
+def test_memory_estimate_predicts_the_measured_peak_with_reduce_scatters_in_flight(local_ranks):
     # A step small enough that the gathered parameters and the gradients in flight are its peak.
     # gloo's reduce-scatter copies its input where no dispatch mode sees it and holds the copy
     # until the wait: the bytes NCCL holds as the input itself and the estimate counts. The
     # tracker counts that copy; without it the prediction was 37% over the measurement here.
     setup = TrainSetup(sharding="zero3", model=TinyGPTConfig(n_layer=4), micro_batch=1, seq_len=8, steps=1)
-    result = run_local_ranks(train_rank, WORLD_SIZE, (setup,))[0]
+    result = local_ranks(train_rank, WORLD_SIZE, (setup,))[0]
     predicted, measured = result.predicted_peak_step_bytes, result.peak_step_bytes
     assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
