@@ -1,9 +1,9 @@
 """A short, deterministic training run on one rank, shared by the demo, the tests and benchmarks.
 
 ``train_rank`` trains :class:`~thunder_overlap.report._builtin_models.TinyGPT` with either thunder_overlap or
-Thunder's own FSDP and reports losses, step times, measured peak memory, the final shards and
-the schedule of the final traces. ``train_reference`` runs the same steps in one process without
-any sharding: the ground truth for numerics.
+Thunder's own FSDP and reports losses, step times, measured peak memory, the shards and gradients
+of every step and the schedule of the final traces. ``check_against_reference`` checks every step
+against the same steps in one float64 process without any sharding (``parity.check_steps``).
 """
 
 from __future__ import annotations
@@ -40,10 +40,8 @@ __all__ = [
     "collective_groups",
     "collective_sequence",
     "global_batch",
-    "reference_first_grads",
     "shard_group_rank",
     "train_rank",
-    "train_reference",
 ]
 
 IMPLEMENTATIONS = ("thunder_overlap", "thunder")
@@ -109,8 +107,6 @@ class RankResult:
     # process group, numel of its future).
     forward_groups: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
     backward_groups: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
-    # Local gradient shards after the first backward (name -> tensor, padded), before any step.
-    first_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     # Local shards before each step and after the last, and gradient shards of each step: what
     # parity.check_steps compares with a float64 reference step by step.
     step_shards: list[dict[str, torch.Tensor]] = field(default_factory=list)
@@ -277,27 +273,11 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
         shards=step_shards[-1],
         saved_unsharded=saved_unsharded(forward),
         bucket_census=census_of_buckets,
-        first_grads=step_grads[0] if step_grads else {},
         step_shards=step_shards,
         step_grads=step_grads,
         forward_groups=collective_groups(forward),
         backward_groups=collective_groups(backward),
     )
-
-
-def train_reference(setup: TrainSetup, world_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The same steps on one process over the whole global batch, with no sharding."""
-    model = _build_model(setup)
-    optimizer = _optimizer(setup, model.parameters())
-    losses = []
-    for step in range(setup.steps):
-        idx, targets = global_batch(setup, world_size, step)
-        optimizer.zero_grad(set_to_none=True)
-        loss = _loss(model(idx), targets)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def check_against_reference(setup: TrainSetup, world_size: int, results: list[RankResult]):
@@ -320,14 +300,6 @@ def check_against_reference(setup: TrainSetup, world_size: int, results: list[Ra
         return OptimizerReplay(setup.optimizer, setup.lr, eps=setup.adamw_eps)
 
     return check_steps(ranks, model, loss_terms, replay, roundings, shards=world_size // setup.replicas)
-
-
-def reference_first_grads(setup: TrainSetup, world_size: int) -> dict[str, torch.Tensor]:
-    """The gradients of the first step in one process over the whole global batch."""
-    model = _build_model(setup)
-    idx, targets = global_batch(setup, world_size, 0)
-    _loss(model(idx), targets).backward()
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
 def shard_of(full: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, int]:
