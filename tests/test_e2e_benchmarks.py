@@ -100,11 +100,11 @@ def test_benchmark_schedules_thunder_overlap_for_the_named_link():
     config = overlap_config(BenchmarkConfig(network="custom:1000:0.05"), torch.device("cpu"), "thunder_overlap_uncoalesced")
     assert (config.cost_model.network.latency_s, config.cost_model.network.bus_bandwidth) == (1e-3, 0.05e9)
     assert config.cost_model.device.name == "cpu" and not config.tuning.coalesce
-    assert overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_two_ahead").bucket_eager_prefetch_blocks is None
+    assert overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_two_ahead").tuning.bucket_eager_prefetch_blocks is None
     assert not overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_own_shards").reduce_in_pool
     laid_out = overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_laid_out")
-    assert laid_out.per_tensor_gather_max_slowdown is None and laid_out.reduce_from_copy_max_slowdown is None
-    assert overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_two_lay_outs").bucket_reduce_scatter_blocks is None
+    assert laid_out.tuning.per_tensor_gather_max_slowdown is None and laid_out.tuning.reduce_from_copy_max_slowdown is None
+    assert overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_two_lay_outs").tuning.bucket_reduce_scatter_blocks is None
     assert overlap_config(BenchmarkConfig(), torch.device("cpu")).cost_model is None
     # The testbed names its link to every run that traces thunder_overlap, and to no other.
     from slow_link import TestbedConfig
