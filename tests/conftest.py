@@ -17,7 +17,7 @@ another way fails when it does, so no spawning test can slip into the fast tier.
 
 from __future__ import annotations
 
-import multiprocessing.process
+import os
 import subprocess
 from collections.abc import Iterator
 
@@ -25,6 +25,7 @@ import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from thunder_overlap.testing.local_ranks import NO_RANKS_ENV, refuse_if_ranks_forbidden
 from thunder_overlap.testing.rank_session import RankSessions
 
 RANKS = "ranks"
@@ -107,50 +108,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
 
 
-_running: list[pytest.Item] = []
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    _running.append(item)  # fixtures of any scope are set up and torn down inside
+    """While a test not marked ``ranks`` runs (its fixtures of any scope included), starting ranks
+    in this process or a child (the demo) raises, naming the test (local_ranks.NO_RANKS_ENV), and
+    so does running torchrun."""
+    unmarked = item.get_closest_marker(RANKS) is None
+    if unmarked:
+        os.environ[NO_RANKS_ENV] = item.nodeid
     try:
         yield
     finally:
-        _running.pop()
+        os.environ.pop(NO_RANKS_ENV, None)
 
 
-def _refuse_unmarked(what: str) -> None:
-    if _running and _running[-1].get_closest_marker(RANKS) is None:
-        raise RuntimeError(
-            f"{_running[-1].nodeid} starts {what} but is not marked `{RANKS}`, so make test-fast would run it: "
-            f"mark the test (or its module: pytestmark = pytest.mark.{RANKS})"
-        )
-
-
-_process_start = multiprocessing.process.BaseProcess.start
 _popen_init = subprocess.Popen.__init__
-
-
-def _guarded_start(self) -> None:
-    _refuse_unmarked(f"a process ({self.name})")
-    _process_start(self)
 
 
 def _command_words(args) -> list[str]:
     return [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
 
 
-def _starts_ranks(words: list[str]) -> bool:
-    """torchrun (or python -m torch.distributed.run), or the demo (which starts 2 ranks)."""
-    torchrun = "torch.distributed.run" in words or any(w.endswith("torchrun") for w in words)
-    return torchrun or ("thunder_overlap" in words and "demo" in words)
-
-
 def _guarded_popen_init(self, args, *rest, **kwargs) -> None:
-    if _starts_ranks(_command_words(args)):
-        _refuse_unmarked(f"`{' '.join(_command_words(args))}`")
+    words = _command_words(args)
+    # torchrun's workers are not our ranks: the command itself is refused.
+    if "torch.distributed.run" in words or any(w.endswith("torchrun") for w in words):
+        refuse_if_ranks_forbidden(f"`{' '.join(words)}`")
     _popen_init(self, args, *rest, **kwargs)
 
 
-multiprocessing.process.BaseProcess.start = _guarded_start
 subprocess.Popen.__init__ = _guarded_popen_init

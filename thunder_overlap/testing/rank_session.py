@@ -34,7 +34,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from thunder_overlap.testing.local_ranks import _dead_peers, _exit_status, _forward_outputs, _free_port
+from thunder_overlap.testing.local_ranks import _dead_peers, _exit_status, _forward_outputs, _free_port, refuse_if_ranks_forbidden
 
 __all__ = ["RankSession", "RankSessions"]
 
@@ -127,6 +127,7 @@ class RankSession:
         return [pickle.loads(collected[rank]) for rank in range(self.world_size)]
 
     def _start(self) -> None:
+        refuse_if_ranks_forbidden(f"a session of {self.world_size} local ranks")
         ctx = mp.get_context("spawn")
         self._output_dir = tempfile.TemporaryDirectory(prefix="thunder_overlap_session_")
         self._results = ctx.Queue()
