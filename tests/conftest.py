@@ -10,9 +10,11 @@ run (thunder_overlap.testing.rank_session), instead of spawning ranks, each impo
 Thunder, for every call.
 
 Tiers: a test that starts rank processes (``local_ranks``, ``run_local_ranks``, torchrun, the
-demo) is marked ``ranks``; ``make test-fast`` runs the others (``-m "not ranks"``), ``make test``
-all. An unmarked test that requests ``local_ranks`` fails collection, and one that starts ranks
-another way fails when it does, so no spawning test can slip into the fast tier.
+demo) is marked ``ranks``, one that takes seconds (Thunder tracing models, compiling, a Python
+importing torch) ``slow``; ``make test-fast`` runs the others (``-m "not ranks and not slow"``),
+``make test`` all, so every test is in a tier. An unmarked test that requests ``local_ranks`` fails
+collection, and one that starts ranks another way fails when it does, so no spawning test can slip
+into the fast tier; unmarked tests that took over ``SLOW_S`` are named at the end of the run.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from thunder_overlap.testing.local_ranks import NO_RANKS_ENV, refuse_if_ranks_forbidden
 from thunder_overlap.testing.rank_session import RankSessions
 
-RANKS = "ranks"
+RANKS, SLOW = "ranks", "slow"
+# Seconds (setup and call) past which an unmarked test is named at the end of the run: the fast
+# tier's tests take well under one each on an idle machine, the slow ones 4 and more.
+SLOW_S = 3.0
 
 
 def _describe_default_group() -> str:
@@ -138,3 +143,19 @@ def _guarded_popen_init(self, args, *rest, **kwargs) -> None:
 
 
 subprocess.Popen.__init__ = _guarded_popen_init
+
+
+_unmarked_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when in ("setup", "call") and RANKS not in report.keywords and SLOW not in report.keywords:
+        _unmarked_seconds[report.nodeid] = _unmarked_seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    slow = sorted(((s, nodeid) for nodeid, s in _unmarked_seconds.items() if s > SLOW_S), reverse=True)
+    if slow:
+        terminalreporter.section(f"unmarked tests slower than {SLOW_S:g} s (mark them slow to keep make test-fast fast)")
+        for seconds, nodeid in slow:
+            terminalreporter.write_line(f"{seconds:6.1f}s {nodeid}")

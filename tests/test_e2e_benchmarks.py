@@ -104,7 +104,8 @@ def test_benchmark_schedules_thunder_overlap_for_the_named_link():
     assert not overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_own_shards").reduce_in_pool
     laid_out = overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_laid_out")
     assert laid_out.tuning.per_tensor_gather_max_slowdown is None and laid_out.tuning.reduce_from_copy_max_slowdown is None
-    assert overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_two_lay_outs").tuning.bucket_reduce_scatter_blocks is None
+    two_lay_outs = overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_two_lay_outs")
+    assert two_lay_outs.tuning.bucket_reduce_scatter_blocks is None
     assert overlap_config(BenchmarkConfig(), torch.device("cpu")).cost_model is None
     # The testbed names its link to every run that traces thunder_overlap, and to no other.
     from slow_link import TestbedConfig
@@ -192,6 +193,7 @@ def _prediction(impl: str, compute_ms: float, comm_ms: float) -> float | None:
     return predict_testbed_step_ms(setting)
 
 
+@pytest.mark.slow
 def test_calibrated_simulator_places_schedules_between_the_bounds():
     from fsdp_bench.bench_models import build_model
     from fsdp_bench.prediction import _annotated, _communication_ms, fit_link
@@ -212,6 +214,7 @@ def test_calibrated_simulator_places_schedules_between_the_bounds():
     assert _prediction("fsdp2", compute_ms, comm_ms) is None
 
 
+@pytest.mark.slow
 def test_link_fit_recovers_latency_and_bandwidth_from_two_bucketings():
     from thunder_overlap._analysis.cost_model import NetworkProfile
 
@@ -234,6 +237,7 @@ def test_link_fit_recovers_latency_and_bandwidth_from_two_bucketings():
 
 
 
+@pytest.mark.slow
 def test_cpu_peak_counts_the_bucket_pool_as_held_and_gradient_shards_only_while_grad_holds_them(fake_group_2):
     # The pool is allocated in the first step and reused after, invisible to the tracker of a
     # later step: the peak must count it as held between steps, or bucketed runs look smaller.
