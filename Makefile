@@ -1,6 +1,7 @@
 # One command each: `make demo` and `make test` create .venv, install, and run.
 #   make demo   installs the package alone (what the demo needs) and runs the demo
 #   make test   installs it with the test extra (pytest, ruff, litgpt), then lints and tests: CI's command
+#   make test-fast  the same without the tests marked ranks or slow (under a minute)
 PYTHON ?= python3
 VENV := .venv
 # Stamps: the package installed, and the package with its test extra.
@@ -9,7 +10,7 @@ INSTALLED_TEST := $(VENV)/.installed-test
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k bucketing"`.
 PYTEST_ARGS ?=
 
-.PHONY: install demo lint test
+.PHONY: install demo lint test test-fast
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,3 +36,8 @@ lint: $(INSTALLED_TEST)
 # that collects no test (exit 5) fails: CI cannot pass having run nothing.
 test: lint
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# Lint, then the synthetic, fake-group and one-rank tests that take under a second or so: those
+# marked neither `ranks` (starts rank processes) nor `slow` (takes seconds); see pyproject.toml.
+test-fast: lint
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not ranks and not slow" $(PYTEST_ARGS)

@@ -1,17 +1,39 @@
-"""Process groups shared by the test modules.
+"""Process groups and rank processes shared by the test modules, and the two tiers.
 
-Each fixture creates the default process group and destroys it when its scope ends, so no test
-depends on another having run first. A group a fixture finds already alive is an error: the
-fixture that made it did not clean up, and the two modules would silently share one world size.
+Each process-group fixture creates the default process group and destroys it when its scope
+ends, so no test depends on another having run first. A group a fixture finds already alive is an
+error: the fixture that made it did not clean up, and the two modules would silently share one
+world size.
+
+``local_ranks`` runs functions on local gloo ranks started once per world size for the whole
+run (thunder_overlap.testing.rank_session), instead of spawning ranks, each importing torch and
+Thunder, for every call.
+
+Tiers: a test that starts rank processes (``local_ranks``, ``run_local_ranks``, torchrun, the
+demo) is marked ``ranks``, one that takes seconds (Thunder tracing models, compiling, a Python
+importing torch) ``slow``; ``make test-fast`` runs the others (``-m "not ranks and not slow"``),
+``make test`` all, so every test is in a tier. An unmarked test that requests ``local_ranks`` fails
+collection, and one that starts ranks another way fails when it does, so no spawning test can slip
+into the fast tier; unmarked tests that took over ``SLOW_S`` are named at the end of the run.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from thunder_overlap.testing.local_ranks import NO_RANKS_ENV, refuse_if_ranks_forbidden
+from thunder_overlap.testing.rank_session import RankSessions
+
+RANKS, SLOW = "ranks", "slow"
+# Seconds (setup and call) past which an unmarked test is named at the end of the run: the fast
+# tier's tests take well under one each on an idle machine, the slow ones 4 and more.
+SLOW_S = 3.0
 
 
 def _describe_default_group() -> str:
@@ -65,3 +87,75 @@ def _no_process_group_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         leaked = _describe_default_group()
         dist.destroy_process_group()  # so that the next test starts clean
         pytest.fail(f"{request.node.nodeid} left a default process group alive ({leaked})")
+
+
+@pytest.fixture(scope="session")
+def local_ranks():
+    """``run_local_ranks(fn, world_size=2, args=(), *, timeout_s=600)`` on ranks shared by every
+    test of the run (one RankSession per world size). The functions sent build their own models
+    and set their own seeds; one that patches anything restores it."""
+    sessions = RankSessions()
+    yield sessions.run
+    sessions.close()
+
+
+# --- tiers ---------------------------------------------------------------------------------------
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: an unmarked test fails the fast tier too
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = [item.nodeid for item in items if "local_ranks" in item.fixturenames and item.get_closest_marker(RANKS) is None]
+    if unmarked:
+        raise pytest.UsageError(
+            f"these tests start rank processes (through the local_ranks fixture) but are not marked `{RANKS}`, "
+            f"so make test-fast would run them: mark them (pytestmark = pytest.mark.{RANKS} for a whole module):\n  "
+            + "\n  ".join(unmarked)
+        )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """While a test not marked ``ranks`` runs (its fixtures of any scope included), starting ranks
+    in this process or a child (the demo) raises, naming the test (local_ranks.NO_RANKS_ENV), and
+    so does running torchrun."""
+    unmarked = item.get_closest_marker(RANKS) is None
+    if unmarked:
+        os.environ[NO_RANKS_ENV] = item.nodeid
+    try:
+        yield
+    finally:
+        os.environ.pop(NO_RANKS_ENV, None)
+
+
+_popen_init = subprocess.Popen.__init__
+
+
+def _command_words(args) -> list[str]:
+    return [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+
+
+def _guarded_popen_init(self, args, *rest, **kwargs) -> None:
+    words = _command_words(args)
+    # torchrun's workers are not our ranks: the command itself is refused.
+    if "torch.distributed.run" in words or any(w.endswith("torchrun") for w in words):
+        refuse_if_ranks_forbidden(f"`{' '.join(words)}`")
+    _popen_init(self, args, *rest, **kwargs)
+
+
+subprocess.Popen.__init__ = _guarded_popen_init
+
+
+_unmarked_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when in ("setup", "call") and RANKS not in report.keywords and SLOW not in report.keywords:
+        _unmarked_seconds[report.nodeid] = _unmarked_seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    slow = sorted(((s, nodeid) for nodeid, s in _unmarked_seconds.items() if s > SLOW_S), reverse=True)
+    if slow:
+        terminalreporter.section(f"unmarked tests slower than {SLOW_S:g} s (mark them slow to keep make test-fast fast)")
+        for seconds, nodeid in slow:
+            terminalreporter.write_line(f"{seconds:6.1f}s {nodeid}")

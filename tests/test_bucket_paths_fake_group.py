@@ -7,6 +7,7 @@ input, as gloo does (the fake group otherwise stands for NCCL)."""
 
 from __future__ import annotations
 
+import pytest
 import thunder
 import torch
 
@@ -19,6 +20,9 @@ from thunder_overlap._backends import GLOO
 from thunder_overlap._bucketing.path_choice import GATHERED_PER_PARAMETER, REDUCED_FROM_COPY
 from thunder_overlap.config import Tuning
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+
+# Every test here traces a model with Thunder several times (seconds each).
+pytestmark = pytest.mark.slow
 
 MODEL = TinyGPTConfig(n_layer=2, n_embd=64)
 

@@ -75,6 +75,7 @@ def test_help_and_usage_errors_import_no_torch(argv, status, says):
     assert not _heavy(names), f"`python -m thunder_overlap {' '.join(argv)}` imported {_heavy(names)[:5]}"
 
 
+@pytest.mark.slow
 def test_a_command_loads_the_public_names_on_first_use():
     # A command (argv as `python -m thunder_overlap`) imports nothing heavy until a name is used;
     # then every name of __all__ is the object the library defines, the report function included.
@@ -97,6 +98,7 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_program_gets_every_name_and_the_plugin_at_import_without_the_known_warning():
     probe = """
 import warnings
@@ -122,6 +124,7 @@ print("ok")
     assert "a warning of the program's own" in done.stderr
 
 
+@pytest.mark.slow
 def test_the_plugin_compiles_by_name_after_import(one_rank_gloo_group):
     import thunder
     from thunder.recipes import BaseRecipe

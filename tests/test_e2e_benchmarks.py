@@ -44,6 +44,7 @@ def _run_benchmark(tmp_path: Path, impl: str, shard_mode: str, bucketing_mode: s
     return json.loads(json_path.read_text())
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("impl", ["thunder_overlap", "fsdp2", "compute_with_comm"])
 def test_benchmark_writes_sane_json(tmp_path, impl):
     bucketing_mode = "block" if impl == "thunder_overlap" else "none"
@@ -192,6 +193,7 @@ def _prediction(impl: str, compute_ms: float, comm_ms: float) -> float | None:
     return predict_testbed_step_ms(setting)
 
 
+@pytest.mark.slow
 def test_calibrated_simulator_places_schedules_between_the_bounds():
     from fsdp_bench.bench_models import build_model
     from fsdp_bench.prediction import _annotated, _communication_ms, fit_link
@@ -212,6 +214,7 @@ def test_calibrated_simulator_places_schedules_between_the_bounds():
     assert _prediction("fsdp2", compute_ms, comm_ms) is None
 
 
+@pytest.mark.slow
 def test_link_fit_recovers_latency_and_bandwidth_from_two_bucketings():
     from thunder_overlap._analysis.cost_model import NetworkProfile
 
@@ -234,6 +237,7 @@ def test_link_fit_recovers_latency_and_bandwidth_from_two_bucketings():
 
 
 
+@pytest.mark.slow
 def test_cpu_peak_counts_the_bucket_pool_as_held_and_gradient_shards_only_while_grad_holds_them(fake_group_2):
     # The pool is allocated in the first step and reused after, invisible to the tracker of a
     # later step: the peak must count it as held between steps, or bucketed runs look smaller.

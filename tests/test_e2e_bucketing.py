@@ -1,6 +1,7 @@
-"""Bucketing (layer, block and auto): parity with a single process, one collective per bucket, nothing allocated or
-copied beyond one copy per bucket and direction after the first step, and every user-facing
-feature (accumulation, zero_grad modes, state dicts, retracing) behaving as without buckets."""
+"""Bucketing (layer, block and auto) on two gloo ranks: parity with a float64 single process, one
+collective per bucket, nothing allocated or copied beyond one copy per bucket and direction after
+the first step, and every user-facing feature (accumulation, zero_grad modes, state dicts,
+retracing) behaving as without buckets. Plans and one-rank dtypes: tests/test_bucketing_one_rank.py."""
 
 from __future__ import annotations
 
@@ -9,16 +10,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from thunder_overlap._analysis.layout import ReducePath
-from thunder_overlap._bucketing.plan import bucket_owner, plan_buckets
 from thunder_overlap.config import OverlapConfig, Tuning
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
-from thunder_overlap.testing.local_ranks import run_local_ranks
-from thunder_overlap.testing.op_census import OpCensus
-from thunder_overlap.testing.training import TrainSetup, shard_of, train_rank, train_reference
+from thunder_overlap.testing.training import TrainSetup, check_against_reference, train_rank
+
+pytestmark = pytest.mark.ranks
 
 WORLD_SIZE = 2
 MODEL = TinyGPTConfig(n_layer=2)
@@ -33,76 +32,42 @@ CASES = [(sharding, bucketing) for sharding in ("zero2", "zero3") for bucketing 
 ]
 
 
-# --- planning -----------------------------------------------------------------------------------
-
-
-def test_block_buckets_hold_whole_blocks_and_layer_buckets_one_module():
-    model = TinyGPT(TinyGPTConfig(n_layer=2))
-    shards = list(model.named_parameters())
-    block = plan_buckets(shards, bucket_owner(model, "block"), world_size=2)
-    layer = plan_buckets(shards, bucket_owner(model, "layer"), world_size=2)
-    assert [p.label for p in block] == ["wte", "wpe (float32, frozen)", "blocks.0", "blocks.1", "norm_f"]
-    assert len(block[2].slots) == len(list(model.blocks[0].parameters()))
-    assert {p.label for p in layer} >= {"blocks.0.attn.qkv", "blocks.1.fc", "norm_f"}
-    assert all(len(p.slots) <= 2 for p in layer)  # weight and bias
-    # Slots lie back to back in the flat shard.
-    for plan in block + layer:
-        offsets = [s.offset for s in plan.slots]
-        assert offsets == [sum(s.numel for s in plan.slots[:i]) for i in range(len(plan.slots))]
-
-
-def test_buckets_split_by_dtype_frozen_and_cap():
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-    model[0].bias.requires_grad_(False)
-    model[1].to(torch.bfloat16)
-    owners = {name: "all" for name, _ in model.named_parameters()}
-    plans = plan_buckets(list(model.named_parameters()), owners, world_size=2)
-    assert [(p.dtype, p.requires_grad, [s.name for s in p.slots]) for p in plans] == [
-        (torch.float32, True, ["0.weight"]),
-        (torch.float32, False, ["0.bias"]),
-        (torch.bfloat16, True, ["1.weight", "1.bias"]),
-    ]
-    # 1.weight is 8*8*2 bytes = 128 unsharded; a 150-byte cap leaves no room for the bias beside it.
-    capped = plan_buckets(list(model.named_parameters()), owners, world_size=2, cap_bytes=150)
-    assert [[s.name for s in p.slots] for p in capped if p.dtype == torch.bfloat16] == [["1.weight"], ["1.bias"]]
-
-
 # --- two ranks ----------------------------------------------------------------------------------
 
 
 class _Runs(dict):
-    """(sharding, bucketing) -> (ranks, reference losses, reference state), each case spawned on
-    first use only, so that selecting one case (-k) spawns one."""
+    """(sharding, bucketing) -> (ranks, their check against a float64 reference), each case
+    run on first use only, so that selecting one case (-k) runs one."""
+
+    def __init__(self, local_ranks) -> None:
+        super().__init__()
+        self.local_ranks = local_ranks
 
     def __missing__(self, case: tuple[str, str]):
         sharding, bucketing = case
         strategy, as_on_nccl = bucketing.removesuffix(AS_ON_NCCL), bucketing.endswith(AS_ON_NCCL)
         setup = TrainSetup(sharding=sharding, bucketing=strategy, model=MODEL, steps=3, measure_memory=False, buckets_as_on_nccl=as_on_nccl)
-        ranks = run_local_ranks(train_rank, WORLD_SIZE, (setup,))
-        self[case] = (ranks, *train_reference(setup, WORLD_SIZE))
+        ranks = self.local_ranks(train_rank, WORLD_SIZE, (setup,))
+        self[case] = (ranks, check_against_reference(setup, WORLD_SIZE, ranks))
         return self[case]
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return _Runs()
+def runs(local_ranks):
+    return _Runs(local_ranks)
 
 
 @pytest.mark.parametrize(("sharding", "bucketing"), CASES)
 def test_bucketed_training_matches_single_process_reference(runs, sharding, bucketing):
-    ranks, reference_losses, reference_state = runs[sharding, bucketing]
-    mean_losses = [sum(r.losses[i] for r in ranks) / len(ranks) for i in range(len(reference_losses))]
-    torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(reference_losses), rtol=1e-5, atol=1e-5)
-    for r in ranks:
-        assert set(r.shards) == set(reference_state)
-        for name, shard in r.shards.items():
-            expected, real_rows = shard_of(reference_state[name], r.rank, WORLD_SIZE)
-            torch.testing.assert_close(shard[:real_rows], expected, rtol=1e-5, atol=1e-6, msg=f"{name} on rank {r.rank}")
+    ranks, check = runs[sharding, bucketing]
+    check.assert_mean_losses([r.losses for r in ranks])
+    # Every step, rank, parameter and element against float64, within float32's rounding bounds.
+    check.mismatches.assert_none()
 
 
 @pytest.mark.parametrize(("sharding", "bucketing"), CASES)
 def test_one_collective_per_bucket_in_the_final_traces(runs, sharding, bucketing):
-    ranks, _, _ = runs[sharding, bucketing]
+    ranks, _ = runs[sharding, bucketing]
     census = ranks[0].bucket_census
     names = [c.split("(")[0] for c in ranks[0].collectives]
     # Every collective is bucketed: nothing per-parameter is left. Buckets issued back to back may
@@ -206,7 +171,7 @@ def test_steady_state_step_allocates_only_gradient_shards_and_copies_at_most_onc
 
 
 @pytest.fixture(scope="module")
-def deep_runs():
+def deep_runs(local_ranks):
     """Block buckets on a model deeper than the prefetch window (2 blocks)."""
     deep = TinyGPTConfig(n_layer=6)
     setups = {s: TrainSetup(sharding=s, bucketing="block", model=deep, steps=2, measure_memory=False) for s in ("zero2", "zero3")}
@@ -218,7 +183,7 @@ def deep_runs():
     two_ahead = replace(laid_out, _tuning=replace(laid_out.tuning, bucket_eager_prefetch_blocks=None))
     setups["zero3, two blocks ahead"] = replace(setups["zero3"], config=two_ahead)
     setups["zero3, as on NCCL"] = replace(setups["zero3"], buckets_as_on_nccl=True)
-    return {s: run_local_ranks(train_rank, WORLD_SIZE, (setup,))[0].bucket_census for s, setup in setups.items()}
+    return {s: local_ranks(train_rank, WORLD_SIZE, (setup,))[0].bucket_census for s, setup in setups.items()}
 
 
 def _split_use(use: str) -> tuple[str, str]:
@@ -313,10 +278,10 @@ def _pool_reuse_after_in_place_all_reduces(rank: int, world_size: int, rounds: i
     return pool.allocations
 
 
-def test_a_buffer_all_reduced_in_place_is_idle_once_settled():
+def test_a_buffer_all_reduced_in_place_is_idle_once_settled(local_ranks):
     # gloo's all-reduce work holds the tensor it is handed until its worker thread lets go,
     # sometimes after wait returns; settle must see that hold, or the pool grows by chance.
-    assert run_local_ranks(_pool_reuse_after_in_place_all_reduces, WORLD_SIZE, (200,)) == [1, 1]
+    assert local_ranks(_pool_reuse_after_in_place_all_reduces, WORLD_SIZE, (200,)) == [1, 1]
 
 
 @pytest.mark.parametrize("name", ["zero2", "zero3", "zero3, two blocks ahead", "zero3, as on NCCL"])
@@ -389,8 +354,8 @@ def _user_session(rank: int, world_size: int, bucketing: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def sessions():
-    return {b: run_local_ranks(_user_session, WORLD_SIZE, (b,)) for b in ("none", "block")}
+def sessions(local_ranks):
+    return {b: local_ranks(_user_session, WORLD_SIZE, (b,)) for b in ("none", "block")}
 
 
 def test_accumulation_zero_grad_modes_and_retrace_match_unbucketed(sessions):
@@ -419,48 +384,27 @@ def _no_sync_session(rank: int, world_size: int) -> dict:
     """Two optimizer steps of three micro-batches, on two identical bucketed ZeRO3 models: one
     synchronises every backward, the other runs the first two micro-batches under no_sync (Thunder's
     ``ThunderModule.no_sync`` and ``skip_data_parallel_grad_sync``), counting the buckets that reduce-scatter."""
-    import thunder
-
-    import thunder_overlap
-    from thunder_overlap._bucketing.buffers import BucketBuffers
+    from thunder_overlap._bucketing import reduction
     from thunder_overlap._transforms import BucketingTransform
 
-    # (gradient shard storage, address written) per reduce-scatter launched: a bucket that sends
-    # its gradients where they are writes each into its own slot, the others the whole shard.
+    # (gradient shard storage, address written) per reduce-scatter launched (every launch, alone
+    # or coalesced, goes through reduction.launch): a bucket that sends its gradients where they
+    # are writes each into its own slot, the others the whole shard.
     sent = []
-    launch_reduce_scatter = BucketBuffers.launch_reduce_scatter
+    launch = reduction.launch
 
     def counted(bucket, pending, **kwargs):
         written = [piece for piece, _ in pending.sends] if pending.sends is not None else [pending.result]
         sent.extend((t.untyped_storage().data_ptr(), t.data_ptr()) for t in written)
-        return launch_reduce_scatter(bucket, pending, **kwargs)
+        return launch(bucket, pending, **kwargs)
 
-    BucketBuffers.launch_reduce_scatter = counted
-    result: dict = {"grads": {}, "sent_per_micro_batch": {}, "grads_none_under_no_sync": []}
-    for mode in ("sync", "no_sync"):
-        torch.manual_seed(0)
-        jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3", bucketing_strategy="block")
-        optimizer = torch.optim.SGD([p for p in jm.parameters() if p.requires_grad], lr=0.05)
-        contexts = [contextlib.nullcontext] * 3
-        if mode == "no_sync":
-            contexts[:2] = [jm.no_sync, thunder.distributed.skip_data_parallel_grad_sync]
-        grads, sent_per_micro_batch = [], []
-        for step in range(2):
-            optimizer.zero_grad(set_to_none=step == 0)
-            for micro, context in enumerate(contexts):
-                before = len(sent)
-                with context():
-                    _loss(jm, *_batch(step, micro + 10 * rank)).backward()
-                written = sent[before:]
-                assert len(set(written)) == len(written), "a gradient shard slot was reduced into twice"
-                # Buckets that sent: the gradient shards written.
-                sent_per_micro_batch.append(len({storage for storage, _ in written}))
-                if mode == "no_sync" and step == 0 and micro < 2:
-                    result["grads_none_under_no_sync"].append(all(p.grad is None for p in jm.parameters()))
-            grads.append({n: p.grad.clone() for n, p in jm.named_parameters() if p.requires_grad})
-            optimizer.step()
-        result["grads"][mode] = grads
-        result["sent_per_micro_batch"][mode] = sent_per_micro_batch
+    reduction.launch = counted
+    try:  # restored: these ranks run other tests' functions afterwards
+        result: dict = {"grads": {}, "sent_per_micro_batch": {}, "grads_none_under_no_sync": []}
+        for mode in ("sync", "no_sync"):
+            jm = _no_sync_steps(rank, mode, sent, result)
+    finally:
+        reduction.launch = launch
     summaries = BucketingTransform.of(jm).summaries
     result["accumulations"] = summaries["backward (no_sync)"].accumulations
     result["reduce_scatters_under_no_sync"] = summaries["backward (no_sync)"].reduce_scatters
@@ -468,8 +412,39 @@ def _no_sync_session(rank: int, world_size: int) -> dict:
     return result
 
 
-def test_no_sync_accumulates_in_the_buckets_and_sends_once():
-    for r in run_local_ranks(_no_sync_session, WORLD_SIZE):
+def _no_sync_steps(rank: int, mode: str, sent: list, result: dict):
+    import thunder
+
+    import thunder_overlap
+
+    torch.manual_seed(0)
+    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3", bucketing_strategy="block")
+    optimizer = torch.optim.SGD([p for p in jm.parameters() if p.requires_grad], lr=0.05)
+    contexts = [contextlib.nullcontext] * 3
+    if mode == "no_sync":
+        contexts[:2] = [jm.no_sync, thunder.distributed.skip_data_parallel_grad_sync]
+    grads, sent_per_micro_batch = [], []
+    for step in range(2):
+        optimizer.zero_grad(set_to_none=step == 0)
+        for micro, context in enumerate(contexts):
+            before = len(sent)
+            with context():
+                _loss(jm, *_batch(step, micro + 10 * rank)).backward()
+            written = sent[before:]
+            assert len(set(written)) == len(written), "a gradient shard slot was reduced into twice"
+            # Buckets that sent: the gradient shards written.
+            sent_per_micro_batch.append(len({storage for storage, _ in written}))
+            if mode == "no_sync" and step == 0 and micro < 2:
+                result["grads_none_under_no_sync"].append(all(p.grad is None for p in jm.parameters()))
+        grads.append({n: p.grad.clone() for n, p in jm.named_parameters() if p.requires_grad})
+        optimizer.step()
+    result["grads"][mode] = grads
+    result["sent_per_micro_batch"][mode] = sent_per_micro_batch
+    return jm
+
+
+def test_no_sync_accumulates_in_the_buckets_and_sends_once(local_ranks):
+    for r in local_ranks(_no_sync_session, WORLD_SIZE):
         trainable_buckets = r["reduce_scatters"]
         assert trainable_buckets > 0
         # Under no_sync one local accumulation per bucket replaces each reduce-scatter.
@@ -478,6 +453,10 @@ def test_no_sync_accumulates_in_the_buckets_and_sends_once():
         assert r["sent_per_micro_batch"]["no_sync"] == [0, 0, trainable_buckets] * 2
         # Thunder hands autograd None under no_sync; the sum arrives with the next backward.
         assert r["grads_none_under_no_sync"] == [True, True]
+        # The same six gradient shares per step (3 micro-batches on 2 ranks), added in another
+        # order: float32 may differ by gamma_6 (3.6e-7) times their absolute sum, which atol 1e-6
+        # covers up to a sum of 2.8 (a TinyGPT micro-batch's gradient elements stay below about
+        # 0.2, measured 0.11); rtol 1e-5 adds more.
         for step, (got, expected) in enumerate(zip(r["grads"]["no_sync"], r["grads"]["sync"], strict=True)):
             assert got.keys() == expected.keys()
             for name in expected:
@@ -488,50 +467,3 @@ def test_replacing_a_parameter_is_a_clear_error(sessions):
     for bucketed in sessions["block"]:
         assert "no longer lives in bucket" in bucketed["assign_error"]
         assert "assign=False" in bucketed["assign_error"]
-
-
-# --- one rank: dtypes -----------------------------------------------------------------------------
-
-
-class _MixedPrecisionModel(nn.Module):
-    """An fp32 layer feeding a bf16 layer (with a frozen bias): three dtype/frozen buckets."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fp32 = nn.Linear(8, 16)
-        self.bf16 = nn.Linear(16, 4).to(torch.bfloat16)
-        self.bf16.bias.requires_grad_(False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bf16(torch.relu(self.fp32(x)).to(torch.bfloat16)).float()
-
-
-@pytest.mark.parametrize("sharding", ["zero2", "zero3"])
-def test_mixed_dtypes_get_buckets_of_their_own_and_train_like_eager(one_rank_gloo_group, sharding):
-    import thunder_overlap
-    from thunder_overlap._transforms import BucketingTransform
-
-    torch.manual_seed(0)
-    eager = _MixedPrecisionModel()
-    torch.manual_seed(0)
-    jm = thunder_overlap.fsdp(_MixedPrecisionModel(), sharding_strategy=sharding, bucketing_strategy="block")
-    plans = BucketingTransform.of(jm).plans
-    assert sorted((str(p.dtype), p.requires_grad) for p in plans) == [
-        ("torch.bfloat16", False), ("torch.bfloat16", True), ("torch.float32", True)
-    ]
-    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (eager, jm)]
-    for step in range(3):
-        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
-        for model, optimizer in zip((eager, jm), optimizers, strict=True):
-            optimizer.zero_grad()
-            model(x).square().sum().backward()
-            optimizer.step()
-    # On one rank a gathered bucket is already laid out parameter by parameter: no copy-out.
-    with OpCensus() as census:
-        jm(torch.randn(5, 8)).square().sum().backward()
-    assert census.count("split_with_sizes_copy") == 0
-    summaries = BucketingTransform.of(jm).summaries
-    assert (summaries["forward"].all_gathers, summaries["backward"].reduce_scatters) == (3, 2)
-    assert not summaries["forward"].unbucketed and not summaries["backward"].unbucketed
-    for name, p in eager.named_parameters():
-        torch.testing.assert_close(jm.get_parameter(name), p, msg=name)

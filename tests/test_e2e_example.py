@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.ranks
+
 ROOT = Path(__file__).resolve().parents[1]
 # The README's commands, run as written (tests/test_readme.py checks that it shows these).
 SAVE = "torchrun --standalone --nproc_per_node 2 examples/train_fsdp.py --steps 2 --device cpu --save-dir ckpt"

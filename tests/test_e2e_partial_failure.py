@@ -24,7 +24,8 @@ import torch.nn as nn
 
 from thunder_overlap import checkpoint
 from thunder_overlap.checkpoint import StateDictOptions
-from thunder_overlap.testing.local_ranks import run_local_ranks
+
+pytestmark = pytest.mark.ranks
 
 WORLD_SIZE = 2
 # Imports and a compile take about 10 s per spawn; a hang is what the rest of this budget catches.
@@ -153,10 +154,10 @@ def _session(rank: int, world_size: int, directory: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(tmp_path_factory, local_ranks):
     directory = tmp_path_factory.mktemp("partial_failure")
     (directory / "a_file").write_text("a file where a checkpoint's parent directory should be")
-    return run_local_ranks(_session, WORLD_SIZE, (str(directory),), timeout_s=TIMEOUT_S)
+    return local_ranks(_session, WORLD_SIZE, (str(directory),), timeout_s=TIMEOUT_S)
 
 
 def _assert_states_equal(actual, expected) -> None:

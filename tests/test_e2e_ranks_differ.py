@@ -1,7 +1,8 @@
 """Two gloo ranks whose batches differ in shape, as dynamic padding gives: each rank retraces at
 its own steps. They must neither hang nor abort, and train exactly like one process whose loss
-is the mean of the two ranks' losses. Ranks that would move different collectives raise a clear
-error on every rank instead of hanging.
+is the mean of the two ranks' losses (checked step by step against float64, within float32's
+rounding: thunder_overlap.testing.parity). Ranks that would move different collectives raise a
+clear error on every rank instead of hanging.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
-from thunder_overlap.testing.local_ranks import run_local_ranks
-from thunder_overlap.testing.training import shard_of
+from thunder_overlap.testing.float_error import OptimizerReplay, rounding_count
+from thunder_overlap.testing.parity import RankSteps, check_steps
+
+pytestmark = pytest.mark.ranks
 
 WORLD_SIZE = 2
 MODEL = TinyGPTConfig(n_layer=2, n_embd=32, n_head=2)
@@ -23,12 +26,11 @@ CONFIGS = [("zero2", "none"), ("zero3", "none"), ("zero2", "block"), ("zero3", "
 PER_RANK_SEQUENCE_LENGTHS = {0: [(2, 8), (2, 8), (2, 16), (2, 4)], 1: [(2, 8), (2, 16), (2, 4), (2, 8)]}
 PER_RANK_BATCH_SIZES = {0: [(1, 8), (1, 8), (3, 8), (2, 8)], 1: [(1, 8), (3, 8), (2, 8), (1, 8)]}
 SCHEDULES = {"sequence lengths": PER_RANK_SEQUENCE_LENGTHS, "batch sizes": PER_RANK_BATCH_SIZES}
+# AdamW with its default eps (1e-8): it divides each gradient by its running magnitude, so an
+# element whose gradient is zero up to rounding (the attention key bias: softmax ignores a shift)
+# takes a full step of either sign. The check compares each step from the ranks' own parameters
+# (parity.check_steps), so that amplification never enters what it allows.
 LR = 1e-2
-# Adam divides each gradient by its running magnitude, so an element whose gradient is zero up
-# to rounding (the attention key bias: softmax ignores a shift) would take a full step of random
-# sign on either side. An epsilon above that rounding noise keeps the comparison about the
-# collectives, not about Adam's amplification of float noise.
-ADAM_EPS = 1e-5
 
 
 def _batch(rank: int, step: int, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,13 +44,15 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _optimizer(parameters) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p for p in parameters if p.requires_grad], lr=LR, eps=ADAM_EPS)
+    return torch.optim.AdamW([p for p in parameters if p.requires_grad], lr=LR)
 
 
 @dataclass
 class RankRun:
     losses: list[float]
-    shards: dict[str, torch.Tensor]
+    # Local shards before each step and after the last; gradient shards of each step.
+    params: list[dict[str, torch.Tensor]]
+    grads: list[dict[str, torch.Tensor]]
     # Collectives in issue order in each pass of the last step ("kind dtype[shape]").
     issue_order: list[str]
 
@@ -77,52 +81,53 @@ def _train_every_config(rank: int, world_size: int) -> dict[tuple[str, str, str]
             torch.manual_seed(0)
             jm = thunder_overlap.fsdp(TinyGPT(MODEL), sharding_strategy=sharding, bucketing_strategy=bucketing)
             optimizer = _optimizer(jm.parameters())
-            losses = []
+            run = RankRun([], [_shards(jm)], [], [])
             for step, shape in enumerate(schedule[rank]):
                 idx, targets = _batch(rank, step, shape)
                 optimizer.zero_grad()
                 loss = _loss(jm(idx), targets)
                 loss.backward()
                 optimizer.step()
-                losses.append(loss.item())
-            shards = {name: p.detach().clone() for name, p in jm.named_parameters()}
-            runs[(schedule_name, sharding, bucketing)] = RankRun(losses, shards, _issue_order(jm))
+                run.losses.append(loss.item())
+                run.grads.append({name: p.grad.clone() for name, p in jm.named_parameters() if p.grad is not None})
+                run.params.append(_shards(jm))
+            run.issue_order = _issue_order(jm)
+            runs[(schedule_name, sharding, bucketing)] = run
     return runs
 
 
-def _reference(schedule: dict[int, list[tuple[int, int]]]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process; each step's loss is the mean of the ranks' losses, which is what FSDP's
-    averaged gradients descend."""
+def _shards(jm) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in jm.named_parameters()}
+
+
+def _check(runs: list[RankRun], schedule: dict[int, list[tuple[int, int]]]):
+    """Every step against one float64 process whose loss is the mean of the ranks' losses, which
+    is what FSDP's averaged gradients descend (parity.check_steps)."""
+
+    def loss_terms(model, step: int) -> list[torch.Tensor]:
+        return [_loss(model(idx), targets) for idx, targets in (_batch(r, step, schedule[r][step]) for r in range(WORLD_SIZE))]
+
     torch.manual_seed(0)
     model = TinyGPT(MODEL)
-    optimizer = _optimizer(model.parameters())
-    mean_losses = []
-    for step in range(len(schedule[0])):
-        optimizer.zero_grad()
-        losses = [_loss(model(idx), targets) for idx, targets in (_batch(r, step, schedule[r][step]) for r in range(WORLD_SIZE))]
-        loss = sum(losses) / WORLD_SIZE
-        loss.backward()
-        optimizer.step()
-        mean_losses.append(loss.item())
-    return mean_losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+    shapes = [shape for shapes in schedule.values() for shape in shapes]
+    tokens, seq_len = max(b * s for b, s in shapes), max(s for _, s in shapes)
+    roundings = rounding_count(model.parameters(), tokens=tokens, seq_len=seq_len, world_size=WORLD_SIZE)
+    ranks = [RankSteps(rank, run.params, run.grads) for rank, run in enumerate(runs)]
+    return check_steps(ranks, model, loss_terms, lambda: OptimizerReplay("adamw", LR), roundings)
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_local_ranks(_train_every_config, WORLD_SIZE, (), timeout_s=900)
+def runs(local_ranks):
+    return local_ranks(_train_every_config, WORLD_SIZE, (), timeout_s=900)
 
 
 @pytest.mark.parametrize("schedule_name", sorted(SCHEDULES))
 @pytest.mark.parametrize(("sharding", "bucketing"), CONFIGS)
 def test_ranks_with_different_shapes_train_like_one_process(runs, schedule_name, sharding, bucketing):
-    reference_losses, reference_state = _reference(SCHEDULES[schedule_name])
     ranks = [r[(schedule_name, sharding, bucketing)] for r in runs]
-    mean_losses = [sum(r.losses[step] for r in ranks) / WORLD_SIZE for step in range(len(reference_losses))]
-    torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(reference_losses), rtol=1e-5, atol=1e-5)
-    for rank, run in enumerate(ranks):
-        for name, shard in run.shards.items():
-            expected, real_rows = shard_of(reference_state[name], rank, WORLD_SIZE)
-            torch.testing.assert_close(shard[:real_rows], expected, rtol=1e-5, atol=1e-5, msg=f"{name} on rank {rank}")
+    check = _check(ranks, SCHEDULES[schedule_name])
+    check.assert_mean_losses([r.losses for r in ranks])
+    check.mismatches.assert_none()
 
 
 @pytest.mark.parametrize("schedule_name", sorted(SCHEDULES))
@@ -151,29 +156,44 @@ def _first_step_error(jm) -> str | None:
     return None
 
 
-def test_ranks_that_would_move_different_collectives_raise_on_every_rank():
-    # A short process-group timeout: a deadlock would fail this test instead of stalling CI.
-    messages = run_local_ranks(_one_rank_moves_other_collectives, WORLD_SIZE, (), timeout_s=120)
+def test_ranks_that_would_move_different_collectives_raise_on_every_rank(local_ranks):
+    # A short timeout: a deadlock would fail this test instead of stalling CI.
+    messages = local_ranks(_one_rank_moves_other_collectives, WORLD_SIZE, (), timeout_s=120)
     for message in messages:
         assert message is not None and "would hang" in message, messages
         assert "ranks [1]" in message and "rank 0 issues all_gather" in message, message
 
 
-def _ranks_with_different_orders(rank: int, world_size: int) -> tuple[list[str], dict[str, bool], float]:
+class _SlowOnRank1:
+    """A collective estimate as rank 1 might measure it: every collective very slow there, free on
+    rank 0. Estimates are no setting the ranks compare (measured timings may differ)."""
+
+    def __call__(self, collective) -> float:
+        import torch.distributed as dist
+
+        return 1e6 if dist.get_rank() == 1 else 0.0
+
+
+def _ranks_with_different_estimates(rank: int, world_size: int) -> tuple[list[str], dict[str, bool]]:
     import thunder_overlap
     from thunder_overlap import OverlapConfig, OverlapScheduleTransform
+    from thunder_overlap._analysis.cost_model import CostModel
 
     torch.manual_seed(0)
-    jm = thunder_overlap.fsdp(TinyGPT(MODEL), sharding_strategy="zero3", config=OverlapConfig(policy="greedy"))
-    # Each rank's own order, as rank-dependent estimates or shapes can make them: greedy raises
-    # every ZeRO3 re-gather to the top of the backward, just-in-time interleaves them with the
-    # reduce-scatters. The settings the ranks compare were fixed when fsdp() built the transform.
-    if rank == 1:
-        OverlapScheduleTransform.of(jm).config = OverlapConfig(policy="just_in_time")
+    # Rank 1 expects every collective to be slow, so on its own it would issue the ZeRO3
+    # re-gathers earlier than rank 0 does: the two ranks would pair different collectives.
+    config = OverlapConfig(cost_model=CostModel.named("cpu", "gloo-loopback", collective_estimate=_SlowOnRank1()))
+    jm = thunder_overlap.fsdp(TinyGPT(MODEL), sharding_strategy="zero3", config=config)
     idx, targets = _batch(rank, 0, (2, 8))
-    loss = _loss(jm(idx), targets)
-    loss.backward()
-    return _issue_order(jm), OverlapScheduleTransform.of(jm).agreement.adopted, loss.item()
+    _loss(jm(idx), targets).backward()
+    return _issue_order(jm), OverlapScheduleTransform.of(jm).agreement.adopted
+
+
+def test_ranks_whose_own_orders_differ_adopt_the_first_ranks_order(local_ranks):
+    (order_0, adopted_0), (order_1, adopted_1) = local_ranks(_ranks_with_different_estimates, WORLD_SIZE, (), timeout_s=300)
+    assert order_0 == order_1
+    # Not vacuous: rank 1's own backward order was another one, and it gave it up.
+    assert adopted_1["backward"] and not any(adopted_0.values())
 
 
 # Settings one rank alone changes, and the field each makes differ; with the first three the
@@ -203,21 +223,14 @@ def _ranks_given_other_settings(rank: int, world_size: int) -> dict[str, str | N
     return messages
 
 
-def test_ranks_given_other_settings_raise_naming_the_fields():
+def test_ranks_given_other_settings_raise_naming_the_fields(local_ranks):
     # Compared before any other exchange, so every rank raises the same error, naming the field.
-    ranks = run_local_ranks(_ranks_given_other_settings, WORLD_SIZE, (), timeout_s=300)
+    ranks = local_ranks(_ranks_given_other_settings, WORLD_SIZE, (), timeout_s=300)
     for name, (_, named) in OTHER_SETTINGS.items():
         for messages in ranks:
             message = messages[name]
             assert message is not None and "rank 1 of the process group was given other settings than rank 0" in message, (name, message)
             assert named in message, (name, message)
-
-
-def test_ranks_whose_own_orders_differ_adopt_the_first_ranks_order():
-    (order_0, adopted_0, _), (order_1, adopted_1, _) = run_local_ranks(_ranks_with_different_orders, WORLD_SIZE, (), timeout_s=300)
-    assert order_0 == order_1
-    # Not vacuous: rank 1's own backward order was another one, and it gave it up.
-    assert adopted_1["backward"] and not any(adopted_0.values())
 
 
 def _one_rank_caps_its_buckets_differently(rank: int, world_size: int) -> str | None:
@@ -229,12 +242,33 @@ def _one_rank_caps_its_buckets_differently(rank: int, world_size: int) -> str | 
     return _first_step_error(thunder_overlap.fsdp(TinyGPT(MODEL), sharding_strategy="zero3", bucketing_strategy="auto", bucket_cap_mb=cap))
 
 
-def test_ranks_with_different_bucket_plans_raise_on_every_rank():
-    messages = run_local_ranks(_one_rank_caps_its_buckets_differently, WORLD_SIZE, (), timeout_s=120)
+def test_ranks_given_other_bucket_caps_raise_on_every_rank(local_ranks):
+    messages = local_ranks(_one_rank_caps_its_buckets_differently, WORLD_SIZE, (), timeout_s=120)
     for message in messages:
         # The cap that made the plans differ is named, with both values.
         assert message is not None and "rank 1 of the process group was given other settings than rank 0" in message, messages
         assert "bucket_cap_bytes: rank 0 None, rank 1 52428" in message, message
+
+
+def _one_rank_estimates_other_buckets(rank: int, world_size: int) -> str | None:
+    import thunder_overlap
+    from thunder_overlap import OverlapConfig
+    from thunder_overlap._analysis.cost_model import CostModel
+    from thunder_overlap._analysis.network import NetworkProfile
+
+    torch.manual_seed(0)
+    # The same settings, but rank 1's cost model sees a network with no latency, where every
+    # parameter saturates the link alone: its auto plan (and its collectives) differ from rank 0's.
+    network = "gloo-loopback" if rank == 0 else NetworkProfile("instant", 1e-9, 1e12)
+    config = OverlapConfig(cost_model=CostModel.named("cpu", network))
+    return _first_step_error(thunder_overlap.fsdp(TinyGPT(MODEL), sharding_strategy="zero3", bucketing_strategy="auto", config=config))
+
+
+def test_ranks_whose_cost_models_plan_other_buckets_raise_on_every_rank(local_ranks):
+    messages = local_ranks(_one_rank_estimates_other_buckets, WORLD_SIZE, (), timeout_s=120)
+    for message in messages:
+        assert message is not None and "ranks [1] of the process group planned other buckets than rank 0" in message, messages
+        assert "bucket_cap_mb" in message and "summaries['plan']" in message, message
 
 
 def _one_rank_plans_other_buckets(rank: int, world_size: int) -> str | None:
@@ -247,8 +281,8 @@ def _one_rank_plans_other_buckets(rank: int, world_size: int) -> str | None:
     return _first_step_error(thunder_overlap.fsdp(model, sharding_strategy="zero3", bucketing_strategy="block"))
 
 
-def test_ranks_with_the_same_settings_but_other_bucket_plans_raise_on_every_rank():
-    messages = run_local_ranks(_one_rank_plans_other_buckets, WORLD_SIZE, (), timeout_s=120)
+def test_ranks_with_the_same_settings_but_other_bucket_plans_raise_on_every_rank(local_ranks):
+    messages = local_ranks(_one_rank_plans_other_buckets, WORLD_SIZE, (), timeout_s=120)
     for message in messages:
         assert message is not None and "ranks [1] of the process group planned other buckets than rank 0" in message, messages
         assert "summaries['plan']" in message, message

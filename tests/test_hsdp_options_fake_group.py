@@ -60,6 +60,7 @@ def test_meshes_that_cannot_be_used_are_refused_by_name(fake_group_4, make, erro
         FSDPOptions.resolve(**make())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bucketing", ["none", "block"])
 def test_the_all_reduces_work_in_place_and_the_estimator_allocates_nothing_for_them(fake_group_4, bucketing):
     torch.manual_seed(0)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
-from thunder_overlap.testing.local_ranks import run_local_ranks
+pytestmark = pytest.mark.ranks
+
 
 NUMEL = 1 << 16
 INPUT_BYTES = NUMEL * 4  # a reduce-scatter's input; its output on 2 ranks is half of it
@@ -68,8 +70,8 @@ def _measure(rank: int, world_size: int) -> dict[str, list[int]]:
     return seen
 
 
-def test_gloo_reduce_scatter_copies_are_counted_until_the_wait():
-    seen = run_local_ranks(_measure, 2, ())[0]
+def test_gloo_reduce_scatter_copies_are_counted_until_the_wait(local_ranks):
+    seen = local_ranks(_measure, 2, ())[0]
     output_bytes = INPUT_BYTES // 2
     # The input is freed at once (gloo does not hold it); gloo's copy of it is counted until the wait.
     assert seen["alone, as_run"] == [output_bytes + INPUT_BYTES, output_bytes]

@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from thunder_overlap.testing.local_ranks import run_local_ranks
 
+pytestmark = pytest.mark.ranks
+
 
 def _rank_zero_segfaults(rank: int, world_size: int) -> None:
     if rank == 0:

@@ -20,6 +20,7 @@ MODEL = TinyGPTConfig(n_layer=4, n_embd=64)
 TIGHT = OverlapConfig(memory_slack_bytes=0, memory_slack_ratio=0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["zero2", "zero3"])
 def test_a_tight_budget_binds_and_the_measured_peak_stays_within_it(fake_group_8, sharding):
     torch.manual_seed(0)

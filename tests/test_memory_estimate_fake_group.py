@@ -100,6 +100,7 @@ def _nbytes(proxy) -> int:
     return proxy.dtype.bytes * torch.Size(proxy.shape).numel()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["zero2", "zero3"])
 def test_estimate_matches_the_runtime_forward_and_backward(fake_group, sharding):
     forward, backward = _traces(sharding)
@@ -112,6 +113,7 @@ def test_estimate_matches_the_runtime_forward_and_backward(fake_group, sharding)
         assert comparison.first_divergence is None, comparison
 
 
+@pytest.mark.slow
 def test_verifier_names_the_first_divergence(fake_group):
     forward, backward = _traces("zero3")
     # Pretend the parameters are not persistent: the backward then frees each sharded parameter
@@ -124,6 +126,7 @@ def test_verifier_names_the_first_divergence(fake_group):
     assert comparison.predicted_at_divergence < comparison.measured_at_divergence
 
 
+@pytest.mark.slow
 def test_parameters_are_persistent_and_reduce_scatter_inputs_live_until_their_future_dies(fake_group):
     forward, backward = _traces("zero3")
     predicted_forward = estimate_memory(forward)
@@ -151,6 +154,7 @@ def test_parameters_are_persistent_and_reduce_scatter_inputs_live_until_their_fu
 # Buckets: the pool's buffers, planned from the traces and counted for the whole step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["zero2", "zero3"])
 def test_bucketed_step_peak_and_pool_match_the_runtime(fake_group, sharding):
     torch.manual_seed(0)
@@ -191,6 +195,7 @@ def _zero2_block_step(reduce_in_pool: bool):
     return jm, backward
 
 
+@pytest.mark.slow
 def test_zero2_buckets_reduce_in_the_pool_and_the_summary_counts_it(fake_group):
     jm, backward = _zero2_block_step(reduce_in_pool=True)
     buckets = thunder_overlap.BucketingTransform.of(jm).buckets

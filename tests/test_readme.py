@@ -36,7 +36,10 @@ def _readme() -> str:
     return readme_excerpts.README.read_text()
 
 
-@pytest.mark.parametrize("name", sorted(EXCERPT_BY_NAME))
+# The demo's excerpt runs the demo, which starts 2 gloo ranks.
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.ranks] if EXCERPT_BY_NAME[n].argv[0] == "demo" else []) for n in sorted(EXCERPT_BY_NAME)]
+)
 def test_readme_excerpt_matches_a_fresh_run(name):
     excerpt = EXCERPT_BY_NAME[name]
     fresh = readme_excerpts.render(excerpt)  # raises on a failure or third-party chatter
@@ -134,6 +137,10 @@ def _check_make(words: list[str]) -> None:
         assert ".venv/bin/python -m thunder_overlap demo" in recipe, recipe
     elif words[1:] == ["test"]:
         assert "pip install --quiet -e '.[test]'" in recipe and "ruff check" in recipe and "-m pytest" in recipe, recipe
+    elif words[1:] == ["test-fast"]:
+        # The same install and lint; pytest without the tests that start rank processes or take seconds.
+        assert "pip install --quiet -e '.[test]'" in recipe and "ruff check" in recipe, recipe
+        assert "-m pytest" in recipe and '-m "not ranks and not slow"' in recipe, recipe
     else:
         pytest.fail(f"no check for the README's `{shlex.join(words)}`")
 
@@ -195,7 +202,11 @@ def _check_thunder_overlap(words: list[str]) -> None:
         pytest.fail(f"no check for the README's `{shlex.join(words)}`")
 
 
-@pytest.mark.parametrize("command", _readme_commands(), ids=lambda command: command)
+# A torchrun command's check runs the example's --help, which imports torch and Thunder.
+@pytest.mark.parametrize(
+    "command",
+    [pytest.param(c, marks=[pytest.mark.slow] if c.startswith("torchrun") else [], id=c) for c in _readme_commands()],
+)
 def test_every_readme_command_runs_as_written(command):
     words = shlex.split(command)
     if words[0] == "make":
@@ -212,7 +223,7 @@ def test_every_readme_command_runs_as_written(command):
 
 def test_readme_shows_the_commands_a_user_needs():
     commands = _readme_commands()
-    assert "make demo" in commands and "make test" in commands
+    assert "make demo" in commands and "make test" in commands and "make test-fast" in commands
     assert "torchrun --standalone --nproc_per_node 2 examples/train_fsdp.py --steps 2 --device cpu --save-dir ckpt" in commands
 
 

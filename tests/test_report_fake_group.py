@@ -28,6 +28,7 @@ from thunder_overlap.report._thunder_baseline import ThunderFSDPTraces, thunder_
 # (the ``jitted`` fixture) destroys its group before the tests read it, so any order works.
 
 
+@pytest.mark.slow
 def test_cli_on_a_two_layer_llama_at_world_size_8(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default --out is relative to the working directory
     rc = main(["--model", "llama-2-7b", "--n-layer", "2", "--world-size", "8", "--seq-len", "256", "--steps", "5"])
@@ -54,6 +55,7 @@ def test_cli_on_a_two_layer_llama_at_world_size_8(tmp_path, capsys, monkeypatch)
     assert json.loads((tmp_path / "report.trace.json").read_text())["traceEvents"]
 
 
+@pytest.mark.slow
 def test_cli_with_auto_buckets_prints_the_plan(tmp_path, capsys):
     argv = ["--model", "tiny-gpt", "--n-layer", "2", "--world-size", "64", "--bucketing", "auto", "--out", str(tmp_path)]
     assert main(argv) == 0
@@ -153,6 +155,7 @@ def thunder_fsdp(jitted) -> ThunderFSDPTraces:
     return thunder_fsdp_baseline(jitted)
 
 
+@pytest.mark.slow
 def test_coalescing_trades_overlap_for_latency(jitted, thunder_fsdp):
     from thunder_overlap.report._policies import compare_policies
 
@@ -171,6 +174,7 @@ def test_coalescing_trades_overlap_for_latency(jitted, thunder_fsdp):
     assert forward.report.communication_ms < separate.result("greedy", "forward").report.communication_ms
 
 
+@pytest.mark.slow
 def test_report_compares_thunder_fsdp_with_thunder_overlap(jitted):
     # A slow network (1 GB/s) so that communication matters at this size. No baseline given:
     # the report traces Thunder's own FSDP of the same model.
@@ -208,6 +212,7 @@ def test_report_compares_thunder_fsdp_with_thunder_overlap(jitted):
     )
 
 
+@pytest.mark.slow
 def test_report_of_a_cpu_model_simulates_its_device_and_says_why():
     # The process group must be alive for report() to read its backend, so this test traces
     # its own model instead of the module's (whose group is gone before the tests run).
@@ -228,6 +233,7 @@ def test_report_of_a_cpu_model_simulates_its_device_and_says_why():
     assert (explicit.device, explicit.network) == ("h100", "custom:5:1")
 
 
+@pytest.mark.slow
 def test_one_definition_of_hidden_thunder_forward_hides_almost_nothing(jitted, thunder_fsdp):
     # 8 ranks on a link of 5 us per ring step: Thunder issues every all-gather before any compute,
     # so they queue behind each other while the rank stands at their waits; only the last few in
@@ -251,6 +257,7 @@ def test_one_definition_of_hidden_thunder_forward_hides_almost_nothing(jitted, t
     assert schedule_stats(forward.unscheduled.trace) == schedule_stats(forward.unscheduled.trace, loopback)
 
 
+@pytest.mark.slow
 def test_report_exports(jitted, thunder_fsdp, tmp_path):
     result = report(jitted, thunder_fsdp=thunder_fsdp)
     data = result.to_json(tmp_path / "r.json")
@@ -267,6 +274,7 @@ def test_report_exports(jitted, thunder_fsdp, tmp_path):
     assert len(table.splitlines()) == 42  # header, 40 rows, "... more steps"
 
 
+@pytest.mark.slow
 def test_policy_comparison_puts_every_policy_side_by_side(jitted, thunder_fsdp):
     from thunder_overlap._analysis.cost_model import CostModel
     from thunder_overlap.config import OverlapConfig
@@ -299,6 +307,7 @@ def test_policy_comparison_puts_every_policy_side_by_side(jitted, thunder_fsdp):
     assert text.endswith(f"{POLICY_LEGEND}\n{LEGEND}")
 
 
+@pytest.mark.slow
 def test_baseline_is_thunder_fsdp_per_parameter_even_with_block_buckets():
     # Thunder 0.2.6 stores its bucketing strategy and never reads it: the baseline has one
     # all-gather per parameter where thunder_overlap's traces have one per bucket, and no bucket

@@ -134,6 +134,7 @@ def test_a_shard_group_size_that_does_not_divide_the_world_is_refused_by_name(ca
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_an_hsdp_report_lists_the_all_reduces_on_the_replicate_group(tmp_path, capsys):
     argv = ["--model", "tiny-gpt", "--n-layer", "1", "--world-size", "16", "--shard-group-size", "4", "--gpus-per-node", "4"]
     assert main([*argv, "--out", str(tmp_path)]) == 0

@@ -33,7 +33,8 @@ CONFIGS = {
     "just_in_time": OverlapConfig(policy="just_in_time"),
 }
 
-pytestmark = pytest.mark.usefixtures("fake_group_4")
+# Every test here traces models with Thunder (seconds each), several through module-wide caches.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fake_group_4")]
 
 
 def _run(jm) -> tuple:

@@ -25,7 +25,20 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["run_local_ranks"]
+__all__ = ["NO_RANKS_ENV", "refuse_if_ranks_forbidden", "run_local_ranks"]
+
+# Set (to a test's name) by tests/conftest.py while a test not marked ``ranks`` runs: starting
+# ranks then, in that process or a child (the demo), is an error naming the test.
+NO_RANKS_ENV = "THUNDER_OVERLAP_NO_RANKS"
+
+
+def refuse_if_ranks_forbidden(what: str) -> None:
+    test = os.environ.get(NO_RANKS_ENV)
+    if test:
+        raise RuntimeError(
+            f"{test} starts {what} but is not marked `ranks`, so make test-fast would run it: "
+            "mark the test (or its module: pytestmark = pytest.mark.ranks)"
+        )
 
 
 def _free_port() -> int:
@@ -65,6 +78,7 @@ def run_local_ranks(
     results ordered by rank. ``fn`` and its results must be picklable."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    refuse_if_ranks_forbidden(f"{world_size} local ranks")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()

@@ -1,9 +1,9 @@
 """A short, deterministic training run on one rank, shared by the demo, the tests and benchmarks.
 
 ``train_rank`` trains :class:`~thunder_overlap.report._builtin_models.TinyGPT` with either thunder_overlap or
-Thunder's own FSDP and reports losses, step times, measured peak memory, the final shards and
-the schedule of the final traces. ``train_reference`` runs the same steps in one process without
-any sharding: the ground truth for numerics.
+Thunder's own FSDP and reports losses, step times, measured peak memory, the shards and gradients
+of every step and the schedule of the final traces. ``check_against_reference`` checks every step
+against the same steps in one float64 process without any sharding (``parity.check_steps``).
 """
 
 from __future__ import annotations
@@ -36,13 +36,12 @@ __all__ = [
     "BucketCensus",
     "RankResult",
     "TrainSetup",
+    "check_against_reference",
     "collective_groups",
     "collective_sequence",
     "global_batch",
-    "reference_first_grads",
     "shard_group_rank",
     "train_rank",
-    "train_reference",
 ]
 
 IMPLEMENTATIONS = ("thunder_overlap", "thunder")
@@ -108,8 +107,10 @@ class RankResult:
     # process group, numel of its future).
     forward_groups: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
     backward_groups: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
-    # Local gradient shards after the first backward (name -> tensor, padded), before any step.
-    first_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Local shards before each step and after the last, and gradient shards of each step: what
+    # parity.check_steps compares with a float64 reference step by step.
+    step_shards: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    step_grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
@@ -213,6 +214,10 @@ def _measured_peaks(jm, setup: TrainSetup, world_size: int, rows: slice, bucketi
     return tracker.peak_bytes, max(forward_memory.peak_beyond_inputs_bytes, backward_memory.peak_beyond_inputs_bytes)
 
 
+def _shards(jm) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in jm.named_parameters()}
+
+
 def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
     """Trains on this rank's slice of each global batch; call inside an initialised process group."""
     model = _build_model(setup)
@@ -225,7 +230,8 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
     if setup.buckets_as_on_nccl and bucketing is not None:
         bucketing.set_layouts({bucket: layout.as_on(NCCL) for bucket, layout in bucketing.layouts.items()})
     census, allocations_after_first_step = OpCensus(), None
-    losses, step_ms, first_grads = [], [], {}
+    losses, step_ms, step_grads = [], [], []
+    step_shards = [_shards(jm)]
     for step in range(setup.steps):
         idx, targets = global_batch(setup, world_size, step)
         counted = bucketing is not None and step == setup.steps - 1 and step > 0
@@ -234,11 +240,12 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
             optimizer.zero_grad(set_to_none=True)
             loss = _loss(jm(idx[rows]), targets[rows])
             loss.backward()
-            if step == 0:
-                first_grads = {n: p.grad.clone() for n, p in jm.named_parameters() if p.grad is not None}
             optimizer.step()
         step_ms.append((time.perf_counter() - start) * 1e3)
         losses.append(loss.item())
+        # Outside the census: the optimizer left .grad as it used it.
+        step_grads.append({n: p.grad.clone() for n, p in jm.named_parameters() if p.grad is not None})
+        step_shards.append(_shards(jm))
         if bucketing is not None and step == 0:
             allocations_after_first_step = bucketing.allocations
     buckets_counted = None
@@ -246,7 +253,6 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
         backward = thunder.last_backward_traces(jm)[-1]
         buckets_counted = bucket_census(jm, bucketing, census, allocations_after_first_step, unsharded_numels, backward)
 
-    shards = {name: p.detach().clone() for name, p in jm.named_parameters()}
     peak = predicted_peak = None
     if setup.measure_memory:
         peak, predicted_peak = _measured_peaks(jm, setup, world_size, rows, bucketing, optimizer)
@@ -264,36 +270,36 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
         forward_stats=schedule_stats(forward, layouts=layouts),
         backward_stats=schedule_stats(backward, layouts=layouts),
         collectives=collective_sequence(forward) + collective_sequence(backward),
-        shards=shards,
+        shards=step_shards[-1],
         saved_unsharded=saved_unsharded(forward),
         bucket_census=buckets_counted,
-        first_grads=first_grads,
+        step_shards=step_shards,
+        step_grads=step_grads,
         forward_groups=collective_groups(forward),
         backward_groups=collective_groups(backward),
     )
 
 
-def train_reference(setup: TrainSetup, world_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The same steps on one process over the whole global batch, with no sharding."""
-    model = _build_model(setup)
-    optimizer = _optimizer(setup, model.parameters())
-    losses = []
-    for step in range(setup.steps):
+def check_against_reference(setup: TrainSetup, world_size: int, results: list[RankResult]):
+    """Every step of ``results`` against a float64 single-process reference of the same steps:
+    parity.check_steps, whose mismatches say which tensor, rank and element differ by how much."""
+    from thunder_overlap.testing.float_error import OptimizerReplay, rounding_count
+    from thunder_overlap.testing.parity import RankSteps, check_steps
+
+    def loss_terms(model, step: int) -> list[torch.Tensor]:
         idx, targets = global_batch(setup, world_size, step)
-        optimizer.zero_grad(set_to_none=True)
-        loss = _loss(model(idx), targets)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+        rows = [slice(r * setup.micro_batch, (r + 1) * setup.micro_batch) for r in range(world_size)]
+        return [_loss(model(idx[r]), targets[r]) for r in rows]
 
-
-def reference_first_grads(setup: TrainSetup, world_size: int) -> dict[str, torch.Tensor]:
-    """The gradients of the first step in one process over the whole global batch."""
     model = _build_model(setup)
-    idx, targets = global_batch(setup, world_size, 0)
-    _loss(model(idx), targets).backward()
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    tokens = setup.micro_batch * setup.seq_len
+    roundings = rounding_count(model.parameters(), tokens=tokens, seq_len=setup.seq_len, world_size=world_size)
+    ranks = [RankSteps(r.rank, r.step_shards, r.step_grads) for r in results]
+
+    def replay() -> OptimizerReplay:
+        return OptimizerReplay(setup.optimizer, setup.lr, eps=setup.adamw_eps)
+
+    return check_steps(ranks, model, loss_terms, replay, roundings, shards=world_size // setup.replicas)
 
 
 def shard_of(full: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, int]:
