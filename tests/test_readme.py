@@ -127,8 +127,9 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 def _check_make(words: list[str]) -> None:
-    # A dry run (make -n) parses the Makefile and lists the recipe without creating .venv.
-    done = _run(["make", "-n", *words[1:]])
+    # A dry run (make -n) parses the Makefile and lists the recipe without creating .venv; -B lists
+    # the install steps too where .venv is already installed (as in CI, which ran make test).
+    done = _run(["make", "-n", "-B", *words[1:]])
     assert done.returncode == 0, done.stderr
     recipe = done.stdout
     if words[1:] == ["demo"]:

@@ -140,12 +140,13 @@ def _dead_peers(procs: list, failed_rank: int, grace_s: float = 5.0) -> str:
     return f"\n(meanwhile {'; '.join(dead)})" if dead else ""
 
 
-def _forward_outputs(paths: list[str]) -> None:
-    """Writes each rank's captured standard output to this process's, one rank after another."""
-    sys.stdout.flush()
+def _forward_outputs(paths: list[str], fd: int = 1) -> None:
+    """Writes each rank's captured output to this process's ``fd`` (standard output, or standard
+    error with 2), one rank after another."""
+    (sys.stdout if fd == 1 else sys.stderr).flush()
     for path in paths:
         if os.path.exists(path):
             with open(path, "rb") as captured:
                 data = memoryview(captured.read())
             while data:  # os.write may write less than asked into a pipe
-                data = data[os.write(1, data) :]
+                data = data[os.write(fd, data) :]

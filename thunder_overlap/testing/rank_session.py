@@ -5,11 +5,12 @@
 thunder_overlap imported, the process group initialised) and runs each function sent to it on
 every rank, returning the results ordered by rank, with ``run_local_ranks``'s reporting: a rank's
 exception is raised here with its traceback, naming the rank; a rank that dies is named with its
-signal (faulthandler writes its stack to standard error); a run past its timeout raises
+signal (the stack faulthandler wrote follows the run on standard error); a run past its timeout raises
 TimeoutError. After a failure of any kind the ranks are stopped, and the next run starts fresh
 ones: a run that failed may have left a collective half done, which would pair with the next
-run's collectives. Each run's standard output is written to this process's after the run, one
-rank after another, as ``run_local_ranks`` does.
+run's collectives. Each run's standard output and standard error are written to this process's
+after the run, one rank after another, as ``run_local_ranks`` does for standard output: the
+process that runs the session, not the one that started the ranks, sees them (pytest's capture).
 
 Functions sent must be picklable (module-level) and must not leave state behind that changes
 another function's results: each builds its own model and sets its own seeds; a function that
@@ -43,18 +44,25 @@ PRELOAD = ("torch", "thunder", "thunder_overlap", "thunder_overlap.testing.train
 _READY = -1
 
 
-def _redirect_stdout(path: str) -> None:
-    sys.stdout.flush()
-    output = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(output, 1)
-    os.close(output)
+def _redirect_outputs(prefix: str) -> None:
+    """Standard output to ``prefix.out``, standard error (faulthandler's stacks too) to
+    ``prefix.err``, after flushing what was written so far."""
+    for stream, fd, suffix in ((sys.stdout, 1, "out"), (sys.stderr, 2, "err")):
+        stream.flush()
+        output = os.open(f"{prefix}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(output, fd)
+        os.close(output)
+
+
+def _output_paths(directory: str, name: str, world_size: int, suffix: str) -> list[str]:
+    return [os.path.join(directory, f"{name}.rank{rank}.{suffix}") for rank in range(world_size)]
 
 
 def _serve(rank, world_size, port, backend, group_timeout_s, preload, jobs, results, output_dir) -> None:
     """A rank: imports, joins the process group, then runs each job until it gets None."""
-    faulthandler.enable(all_threads=True)
-    idle_output = os.path.join(output_dir, f"idle.rank{rank}.out")
-    _redirect_stdout(idle_output)
+    faulthandler.enable(all_threads=True)  # writes to file descriptor 2, wherever it points then
+    idle_output = os.path.join(output_dir, f"idle.rank{rank}")
+    _redirect_outputs(idle_output)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     for module in preload:
         importlib.import_module(module)
@@ -65,7 +73,7 @@ def _serve(rank, world_size, port, backend, group_timeout_s, preload, jobs, resu
     try:
         while (job := jobs.get()) is not None:
             job_id, payload = job
-            _redirect_stdout(os.path.join(output_dir, f"job{job_id}.rank{rank}.out"))
+            _redirect_outputs(os.path.join(output_dir, f"job{job_id}.rank{rank}"))
             try:
                 fn, args = pickle.loads(payload)
                 # Pickled here, by value: torch would otherwise share tensors through file
@@ -73,7 +81,7 @@ def _serve(rank, world_size, port, backend, group_timeout_s, preload, jobs, resu
                 outcome = (True, pickle.dumps(fn(rank, world_size, *args)))
             except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
                 outcome = (False, traceback.format_exc())
-            _redirect_stdout(idle_output)  # flushes the job's output into its file first
+            _redirect_outputs(idle_output)  # flushes the job's output into its files first
             results.put((job_id, rank, *outcome))
     finally:
         if dist.is_initialized():
@@ -109,7 +117,8 @@ class RankSession:
         job_id = next(self._job_ids)
         for jobs in self._jobs:
             jobs.put((job_id, payload))
-        outputs = [os.path.join(self._output_dir.name, f"job{job_id}.rank{rank}.out") for rank in range(self.world_size)]
+        outputs = _output_paths(self._output_dir.name, f"job{job_id}", self.world_size, "out")
+        errors = _output_paths(self._output_dir.name, f"job{job_id}", self.world_size, "err")
         try:
             collected = self._collect(job_id, timeout_s, f"did not finish within {timeout_s}s")
         except BaseException:
@@ -119,7 +128,8 @@ class RankSession:
             raise
         finally:
             _forward_outputs(outputs)
-            for path in outputs:
+            _forward_outputs(errors, fd=2)
+            for path in outputs + errors:
                 if os.path.exists(path):
                     os.remove(path)
             if self._procs is None:
@@ -203,7 +213,8 @@ class RankSession:
         for q in (*self._jobs, self._results):
             q.close()
             q.cancel_join_thread()
-        _forward_outputs([os.path.join(self._output_dir.name, f"idle.rank{rank}.out") for rank in range(self.world_size)])
+        _forward_outputs(_output_paths(self._output_dir.name, "idle", self.world_size, "out"))
+        _forward_outputs(_output_paths(self._output_dir.name, "idle", self.world_size, "err"), fd=2)
         self._output_dir.cleanup()
 
     def __enter__(self) -> RankSession:
