@@ -6,6 +6,7 @@ raw user input into these types here and nowhere else:
 - :class:`ShardingStrategy` and :class:`BucketingStrategy`, the project's own strategy enums,
   parsed from the enum itself, a case-insensitive string, or Thunder's ``FSDPType`` /
   ``FSDPBucketingStrategy``; Thunder's enums are produced again only where Thunder needs them;
+- :class:`MixedPrecision`, the dtypes parameters are gathered and gradients reduced in;
 - :class:`FSDPOptions`, the resolved options (device, process group, strategies, ...) that the
   transforms receive, built by :meth:`FSDPOptions.resolve`.
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BucketingStrategy",
     "FSDPOptions",
+    "MixedPrecision",
     "ShardingStrategy",
     "options_from",
     "parse_bucketing_strategy",
@@ -165,6 +167,75 @@ def _parse_bucket_cap_mb(value: float | None, bucketing: BucketingStrategy) -> i
             f"bucket_cap_mb={value!r} needs bucketing_strategy 'layer', 'block' or 'auto'; with 'none' there are no buckets to cap"
         )
     return int(value * 2**20)
+
+
+# The dtypes a policy accepts, narrowest first; float16 and bfloat16 are equally narrow but
+# neither holds the other's values, so one never reduces the other's gradients.
+_MIXED_PRECISION_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_PRECISION_RANK = {"float16": 0, "bfloat16": 0, "float32": 1, "float64": 2}
+
+
+def _dtype_name(value: object) -> str | None:
+    """``value``'s name in ``_MIXED_PRECISION_DTYPES``, or None when it is no such torch dtype."""
+    import torch
+
+    if not isinstance(value, torch.dtype):
+        return None
+    name = str(value).removeprefix("torch.")
+    return name if name in _MIXED_PRECISION_DTYPES else None
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """The dtypes FSDP communicates and computes in, like FSDP2's ``MixedPrecisionPolicy``.
+
+    Parameters, their ``.grad`` and the optimizer state keep each parameter's own dtype (float32
+    masters) and stay sharded. ``param_dtype``: each shard is cast to it before it is all-gathered
+    (in forward, and in ZeRO3's backward re-gathers), so compute runs on parameters of that dtype;
+    the forward's floating arguments are cast to it too, buffers are not. ``reduce_dtype``:
+    gradients are cast to it, reduce-scattered, and the reduced shard is cast back to the
+    parameter's dtype. None keeps the parameter's own dtype for either (FSDP2's
+    ``reduce_dtype=None`` means ``param_dtype`` instead): ``MixedPrecision(torch.bfloat16)``
+    gathers in bfloat16 and reduces in float32. A dtype equal to a parameter's own adds no cast
+    for that parameter.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        accepted = ", ".join(f"torch.{name}" for name in _MIXED_PRECISION_DTYPES)
+        for field_name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, field_name)
+            if value is not None and _dtype_name(value) is None:
+                raise ValueError(
+                    f"MixedPrecision {field_name} must be a floating torch dtype ({accepted}) or None "
+                    f"for the parameter's own dtype, got {value!r}"
+                )
+        if self.param_dtype is None or self.reduce_dtype is None or self.param_dtype == self.reduce_dtype:
+            return
+        gather, reduce = _dtype_name(self.param_dtype), _dtype_name(self.reduce_dtype)
+        if _PRECISION_RANK[reduce] <= _PRECISION_RANK[gather]:
+            wider = [f"torch.{n}" for n in _MIXED_PRECISION_DTYPES if _PRECISION_RANK[n] > _PRECISION_RANK[gather]]
+            raise ValueError(
+                f"MixedPrecision reduce_dtype={self.reduce_dtype} is not as wide as param_dtype={self.param_dtype}: "
+                f"gradients would be reduced in less precision than they were computed in; "
+                f"use reduce_dtype={self.param_dtype}, {', '.join(wider)}, or None for the parameter's own dtype"
+            )
+
+    @property
+    def casts_anything(self) -> bool:
+        """False for ``MixedPrecision()``, which keeps every parameter's dtype."""
+        return self.param_dtype is not None or self.reduce_dtype is not None
+
+    def dtypes_for(self, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype] | None:
+        """(gather dtype, reduce dtype) of a parameter of ``dtype``; None when both are ``dtype``
+        itself or it is not floating: nothing to cast (FSDP2 clamps a policy likewise)."""
+        if not dtype.is_floating_point:
+            return None
+        gather = dtype if self.param_dtype is None else self.param_dtype
+        reduce = dtype if self.reduce_dtype is None else self.reduce_dtype
+        return None if gather == dtype and reduce == dtype else (gather, reduce)
 
 
 @dataclass(frozen=True)
