@@ -1,17 +1,34 @@
-"""MixedPrecision: its checks and what it casts per parameter dtype."""
+"""MixedPrecision: its checks, what it casts per parameter dtype, and where fsdp refuses it.
+
+What the casts do to the traces: tests/test_mixed_precision_fake_group.py; numerics against
+FSDP2: tests/test_e2e_mixed_precision.py.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
+from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 
 import thunder_overlap
-from thunder_overlap import MixedPrecision
+from thunder_overlap import FSDPOverlap, MixedPrecision
+from thunder_overlap._transforms import MixedPrecisionTransform
+from thunder_overlap.options import BucketingStrategy, FSDPOptions
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 ACCEPTED = r"\(torch\.float16, torch\.bfloat16, torch\.float32, torch\.float64\)"
+
+
+@pytest.fixture(scope="module")
+def gloo_group(one_rank_gloo_group):
+    return one_rank_gloo_group
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
 
 
 def test_exported_with_the_other_options():
@@ -59,3 +76,55 @@ def test_bad_policies_name_the_value_and_what_is_accepted(kwargs, message):
 )
 def test_dtypes_per_parameter(policy, dtype, expected):
     assert policy.dtypes_for(dtype) == expected
+
+
+def test_policies_that_cast_nothing_add_no_transform(gloo_group):
+    def mixed_precision_transforms(policy):
+        transforms = thunder_overlap.fsdp_transforms(device="cpu", process_group=gloo_group, mixed_precision=policy)
+        return [i for i, t in enumerate(transforms) if isinstance(t, MixedPrecisionTransform)], transforms
+
+    assert mixed_precision_transforms(None)[0] == [] and mixed_precision_transforms(MixedPrecision())[0] == []
+    (index,), transforms = mixed_precision_transforms(MixedPrecision(BF16))
+    # Right after Thunder's FSDP, whose synchronize ops it replaces before autodiff.
+    assert isinstance(transforms[index - 1], FSDPTransform)
+    assert transforms[index].policy == MixedPrecision(BF16)
+
+
+def test_resolved_and_agreed_on_by_ranks(gloo_group):
+    options = FSDPOptions.resolve(process_group=gloo_group, mixed_precision=MixedPrecision(BF16, FP32))
+    assert options.mixed_precision == MixedPrecision(BF16, FP32)
+    assert options.agreed_fields()["mixed_precision"] == MixedPrecision(BF16, FP32)
+    assert FSDPOptions.resolve(process_group=gloo_group).mixed_precision == MixedPrecision()
+    assert FSDPOverlap(process_group=gloo_group, mixed_precision=MixedPrecision(BF16)).options.mixed_precision.param_dtype is BF16
+
+
+@pytest.mark.parametrize("entry", ["fsdp", "fsdp_transforms", "FSDPOverlap"])
+def test_a_policy_must_be_a_mixed_precision(gloo_group, entry):
+    with pytest.raises(TypeError, match=r"^mixed_precision must be a thunder_overlap\.MixedPrecision or None, got torch\.bfloat16 "):
+        if entry == "fsdp":
+            thunder_overlap.fsdp(_model(), mixed_precision=BF16)
+        elif entry == "fsdp_transforms":
+            thunder_overlap.fsdp_transforms(process_group=gloo_group, mixed_precision=BF16)
+        else:
+            FSDPOverlap(process_group=gloo_group, mixed_precision=BF16)
+
+
+@pytest.mark.parametrize("bucketing", ["layer", "block", "auto"])
+def test_buckets_are_refused_while_they_cannot_cast(gloo_group, bucketing):
+    with pytest.raises(
+        ValueError,
+        match=rf"^mixed_precision=MixedPrecision\(param_dtype=torch\.bfloat16, reduce_dtype=None\) casts this model's "
+        rf"torch\.float32 parameters, which is not supported yet with bucketing_strategy='{bucketing}' \(use 'none'\)$",
+    ):
+        thunder_overlap.fsdp(_model(), bucketing_strategy=bucketing, mixed_precision=MixedPrecision(BF16))
+
+
+def test_buckets_are_kept_where_the_policy_casts_nothing(gloo_group):
+    model = thunder_overlap.fsdp(_model().to(BF16), bucketing_strategy="block", mixed_precision=MixedPrecision(BF16, BF16))
+    assert all(p.dtype is BF16 for p in model.parameters())
+
+
+def test_hybrid_sharding_is_refused_while_untested():
+    transform = MixedPrecisionTransform(MixedPrecision(reduce_dtype=FP64), bucketing=BucketingStrategy.NONE, hybrid=True)
+    with pytest.raises(ValueError, match=r"casts this model's torch\.float32 parameters, .*with hybrid sharding \(a 2-D device_mesh\)$"):
+        transform.transform_module(_model())

@@ -15,7 +15,9 @@ The operators, by who puts them in the traces:
   group, then a tuple with one entry per member (what ``classify`` counts), then the inputs; one
   ``coalesced_wait`` completes them all and returns every member's outputs;
 - hybrid sharding (``_transforms/replicate.py``): ``replica_all_reduce`` / ``bucket_all_reduce``
-  and their waits.
+  and their waits;
+- mixed precision (``_transforms/mixed_precision.py``): ``shard_cast``, the cast of a parameter
+  shard before its all-gather.
 
 Analysis reads these operators by name and arguments only; it never calls the runtime objects.
 """
@@ -28,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from thunder.core.dtypes import to_torch_dtype
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.distributed import prims as dist_prims
 from thunder.executors import torchex
@@ -154,6 +157,16 @@ bucket_all_reduce = overlap_executor.register_operator(
 )
 bucket_all_reduce_wait = overlap_executor.register_operator(
     "bucket_all_reduce_wait", meta=_shard_views_meta, fn=lambda pending, bucket, slots: bucket.finish_all_reduce(pending, slots)
+)
+
+# --- mixed precision's cast of a shard before its all-gather ---------------------------------
+# An operator of its own, not prims.convert_element_type, which a fuser (nvFuser) could merge with
+# other casts or with compute: then the cast would be no single-input op before its all-gather,
+# and ZeRO3 could not replay it in backward ([Note: mixed precision]).
+shard_cast = overlap_executor.register_operator(
+    "shard_cast",
+    meta=lambda shard, dtype: TensorProxy(like=shard, dtype=dtype),
+    fn=lambda shard, dtype: shard.to(to_torch_dtype(dtype)),
 )
 
 # --- coalesced launches -----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from thunder_overlap._analysis.blocks import find_blocks
 from thunder_overlap._ops import with_collectives_kept_visible
 from thunder_overlap._transforms import (
     BucketingTransform,
+    MixedPrecisionTransform,
     OverlapScheduleTransform,
     RefuseNoSyncTransform,
     RefuseUnshardableTransform,
@@ -29,21 +30,30 @@ from thunder_overlap._transforms import (
 )
 from thunder_overlap._transforms.shardable import check_shardable
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.options import BucketingStrategy, FSDPOptions, ShardingStrategy, options_from, unknown_keywords_message
+from thunder_overlap.options import (
+    BucketingStrategy,
+    FSDPOptions,
+    MixedPrecision,
+    ShardingStrategy,
+    options_from,
+    unknown_keywords_message,
+)
 
 __all__ = ["fsdp", "fsdp_transforms"]
 
 
 def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any) -> list[Transform]:
     """The transforms ``fsdp`` applies, for ``thunder.jit(model, transforms=...)``: the refusal
-    of a model FSDP cannot shard (or already sharded), Thunder's sharding and materialisation,
-    then ZeRO3 re-gathering (ZeRO3 only), bucketing (layer, block or auto only), the all-reduce
-    across replicas (hybrid sharding only), then scheduling.
+    of a model FSDP cannot shard (or already sharded), Thunder's sharding, mixed precision's casts
+    (a ``mixed_precision`` that sets a dtype only), materialisation, then ZeRO3 re-gathering (ZeRO3
+    only), bucketing (layer, block or auto only), the all-reduce across replicas (hybrid sharding
+    only), then scheduling.
 
     Pass resolved ``options``, or the keywords of :meth:`FSDPOptions.resolve` (``device``,
     ``process_group``, ``sharding_strategy``, ``bucketing_strategy``, ``bucket_cap_mb``,
-    ``broadcast_from``, ``config``, ``move_state_dict_to_cpu``, ``block_types``, ``device_mesh``), checked as
-    ``fsdp`` checks them (``block_types`` is checked against the model when it is transformed).
+    ``broadcast_from``, ``config``, ``move_state_dict_to_cpu``, ``block_types``, ``device_mesh``,
+    ``mixed_precision``), checked as ``fsdp`` checks them (``block_types`` is checked against the
+    model when it is transformed).
     """
     options = options_from(options, option_kwargs, "fsdp_transforms")
     transforms: list[Transform] = [
@@ -56,6 +66,16 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
             move_state_dict_to_cpu=options.move_state_dict_to_cpu,
             process_group=options.process_group,
         ),
+    ]
+    if options.mixed_precision.casts_anything:
+        # Right after Thunder's FSDP, whose synchronize ops it replaces, and before autodiff,
+        # which then uses its gradient rules ([Note: mixed precision]).
+        transforms.append(
+            MixedPrecisionTransform(
+                options.mixed_precision, bucketing=options.bucketing, hybrid=options.hybrid_mesh is not None
+            )
+        )
+    transforms += [
         MaterializationTransform(options.device, init=MaterializationTransform.init_from_original_module_init()),
     ]
     if options.sharding is ShardingStrategy.ZERO3:
@@ -107,6 +127,7 @@ def fsdp(
     bucket_cap_mb: float | None = None,
     block_types: type[nn.Module] | str | list[type[nn.Module] | str] | tuple[type[nn.Module] | str, ...] | None = None,
     device_mesh: DeviceMesh | None = None,
+    mixed_precision: MixedPrecision | None = None,
     jit_options: Mapping[str, Any] | None = None,
     **unknown: Any,
 ) -> ThunderModule:
@@ -134,6 +155,11 @@ def fsdp(
             group to shard over; 2-D with dims (replicate, shard), as FSDP2's, hybrid sharding
             (HSDP): parameters are sharded and gathered within the shard group, and each
             reduce-scattered gradient shard is then all-reduced across the replicate group.
+        mixed_precision: a :class:`MixedPrecision`: the dtype parameters are gathered and computed
+            in (``param_dtype``; forward arguments are cast to it) and the dtype gradients are
+            reduce-scattered in (``reduce_dtype``); None in either keeps each parameter's dtype.
+            Parameters, ``.grad`` and optimizer state keep theirs (float32 masters). Not yet
+            with buckets or hybrid sharding: a model whose parameters it casts is refused there.
         broadcast_from: rank whose parameters are broadcast to all before sharding.
         config: scheduler options (:class:`OverlapConfig`).
         move_state_dict_to_cpu: as in Thunder, for ``original_state_dict``.
@@ -175,6 +201,7 @@ def fsdp(
         move_state_dict_to_cpu=move_state_dict_to_cpu,
         block_types=block_types,
         device_mesh=device_mesh,
+        mixed_precision=mixed_precision,
     )
     # Checked here, before tracing: a type that matches no module names the classes there are.
     find_blocks(model._model if isinstance(model, ThunderModule) else model, options.block_types)

@@ -197,7 +197,7 @@ class MixedPrecision:
     parameter's dtype. None keeps the parameter's own dtype for either (FSDP2's
     ``reduce_dtype=None`` means ``param_dtype`` instead): ``MixedPrecision(torch.bfloat16)``
     gathers in bfloat16 and reduces in float32. A dtype equal to a parameter's own adds no cast
-    for that parameter.
+    for that parameter. See [Note: mixed precision] in docs/design.md.
     """
 
     param_dtype: torch.dtype | None = None
@@ -257,6 +257,8 @@ class FSDPOptions:
     # Hybrid sharding: the 2-D device mesh (replicate, shard); process_group is its shard
     # group. None for plain FSDP.
     hybrid_mesh: DeviceMesh | None = None
+    # The dtypes of gathers and reductions; MixedPrecision() keeps the parameters' own.
+    mixed_precision: MixedPrecision = MixedPrecision()
 
     @property
     def replicate_group(self) -> dist.ProcessGroup | None:
@@ -275,6 +277,7 @@ class FSDPOptions:
             "bucket_cap_bytes": self.bucket_cap_bytes,
             "block_types": self.block_types,
             "device_mesh": mesh,
+            "mixed_precision": self.mixed_precision,
             "world_size": dist.get_world_size(self.process_group),
         }
 
@@ -307,6 +310,7 @@ class FSDPOptions:
         move_state_dict_to_cpu: bool = False,
         block_types: object = None,
         device_mesh: DeviceMesh | None = None,
+        mixed_precision: MixedPrecision | None = None,
     ) -> FSDPOptions:
         """Checks user input and fills in defaults (see :func:`thunder_overlap.fsdp` for each option).
 
@@ -320,6 +324,11 @@ class FSDPOptions:
             raise TypeError(f"config must be a thunder_overlap.OverlapConfig or None, got {type(config).__name__}")
         if not isinstance(move_state_dict_to_cpu, bool):
             raise TypeError(f"move_state_dict_to_cpu must be a bool, got {move_state_dict_to_cpu!r}")
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(
+                f"mixed_precision must be a thunder_overlap.MixedPrecision or None, got {mixed_precision!r} "
+                "(e.g. MixedPrecision(param_dtype=torch.bfloat16))"
+            )
         sharding = parse_sharding_strategy(sharding_strategy)
         bucketing = parse_bucketing_strategy(bucketing_strategy)
         bucket_cap_bytes = _parse_bucket_cap_mb(bucket_cap_mb, bucketing)
@@ -336,6 +345,7 @@ class FSDPOptions:
             move_state_dict_to_cpu=move_state_dict_to_cpu,
             block_types=parsed_block_types,
             hybrid_mesh=hybrid_mesh,
+            mixed_precision=MixedPrecision() if mixed_precision is None else mixed_precision,
         )
 
 

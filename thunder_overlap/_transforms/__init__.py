@@ -1,8 +1,9 @@
-"""Trace transforms, one per file: ZeRO3 re-gathering, bucketing, hybrid sharding's all-reduce
+"""Trace transforms, one per file: mixed precision's casts, ZeRO3 re-gathering, bucketing, hybrid sharding's all-reduce
 across replicas, overlap scheduling, the refusal of no_sync where there are no buckets to
 accumulate in, and of models FSDP cannot shard (or already sharded)."""
 
 from thunder_overlap._transforms.bucketing import BucketingTransform
+from thunder_overlap._transforms.mixed_precision import MixedPrecisionTransform
 from thunder_overlap._transforms.no_sync import RefuseNoSyncTransform
 from thunder_overlap._transforms.replicate import ReplicaReduceTransform
 from thunder_overlap._transforms.schedule import OverlapScheduleTransform
@@ -11,6 +12,7 @@ from thunder_overlap._transforms.zero3 import Zero3Transform
 
 __all__ = [
     "BucketingTransform",
+    "MixedPrecisionTransform",
     "OverlapScheduleTransform",
     "RefuseNoSyncTransform",
     "RefuseUnshardableTransform",

@@ -1,0 +1,220 @@
+"""Mixed precision: parameters gathered in ``param_dtype``, gradients reduced in ``reduce_dtype``.
+
+Runs right after Thunder's FSDPTransform, on the computation trace before autodiff, so that the
+gradient rules are this module's ([Note: mixed precision]):
+
+- each ``synchronize`` of a sharded floating parameter that the policy casts becomes
+  ``synchronize_mixed``: forward, the shard is cast (``shard_cast``) and the cast all-gathered;
+  backward, the gradient is cast to the reduce dtype, pre-averaged and reduce-scattered, and the
+  reduced shard cast back to the parameter's dtype;
+- the forward's floating arguments are cast to ``param_dtype`` (module state is not);
+- every later op that reads a changed tensor is traced again on the new tensors, so Thunder's own
+  meta functions derive every dtype downstream; an op that refuses the new dtypes is an error
+  naming it.
+
+Parameters and their ``.grad`` keep their dtypes; the prologue (its checks of the float32 shards
+and inputs) and the epilogue are left as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from thunder.core import dtypes, prims
+from thunder.core.proxies import DistParallelType, Proxy, TensorProxy
+from thunder.core.pytree import tree_flatten, tree_map
+from thunder.core.symbol import BoundSymbol, Symbol
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
+from thunder.core.transform_common import Transform
+from thunder.core.transforms import register_augmented_forward, register_backward
+from thunder.distributed import prims as dist_prims
+
+from thunder_overlap._ops import shard_cast
+from thunder_overlap.options import BucketingStrategy, MixedPrecision
+
+__all__ = ["MixedPrecisionTransform", "synchronize_mixed"]
+
+_SYNCHRONIZE_MIXED_ID = "thunder_overlap.synchronize_mixed"
+# Prologue ops that read the module's own state rather than the call's arguments.
+_MODULE_STATE_IDS = (prims.PrimIDs.UNPACK_PARAMETER, prims.PrimIDs.UNPACK_BUFFER, prims.PrimIDs.UNPACK_ATTR)
+# Computation-trace ops that bind its inputs: kept as they are, never traced again.
+_HEADER_IDS = (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.UNPACK_SEQUENCE)
+
+
+def _gather(shard: TensorProxy, group: dist.ProcessGroup, gather_dtype: dtypes.dtype) -> TensorProxy:
+    return dist_prims.all_gather(shard_cast(shard, gather_dtype), group, True).wait()
+
+
+def _synchronize_mixed_meta(shard, group, gather_dtype, reduce_dtype) -> TensorProxy:
+    # What runs where no gradient is needed (a frozen parameter): the forward alone.
+    return _gather(shard, group, gather_dtype)
+
+
+synchronize_mixed = Symbol(name="synchronize_mixed", id=_SYNCHRONIZE_MIXED_ID, meta=_synchronize_mixed_meta, is_prim=False)
+
+
+@register_augmented_forward(_SYNCHRONIZE_MIXED_ID)
+def _synchronize_mixed_forward(shard, group, gather_dtype, reduce_dtype):
+    return _gather(shard, group, gather_dtype), (group, shard.dtype, reduce_dtype)
+
+
+@register_backward(_SYNCHRONIZE_MIXED_ID)
+def _synchronize_mixed_backward(group, shard_dtype, reduce_dtype, grad):
+    # As Thunder's synchronize: pre-average, then sum, in the reduce dtype.
+    if grad.dtype != reduce_dtype:
+        grad = prims.convert_element_type(grad, reduce_dtype)
+    reduced = dist_prims.reduce_scatter(grad / group.size(), dist_prims.DistributedReduceOps.SUM, group, True).wait()
+    if reduced.dtype != shard_dtype:
+        reduced = prims.convert_element_type(reduced, shard_dtype)
+    return reduced, None, None, None
+
+
+@dataclass(frozen=True)
+class _Casts:
+    """What the retrace changes: per gathered input, (gather dtype, reduce dtype); forward
+    arguments cast to ``argument_dtype`` (None: none)."""
+
+    synchronized: dict[str, tuple[dtypes.dtype, dtypes.dtype]]
+    arguments: tuple[str, ...]
+    argument_dtype: dtypes.dtype | None
+
+
+def _thunder_dtypes(policy: MixedPrecision, dtype: dtypes.dtype) -> tuple[dtypes.dtype, dtypes.dtype] | None:
+    pair = policy.dtypes_for(dtypes.to_torch_dtype(dtype))
+    return None if pair is None else (dtypes.to_dtype(pair[0]), dtypes.to_dtype(pair[1]))
+
+
+def _is_sharded_synchronize(bsym: BoundSymbol) -> bool:
+    return bsym.sym.id is dist_prims.PrimIDs.SYNCHRONIZE and bsym.args[2] is DistParallelType.FULLY_SHARDED
+
+
+def _forward_arguments(prologue_trace: TraceCtx, computation_trace: TraceCtx) -> list[TensorProxy]:
+    """The computation's floating tensor inputs that come from the call's arguments (not the
+    module's parameters, buffers or attributes), as FSDP2's ``cast_forward_inputs`` casts them."""
+    producers = {o.name: b for b in prologue_trace.bound_symbols for o in b.flat_proxy_outs}
+    arguments = []
+    for out, inp in zip(prologue_trace.output[0], computation_trace.args, strict=True):
+        bsym = producers.get(getattr(out, "name", None))
+        if bsym is not None and bsym.sym.id in _MODULE_STATE_IDS:
+            continue
+        if isinstance(inp, TensorProxy) and dtypes.is_float_dtype(inp.dtype):
+            arguments.append(inp)
+    return arguments
+
+
+def _plan_casts(policy: MixedPrecision, prologue_trace: TraceCtx, computation_trace: TraceCtx) -> _Casts | None:
+    """The casts ``policy`` asks of these traces; None when it casts no parameter."""
+    synchronized = {}
+    for bsym in computation_trace.bound_symbols:
+        if _is_sharded_synchronize(bsym):
+            pair = _thunder_dtypes(policy, bsym.args[0].dtype)
+            if pair is not None:
+                synchronized[bsym.args[0].name] = pair
+    if not synchronized:
+        return None
+    argument_dtype = None if policy.param_dtype is None else dtypes.to_dtype(policy.param_dtype)
+    arguments = () if argument_dtype is None else _forward_arguments(prologue_trace, computation_trace)
+    names = tuple(a.name for a in arguments if a.dtype != argument_dtype)
+    return _Casts(synchronized, names, argument_dtype)
+
+
+def _dtype_name(dtype: dtypes.dtype) -> str:
+    return str(dtypes.to_torch_dtype(dtype)).removeprefix("torch.")
+
+
+def _refused_op_message(bsym: BoundSymbol, args, argument_dtype: dtypes.dtype | None, error: Exception) -> str:
+    inputs = ", ".join(f"{a.name}: {_dtype_name(a.dtype)}" for a in tree_flatten(args)[0] if isinstance(a, TensorProxy))
+    gathered = "their gather dtype" if argument_dtype is None else _dtype_name(argument_dtype)
+    return (
+        f"thunder_overlap mixed precision: {bsym.sym.name} refuses its inputs once parameters are gathered in "
+        f"{gathered} ({inputs}): {error}. Only the forward's arguments and the gathered parameters change dtype; "
+        "a buffer or constant of another dtype that promotes activations reaches this op unchanged (FSDP2 would "
+        "cast the activations at the next fully_shard module). Cast it where it is used, e.g. "
+        "buffer.type_as(activation), or leave mixed_precision out."
+    )
+
+
+def _retrace(computation_trace: TraceCtx, casts: _Casts) -> TraceCtx:
+    """``computation_trace`` with the casts of ``casts`` and every op traced again after them."""
+    new_trace = from_trace(computation_trace)
+    swapped: dict[str, Proxy] = {}
+
+    def read(x):
+        return swapped.get(x.name, x) if isinstance(x, Proxy) else x
+
+    bsyms = computation_trace.bound_symbols
+    body = next(i for i, bsym in enumerate(bsyms) if bsym.sym.id not in _HEADER_IDS)
+    new_trace.bound_symbols = list(bsyms[:body])
+    with tracectx(new_trace):
+        for name in casts.arguments:
+            argument = next(a for a in computation_trace.args if getattr(a, "name", None) == name)
+            swapped[name] = prims.convert_element_type(argument, casts.argument_dtype)
+        for bsym in bsyms[body:]:
+            if bsym.sym.id is prims.PrimIDs.RETURN:
+                new_trace.bound_symbols.append(bsym.from_bsym(args=_remapped_return(bsym.args, read)))
+                continue
+            if _is_sharded_synchronize(bsym) and bsym.args[0].name in casts.synchronized:
+                shard, group, _ = bsym.args
+                out = synchronize_mixed(shard, group, *casts.synchronized[shard.name])
+            elif not any(a.name in swapped for a in bsym.flat_proxy_args):
+                # Untouched by the casts: kept as traced (fewer ops re-run, none needlessly).
+                new_trace.bound_symbols.append(bsym)
+                continue
+            else:
+                args, kwargs = tree_map(read, bsym.args), tree_map(read, bsym.kwargs)
+                try:
+                    out = bsym.sym(*args, **kwargs)
+                except Exception as error:
+                    raise RuntimeError(_refused_op_message(bsym, args, casts.argument_dtype, error)) from error
+            olds, news = tree_flatten(bsym.output)[0], tree_flatten(out)[0]
+            for old, new in zip(olds, news, strict=True):
+                if isinstance(old, Proxy) and isinstance(new, Proxy) and old.name != new.name:
+                    swapped[old.name] = new
+    new_trace.set_provenance(TraceProvenance("thunder_overlap: mixed precision"))
+    return new_trace
+
+
+def _remapped_return(args: tuple, read) -> tuple:
+    # Only the output changes: flat_args are the inputs as the caller passed them (Thunder and
+    # the trace rewrites after this one read them back by name).
+    (value,) = args
+    if isinstance(value, dict) and "output" in value:
+        return ({**value, "output": tree_map(read, value["output"])},)
+    return tree_map(read, args)
+
+
+class MixedPrecisionTransform(Transform):
+    """Casts gathered parameters and forward arguments to ``policy.param_dtype`` and reduces
+    gradients in ``policy.reduce_dtype`` (see :class:`thunder_overlap.MixedPrecision`).
+
+    ``bucketing`` and ``hybrid``: what the other transforms do; buckets and HSDP do not handle
+    the casts yet, so a model whose parameters the policy casts is refused with them.
+    """
+
+    def __init__(self, policy: MixedPrecision, *, bucketing: BucketingStrategy, hybrid: bool) -> None:
+        self.policy = policy
+        self.bucketing = bucketing
+        self.hybrid = hybrid
+
+    def transform_module(self, model) -> None:
+        # Runs when the model is jitted (in fsdp()), after Thunder's FSDP sharded it.
+        cast = sorted({str(p.dtype) for p in model.parameters() if self.policy.dtypes_for(p.dtype) is not None})
+        if not cast:
+            return
+        unsupported = []
+        if self.bucketing.has_buckets:
+            unsupported.append(f"bucketing_strategy={self.bucketing.value!r} (use 'none')")
+        if self.hybrid:
+            unsupported.append("hybrid sharding (a 2-D device_mesh)")
+        if unsupported:
+            raise ValueError(
+                f"mixed_precision={self.policy} casts this model's {' and '.join(cast)} parameters, which is not "
+                f"supported yet with {' or '.join(unsupported)}"
+            )
+
+    def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
+        casts = _plan_casts(self.policy, prologue_trace, computation_trace)
+        if casts is None:
+            return prologue_trace, computation_trace, epilogue_trace
+        return prologue_trace, _retrace(computation_trace, casts), epilogue_trace
