@@ -1,0 +1,164 @@
+"""Mixed precision in real final traces, on the fake process group (2 ranks): what each
+collective moves, what ZeRO3 re-gathers, and what stays in the parameters' dtype.
+
+Numerics against FSDP2 on gloo ranks: tests/test_e2e_mixed_precision.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import thunder
+import torch
+import torch.nn as nn
+from thunder.core import dtypes, prims
+from thunder.core.proxies import TensorProxy
+
+import thunder_overlap
+from thunder_overlap import MixedPrecision
+from thunder_overlap._analysis.classify import CollectiveKind, NodeKind, classify_trace
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+
+MODEL = TinyGPTConfig(n_layer=2, n_embd=32)
+BF16_FP32 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+# Every test here traces models with Thunder (seconds each).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fake_group_2"), pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+@functools.cache
+def _tiny_gpt(sharding: str, policy: MixedPrecision | None):
+    """(model, final forward trace, final backward trace) after one step; cached, as tracing
+    dominates this module's time."""
+    torch.manual_seed(0)
+    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy=sharding, mixed_precision=policy)
+    jm(torch.randint(0, MODEL.vocab_size, (2, 8))).float().sum().backward()
+    return jm, thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_traces_with_the_group():
+    yield
+    _tiny_gpt.cache_clear()  # they refer to this module's process group
+
+
+def _collectives(*traces):
+    return [c for trace in traces for c in classify_trace(trace).collectives]
+
+
+@pytest.mark.parametrize("sharding", ["zero2", "zero3"])
+def test_gathers_move_bf16_reductions_fp32_and_parameters_stay_fp32(sharding):
+    jm, forward, backward = _tiny_gpt(sharding, BF16_FP32)
+    collectives = _collectives(forward, backward)
+    gathers = [c for c in collectives if c.kind is CollectiveKind.ALL_GATHER]
+    reductions = [c for c in collectives if c.kind is CollectiveKind.REDUCE_SCATTER]
+    assert gathers and reductions
+    assert {c.dtype for c in gathers} == {dtypes.bfloat16}
+    assert {c.dtype for c in reductions} == {dtypes.float32}
+    assert {p.dtype for p in jm.parameters()} == {torch.float32}
+    # TinyGPT's position embedding is frozen: gathered (in bf16), never reduced.
+    assert {p.grad.dtype for p in jm.parameters() if p.requires_grad} == {torch.float32}
+
+
+@pytest.mark.parametrize("sharding", ["zero2", "zero3"])
+def test_gathers_move_exactly_half_the_bytes_of_float32(sharding):
+    def gathered_bytes(policy):
+        _, forward, backward = _tiny_gpt(sharding, policy)
+        return sum(c.unsharded_bytes for c in _collectives(forward, backward) if c.kind is CollectiveKind.ALL_GATHER)
+
+    def reduced_bytes(policy):
+        _, forward, backward = _tiny_gpt(sharding, policy)
+        return sum(c.unsharded_bytes for c in _collectives(forward, backward) if c.kind is CollectiveKind.REDUCE_SCATTER)
+
+    assert gathered_bytes(BF16_FP32) * 2 == gathered_bytes(None) > 0
+    assert reduced_bytes(BF16_FP32) == reduced_bytes(None) > 0
+
+
+def test_zero3_backward_casts_the_float32_shards_it_regathers():
+    _, _, backward = _tiny_gpt("zero3", BF16_FP32)
+    annotated = classify_trace(backward)
+    regathers = [c for c in annotated.collectives if c.kind is CollectiveKind.ALL_GATHER]
+    assert regathers
+    for collective in regathers:
+        casts = [annotated.nodes[p] for p in collective.prologue]
+        assert casts and all(n.name == "shard_cast" for n in casts), [n.name for n in casts]
+        for node in casts:
+            (shard,) = [a for a in node.bsym.flat_proxy_args if isinstance(a, TensorProxy)]
+            assert annotated.is_input(shard.name) and shard.dtype == dtypes.float32
+            assert node.kind is NodeKind.PROLOGUE
+
+
+@pytest.mark.parametrize("policy", [MixedPrecision(torch.float32, torch.float32), MixedPrecision(reduce_dtype=torch.float32)])
+def test_a_policy_that_casts_nothing_adds_nothing(policy):
+    _, forward, backward = _tiny_gpt("zero3", policy)
+    _, plain_forward, plain_backward = _tiny_gpt("zero3", None)
+    assert str(forward) == str(plain_forward) and str(backward) == str(plain_backward)
+
+
+class _Scaled(nn.Module):
+    """Linear layers with a float32 buffer between them, applied as ``use`` says."""
+
+    def __init__(self, use: str) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.register_buffer("scale", torch.full((8,), 0.5))
+        self.use = use
+
+    def forward(self, x: torch.Tensor, steps: int) -> torch.Tensor:
+        h = self.fc1(x)
+        h = h * (self.scale if self.use == "as is" else self.scale.type_as(h))
+        return self.fc2(h) * steps
+
+
+def _step(model: nn.Module, policy: MixedPrecision, sharding: str = "zero3"):
+    torch.manual_seed(0)
+    jm = thunder_overlap.fsdp(model, device="cpu", sharding_strategy=sharding, mixed_precision=policy)
+    out = jm(torch.randn(2, 8), 3)
+    out.float().sum().backward()
+    return jm, out
+
+
+def test_a_buffer_that_promotes_activations_is_an_error_naming_the_op():
+    with pytest.raises(RuntimeError) as error:
+        _step(_Scaled("as is"), BF16_FP32)
+    message = str(error.value)
+    assert message.startswith("thunder_overlap mixed precision: linear refuses its inputs once parameters are gathered in bfloat16 (")
+    assert ": float32, " in message and "bfloat16" in message and "buffer.type_as(activation)" in message
+
+
+def test_a_buffer_cast_like_the_activation_follows_it():
+    jm, out = _step(_Scaled("type_as"), BF16_FP32)
+    assert out.dtype is torch.bfloat16
+    assert {p.grad.dtype for p in jm.parameters()} == {torch.float32}
+
+
+def test_forward_arguments_are_cast_and_flat_args_keep_the_inputs():
+    jm, _ = _step(_Scaled("type_as"), BF16_FP32)
+    retraced = next(t for t in thunder.last_traces(jm) if "mixed precision" in str(t.get_provenance()))
+    x = retraced.args[0]
+    casts = [b for b in retraced.bound_symbols if b.sym.name == "convert_element_type"]
+    # The float argument only: the float32 buffer and the parameters' shards are inputs too.
+    assert "t_scale" in [a.name for a in retraced.args]
+    assert [(b.args[0].name, b.args[1]) for b in casts] == [(x.name, dtypes.bfloat16)]
+    (returned,) = next(b for b in retraced.bound_symbols if b.sym.id is prims.PrimIDs.RETURN).args
+    assert returned["flat_args"][0] is x
+    assert [o.dtype for o in returned["output"]] == [dtypes.bfloat16]
+
+
+def test_a_frozen_parameter_is_gathered_in_bf16_and_gets_no_gradient():
+    model = _Scaled("type_as")
+    model.fc1.weight.requires_grad_(False)
+    jm, _ = _step(model, BF16_FP32, sharding="zero2")
+    grads = {n: None if p.grad is None else p.grad.dtype for n, p in jm.named_parameters()}
+    assert grads == {"fc1.weight": None, "fc1.bias": torch.float32, "fc2.weight": torch.float32, "fc2.bias": torch.float32}
+    gathers = [c for c in _collectives(thunder.last_traces(jm)[-1]) if c.kind is CollectiveKind.ALL_GATHER]
+    assert {c.dtype for c in gathers} == {dtypes.bfloat16}
+
+
+def test_a_narrow_reduce_dtype_lands_in_float32_gradients():
+    jm, _ = _step(_Scaled("type_as"), MixedPrecision(torch.bfloat16, torch.bfloat16))
+    backward = thunder.last_backward_traces(jm)[-1]
+    reductions = [c for c in _collectives(backward) if c.kind is CollectiveKind.REDUCE_SCATTER]
+    assert reductions and {c.dtype for c in reductions} == {dtypes.bfloat16}
+    assert {p.grad.dtype for p in jm.parameters()} == {torch.float32}
