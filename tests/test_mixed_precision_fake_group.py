@@ -7,6 +7,7 @@ Numerics against FSDP2 on gloo ranks: tests/test_e2e_mixed_precision.py.
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import thunder
@@ -123,8 +124,35 @@ def test_a_buffer_that_promotes_activations_is_an_error_naming_the_op():
     with pytest.raises(RuntimeError) as error:
         _step(_Scaled("as is"), BF16_FP32)
     message = str(error.value)
-    assert message.startswith("thunder_overlap mixed precision: linear refuses its inputs once parameters are gathered in bfloat16 (")
-    assert ": float32, " in message and "bfloat16" in message and "buffer.type_as(activation)" in message
+    refused = r"thunder_overlap mixed precision: linear at linear\.py:\d+ refuses its inputs once parameters are gathered in bfloat16 \("
+    assert re.match(refused, message), message
+    # The float32 activation is traced back to the model's line that promoted it.
+    promoted_here = r"\(\w+: float32, \w+: bfloat16, \w+: bfloat16\).* \w+ comes from mul at test_mixed_precision_fake_group\.py:\d+\."
+    assert re.search(promoted_here, message), message
+    assert "buffer.type_as(activation)" in message
+
+
+class _UpcastNorm(nn.Module):
+    """RMSNorm as litgpt and transformers write it: computed in float32, cast back to the
+    input's dtype, which the trace holds as the float32 it was when traced."""
+
+    def __init__(self, cast_back: str) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.cast_back = cast_back
+
+    def forward(self, x: torch.Tensor, steps: int) -> torch.Tensor:
+        h = self.fc1(x)
+        normed = h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        normed = normed.to(dtype=h.dtype) if self.cast_back == "to(h.dtype)" else normed.type_as(h)
+        return self.fc2(normed) * steps
+
+
+def test_a_dtype_read_from_a_tensor_when_traced_is_an_error_naming_the_cast():
+    with pytest.raises(RuntimeError, match=r"linear at linear\.py:\d+ refuses .* comes from to at test_mixed_precision_fake_group\.py:\d+"):
+        _step(_UpcastNorm("to(h.dtype)"), BF16_FP32)
+    _, out = _step(_UpcastNorm("type_as(h)"), BF16_FP32)
+    assert out.dtype is torch.bfloat16
 
 
 def test_a_buffer_cast_like_the_activation_follows_it():

@@ -123,15 +123,27 @@ def _dtype_name(dtype: dtypes.dtype) -> str:
     return str(dtypes.to_torch_dtype(dtype)).removeprefix("torch.")
 
 
-def _refused_op_message(bsym: BoundSymbol, args, argument_dtype: dtypes.dtype | None, error: Exception) -> str:
-    inputs = ", ".join(f"{a.name}: {_dtype_name(a.dtype)}" for a in tree_flatten(args)[0] if isinstance(a, TensorProxy))
-    gathered = "their gather dtype" if argument_dtype is None else _dtype_name(argument_dtype)
+def _where(bsym: BoundSymbol) -> str:
+    """The op and the model's source line that traced it, as far as Thunder recorded it."""
+    line = getattr(bsym.source_positions, "lineno", None)
+    if bsym.source_filename is None or line is None:
+        return bsym.sym.name
+    return f"{bsym.sym.name} at {bsym.source_filename.rsplit('/', 1)[-1]}:{line}"
+
+
+def _refused_op_message(bsym: BoundSymbol, args, casts: _Casts, origin: dict[str, BoundSymbol], error: Exception) -> str:
+    tensors = [a for a in tree_flatten(args)[0] if isinstance(a, TensorProxy)]
+    inputs = ", ".join(f"{a.name}: {_dtype_name(a.dtype)}" for a in tensors)
+    others = [a for a in tensors if a.name in origin and a.dtype != casts.argument_dtype]
+    sources = "; ".join(f"{a.name} comes from {_where(origin[a.name])}" for a in others)
+    gathered = "their gather dtype" if casts.argument_dtype is None else _dtype_name(casts.argument_dtype)
     return (
-        f"thunder_overlap mixed precision: {bsym.sym.name} refuses its inputs once parameters are gathered in "
-        f"{gathered} ({inputs}): {error}. Only the forward's arguments and the gathered parameters change dtype; "
-        "a buffer or constant of another dtype that promotes activations reaches this op unchanged (FSDP2 would "
-        "cast the activations at the next fully_shard module). Cast it where it is used, e.g. "
-        "buffer.type_as(activation), or leave mixed_precision out."
+        f"thunder_overlap mixed precision: {_where(bsym)} refuses its inputs once parameters are gathered in "
+        f"{gathered} ({inputs}): {error}{'. ' + sources if sources else ''}. Only the forward's arguments and the "
+        "gathered parameters change dtype. A dtype the trace holds as a constant does not: one read from a tensor "
+        "when the model was traced (x.to(x.dtype), common in RMSNorm and rotary embeddings) or a buffer's that "
+        "promotes activations (FSDP2 would cast them again at the next fully_shard module). Cast with "
+        "y.type_as(x) or buffer.type_as(activation) instead, or leave mixed_precision out."
     )
 
 
@@ -139,6 +151,8 @@ def _retrace(computation_trace: TraceCtx, casts: _Casts) -> TraceCtx:
     """``computation_trace`` with the casts of ``casts`` and every op traced again after them."""
     new_trace = from_trace(computation_trace)
     swapped: dict[str, Proxy] = {}
+    # New tensor name -> the original op it replaces, for errors that point at the model's code.
+    origin: dict[str, BoundSymbol] = {}
 
     def read(x):
         return swapped.get(x.name, x) if isinstance(x, Proxy) else x
@@ -166,11 +180,11 @@ def _retrace(computation_trace: TraceCtx, casts: _Casts) -> TraceCtx:
                 try:
                     out = bsym.sym(*args, **kwargs)
                 except Exception as error:
-                    raise RuntimeError(_refused_op_message(bsym, args, casts.argument_dtype, error)) from error
+                    raise RuntimeError(_refused_op_message(bsym, args, casts, origin, error)) from error
             olds, news = tree_flatten(bsym.output)[0], tree_flatten(out)[0]
             for old, new in zip(olds, news, strict=True):
                 if isinstance(old, Proxy) and isinstance(new, Proxy) and old.name != new.name:
-                    swapped[old.name] = new
+                    swapped[old.name], origin[new.name] = new, bsym
     new_trace.set_provenance(TraceProvenance("thunder_overlap: mixed precision"))
     return new_trace
 
