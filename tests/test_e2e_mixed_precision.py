@@ -130,3 +130,29 @@ def test_gathers_move_bf16_and_reductions_fp32(sessions, sharding):
     for session in sessions:
         assert session[sharding]["gather_dtypes"] == {"thunder.dtypes.bfloat16"}
         assert session[sharding]["reduce_dtypes"] == {"thunder.dtypes.float32"}
+
+
+def _ranks_given_other_policies(rank: int, world_size: int) -> str | None:
+    import thunder_overlap
+
+    torch.manual_seed(0)
+    policy = thunder_overlap.MixedPrecision(param_dtype=torch.bfloat16) if rank == 1 else None
+    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3", mixed_precision=policy)
+    try:
+        jm(_batch(0, rank)[0])
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_ranks_given_other_policies_raise_naming_them(local_ranks):
+    # Their all-gathers would move other dtypes and byte counts: the ranks compare their settings
+    # at the first compile, before any collective of the step.
+    messages = local_ranks(_ranks_given_other_policies, WORLD_SIZE, (), timeout_s=120)
+    named = (
+        "mixed_precision: rank 0 MixedPrecision(param_dtype=None, reduce_dtype=None), "
+        "rank 1 MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=None)"
+    )
+    for message in messages:
+        assert message is not None and "rank 1 of the process group was given other settings than rank 0" in message, message
+        assert named in message, message
