@@ -16,16 +16,7 @@ import torch.distributed.checkpoint as dcp
 from thunder_overlap import checkpoint
 from thunder_overlap.checkpoint import StateDictOptions
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
-
-
-def _assert_states_equal(actual: dict, expected: dict, **tolerance) -> None:
-    assert actual.keys() == expected.keys()
-    for name, value in expected.items():
-        if isinstance(value, dict):
-            _assert_states_equal(actual[name], value, **tolerance)
-        else:
-            torch.testing.assert_close(actual[name], value, msg=name, **tolerance)
-
+from thunder_overlap.testing.parity import assert_states_equal
 
 # --- bad input, one process -------------------------------------------------------------------
 
@@ -91,7 +82,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, monk
     monkeypatch.undo()
     restored = TinyGPT(TinyGPTConfig(n_layer=1))
     checkpoint.load(tmp_path / "ckpt", restored)
-    _assert_states_equal(restored.state_dict(), old.state_dict(), rtol=0, atol=0)
+    assert_states_equal(restored.state_dict(), old.state_dict(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -150,7 +141,7 @@ def test_flipped_bytes_are_refused_naming_the_file_and_both_checksums(tmp_path):
         checkpoint.load(tmp_path / "ckpt", model)
     assert re.search(r"damaged: __0_0\.distcp has CRC32 0x[0-9a-f]{8}, the manifest records 0x[0-9a-f]{8} \(\d+ bytes\)", str(error.value))
     assert isinstance(error.value, Exception) and str(error.value).endswith("the model and optimizer are as they were")
-    _assert_states_equal(model.state_dict(), before, rtol=0, atol=0)
+    assert_states_equal(model.state_dict(), before, rtol=0, atol=0)
 
 
 def test_a_file_of_another_size_is_named_with_both_sizes(tmp_path):
@@ -169,7 +160,7 @@ def test_a_checkpoint_without_a_manifest_loads_with_a_warning(tmp_path):
     restored = TinyGPT(TinyGPTConfig(n_layer=1))
     with pytest.warns(UserWarning, match=r"has no manifest \(\.manifest\.json: .*cannot be verified; save it again to add one"):
         checkpoint.load(tmp_path / "ckpt", restored)
-    _assert_states_equal(restored.state_dict(), old.state_dict(), rtol=0, atol=0)
+    assert_states_equal(restored.state_dict(), old.state_dict(), rtol=0, atol=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         checkpoint.load(tmp_path / "ckpt", restored, verify=False)

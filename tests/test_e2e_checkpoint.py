@@ -24,7 +24,7 @@ from thunder_overlap._transforms import BucketingTransform
 from thunder_overlap.checkpoint import StateDictOptions
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.testing.float_error import OptimizerReplay, rounding_count
-from thunder_overlap.testing.parity import Mismatches, assert_losses_close, one_step_reference
+from thunder_overlap.testing.parity import Mismatches, assert_losses_close, assert_states_equal, one_step_reference
 
 pytestmark = pytest.mark.ranks
 
@@ -152,15 +152,6 @@ def ranks(tmp_path_factory, local_ranks):
     return directory, local_ranks(_checkpoint_session, WORLD_SIZE, (str(directory),))
 
 
-def _assert_states_equal(actual: dict, expected: dict, **tolerance) -> None:
-    assert actual.keys() == expected.keys()
-    for name, value in expected.items():
-        if isinstance(value, dict):
-            _assert_states_equal(actual[name], value, **tolerance)
-        else:
-            torch.testing.assert_close(actual[name], value, msg=name, **tolerance)
-
-
 @pytest.fixture(scope="module")
 def step3(ranks):
     """Step 3 resumed from the checkpoint in float64: name -> (the parameter after it, how far a
@@ -192,7 +183,7 @@ def test_same_configuration_resumes_bit_identically(ranks):
     _, results = ranks
     for r in results:
         assert r["zero3_block_step3_loss"] == r["step3_loss"]
-        _assert_states_equal(r["zero3_block_step3_model"], r["step3_model"], rtol=0, atol=0)
+        assert_states_equal(r["zero3_block_step3_model"], r["step3_model"], rtol=0, atol=0)
 
 
 def test_zero2_layer_resumes_a_zero3_block_checkpoint(ranks, step3):
@@ -210,11 +201,11 @@ def test_zero2_layer_resumes_a_zero3_block_checkpoint(ranks, step3):
 def test_loading_restores_parameters_and_optimizer_state(ranks, name):
     _, results = ranks
     for r in results:
-        _assert_states_equal(r[f"{name}_loaded_model"], r["saved_model"], rtol=0, atol=0)
+        assert_states_equal(r[f"{name}_loaded_model"], r["saved_model"], rtol=0, atol=0)
         # AdamW's step counts and both moments, per parameter, as they were saved.
         assert {k for entries in r["saved_optim"].values() for k in entries} == {"step", "exp_avg", "exp_avg_sq"}
         assert all(float(entries["step"]) == 2.0 for entries in r["saved_optim"].values())
-        _assert_states_equal(r[f"{name}_loaded_optim"], r["saved_optim"], rtol=0, atol=0)
+        assert_states_equal(r[f"{name}_loaded_optim"], r["saved_optim"], rtol=0, atol=0)
         assert r[f"{name}_bucket_views"], "a parameter or gradient left its bucket buffer after loading"
 
 
@@ -223,7 +214,7 @@ def test_one_plain_process_resumes_a_two_rank_checkpoint(ranks, step3):
     model = _gpt(seed=1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     assert not checkpoint.load(directory / "llama", model, optimizer)
-    _assert_states_equal(dict(model.named_parameters()), results[0]["saved_model"], rtol=0, atol=0)
+    assert_states_equal(dict(model.named_parameters()), results[0]["saved_model"], rtol=0, atol=0)
     # One process sees the whole batch: its loss is the mean of the two ranks'.
     loss = _train_step(model, optimizer, 2, rank=None)
     assert_losses_close([loss], [sum(step3[1]) / WORLD_SIZE])
@@ -234,8 +225,8 @@ def test_tied_and_frozen_parameters_reshard_into_block_buckets(ranks):
     _, results = ranks
     for r in results:
         assert {"wte.weight", "lm_head.weight", "wpe.weight"} <= r["tiny_saved"].keys()
-        _assert_states_equal(r["tiny_loaded"], r["tiny_saved"], rtol=0, atol=0)
-        _assert_states_equal(r["tiny_original"], {k: r["tiny_saved"][k] for k in r["tiny_original"]}, rtol=0, atol=0)
+        assert_states_equal(r["tiny_loaded"], r["tiny_saved"], rtol=0, atol=0)
+        assert_states_equal(r["tiny_original"], {k: r["tiny_saved"][k] for k in r["tiny_original"]}, rtol=0, atol=0)
     assert results[0]["rank0_only_keys"] == sorted(results[0]["tiny_saved"])
     assert results[1]["rank0_only_keys"] == []
 
@@ -243,14 +234,14 @@ def test_tied_and_frozen_parameters_reshard_into_block_buckets(ranks):
 def test_set_state_dict_shards_a_plain_modules_state_dict(ranks):
     _, results = ranks
     for r in results:
-        _assert_states_equal(r["plain_loaded"], r["plain_state"], rtol=0, atol=0)
+        assert_states_equal(r["plain_loaded"], r["plain_state"], rtol=0, atol=0)
 
 
 def test_a_full_state_dict_loads_into_a_plain_module(ranks):
     _, results = ranks
     model = TinyGPT(TinyGPTConfig(n_layer=2))
     model.load_state_dict(results[0]["tiny_saved"])
-    _assert_states_equal(model.state_dict(), results[0]["tiny_saved"], rtol=0, atol=0)
+    assert_states_equal(model.state_dict(), results[0]["tiny_saved"], rtol=0, atol=0)
 
 
 # --- last: the module's one-rank group stays alive from here to the module's end ---------------
@@ -261,8 +252,8 @@ def test_a_one_rank_auto_bucketed_model_resumes_a_two_rank_checkpoint(ranks, ste
     model, optimizer = _sharded(_gpt(seed=1), "zero3", "auto")
     checkpoint.load(directory / "llama", model, optimizer)
     loaded_model, loaded_optim = _full(model, optimizer)
-    _assert_states_equal(loaded_model, results[0]["saved_model"], rtol=0, atol=0)
-    _assert_states_equal(loaded_optim, results[0]["saved_optim"], rtol=0, atol=0)
+    assert_states_equal(loaded_model, results[0]["saved_model"], rtol=0, atol=0)
+    assert_states_equal(loaded_optim, results[0]["saved_optim"], rtol=0, atol=0)
     loss = _train_step(model, optimizer, 2, rank=None)
     assert_losses_close([loss], [sum(step3[1]) / WORLD_SIZE])
     _assert_step3_parameters(step3, [("one rank, auto buckets", 0, _full(model)[0])])

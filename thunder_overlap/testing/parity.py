@@ -36,6 +36,7 @@ __all__ = [
     "RankSteps",
     "StepCheck",
     "assert_losses_close",
+    "assert_states_equal",
     "check_gradient_shards",
     "check_steps",
     "one_step_reference",
@@ -129,6 +130,17 @@ def assert_losses_close(actual: Sequence[float], expected: Sequence[float]) -> N
     rtol 1e-5 allows some 170 roundings, a hundred times more, and is still far below what a
     wrong batch or a skipped step changes (1e-3 and more)."""
     torch.testing.assert_close(torch.tensor(actual, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-5)
+
+
+def assert_states_equal(actual: dict, expected: dict, **tolerance) -> None:
+    """Two (nested) state dicts hold the same keys and close tensors (``torch.testing.assert_close``
+    with ``tolerance``), each mismatch named by its key."""
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        if isinstance(value, dict):
+            assert_states_equal(actual[name], value, **tolerance)
+        else:
+            torch.testing.assert_close(actual[name], value, msg=name, **tolerance)
 
 
 def real_rows(numel_rows: int, shard_rank: int, shards: int) -> tuple[int, int]:
