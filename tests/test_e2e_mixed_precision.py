@@ -1,5 +1,5 @@
 """Two gloo ranks train TinyGPT with bf16 gathers and fp32 reductions, with thunder_overlap (ZeRO2
-and ZeRO3, no buckets) and with FSDP2 (``fully_shard`` per block and at the root, with
+and ZeRO3 without buckets, ZeRO3 with block buckets) and with FSDP2 (``fully_shard`` per block and at the root, with
 ``MixedPrecisionPolicy(bfloat16, float32)``), on the same model and data.
 
 The two compute in bf16 with different kernels (Thunder's decompositions against eager PyTorch)
@@ -12,6 +12,8 @@ tests/test_mixed_precision_fake_group.py (half the all-gather bytes).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -26,6 +28,8 @@ WORLD_SIZE = 2
 MODEL = TinyGPTConfig(n_layer=2, n_embd=32, vocab_size=101)
 STEPS, LR, MICRO_BATCH, SEQ_LEN = 6, 1.0, 2, 16
 TOLERANCE = 2e-2
+# (sharding, bucketing) of each thunder_overlap run, by its key in a session's results.
+CONFIGS = {"zero2-none": ("zero2", "none"), "zero3-none": ("zero3", "none"), "zero3-block": ("zero3", "block")}
 
 
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,25 +54,46 @@ def _train(model, rank: int) -> list[float]:
     return losses
 
 
-def _thunder_overlap_run(rank: int, sharding: str) -> dict:
+def _thunder_overlap_run(rank: int, sharding: str, bucketing: str) -> dict:
     import thunder
 
     import thunder_overlap
     from thunder_overlap._analysis.classify import CollectiveKind, classify_trace
+    from thunder_overlap._transforms import BucketingTransform
 
     torch.manual_seed(0)
     policy = thunder_overlap.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy=sharding, mixed_precision=policy)
+    jm = thunder_overlap.fsdp(
+        TinyGPT(MODEL), device="cpu", sharding_strategy=sharding, bucketing_strategy=bucketing, mixed_precision=policy
+    )
+    buckets = BucketingTransform.of(jm)
     losses = _train(jm, rank)
     traces = (thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1])
-    collectives = [c for trace in traces for c in classify_trace(trace).collectives]
-    return {
+    layouts = buckets.layouts if buckets is not None else {}
+    collectives = [c for trace in traces for c in classify_trace(trace, layouts=layouts).collectives]
+    run = {
         "losses": losses,
         "shards": {n: p.detach().clone() for n, p in jm.named_parameters()},
         "dtypes": {str(p.dtype) for p in jm.parameters()},
         "gather_dtypes": {str(c.dtype) for c in collectives if c.kind is CollectiveKind.ALL_GATHER},
         "reduce_dtypes": {str(c.dtype) for c in collectives if c.kind is CollectiveKind.REDUCE_SCATTER},
     }
+    if buckets is not None:
+        summaries = buckets.summaries
+        run["unbucketed"] = summaries.forward.unbucketed + summaries.backward.unbucketed
+        run["bucketed_gathers"] = summaries.forward.all_gathers + summaries.backward.all_gathers
+        run["pool"] = (buckets.allocations, buckets.pool.slots)
+        run["planned_pool"] = buckets.slot_plan(jm).slots
+        # One step more: the buffers of the first are reused, nothing is allocated.
+        _train_one_more_step(jm, rank)
+        run["pool_after_another_step"] = (buckets.allocations, buckets.pool.slots)
+    return run
+
+
+def _train_one_more_step(model, rank: int) -> None:
+    idx, targets = _batch(0, rank)
+    logits = model(idx).float()
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
 
 
 def _fsdp2_run(rank: int) -> dict:
@@ -89,7 +114,7 @@ def _fsdp2_run(rank: int) -> dict:
 
 def _compare_session(rank: int, world_size: int) -> dict:
     assert world_size == WORLD_SIZE
-    return {"fsdp2": _fsdp2_run(rank), **{s: _thunder_overlap_run(rank, s) for s in ("zero2", "zero3")}}
+    return {"fsdp2": _fsdp2_run(rank), **{key: _thunder_overlap_run(rank, *config) for key, config in CONFIGS.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -103,20 +128,20 @@ def _shard_of(full: torch.Tensor, rank: int) -> tuple[torch.Tensor, int]:
     return real, real.shape[0]
 
 
-@pytest.mark.parametrize("sharding", ["zero2", "zero3"])
-def test_losses_follow_fsdp2_with_the_same_policy(sessions, sharding):
+@pytest.mark.parametrize("config", CONFIGS)
+def test_losses_follow_fsdp2_with_the_same_policy(sessions, config):
     for session in sessions:
-        ours, theirs = session[sharding]["losses"], session["fsdp2"]["losses"]
+        ours, theirs = session[config]["losses"], session["fsdp2"]["losses"]
         relative = [abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True)]
         assert max(relative) <= TOLERANCE, (ours, theirs)
         # Training happened: the first and last losses differ by more than the tolerance.
         assert abs(theirs[-1] - theirs[0]) / theirs[0] > TOLERANCE, theirs
 
 
-@pytest.mark.parametrize("sharding", ["zero2", "zero3"])
-def test_final_float32_parameters_follow_fsdp2(sessions, sharding):
+@pytest.mark.parametrize("config", CONFIGS)
+def test_final_float32_parameters_follow_fsdp2(sessions, config):
     for rank, session in enumerate(sessions):
-        ours, theirs = session[sharding], session["fsdp2"]
+        ours, theirs = session[config], session["fsdp2"]
         assert ours["dtypes"] == {"torch.float32"}
         assert set(ours["shards"]) == set(theirs["full"])
         for name, full in theirs["full"].items():
@@ -125,11 +150,25 @@ def test_final_float32_parameters_follow_fsdp2(sessions, sharding):
             torch.testing.assert_close(ours["shards"][name][:rows], expected, rtol=TOLERANCE, atol=TOLERANCE, msg=name)
 
 
-@pytest.mark.parametrize("sharding", ["zero2", "zero3"])
-def test_gathers_move_bf16_and_reductions_fp32(sessions, sharding):
+@pytest.mark.parametrize("config", CONFIGS)
+def test_gathers_move_bf16_and_reductions_fp32(sessions, config):
     for session in sessions:
-        assert session[sharding]["gather_dtypes"] == {"thunder.dtypes.bfloat16"}
-        assert session[sharding]["reduce_dtypes"] == {"thunder.dtypes.float32"}
+        assert session[config]["gather_dtypes"] == {"thunder.dtypes.bfloat16"}
+        assert session[config]["reduce_dtypes"] == {"thunder.dtypes.float32"}
+
+
+def test_buckets_gather_every_parameter_in_bf16_from_buffers_allocated_once(sessions):
+    for session in sessions:
+        run = session["zero3-block"]
+        assert run["unbucketed"] == [] and run["bucketed_gathers"] > 0
+        allocations, slots = run["pool"]
+        assert {slot.dtype for slot in slots if "all-gather" in " ".join(slot.users)} == {"torch.bfloat16"}
+        # Planned from the final traces: the same buffers as ran, serving the same uses; none added
+        # by a later step.
+        planned = run["planned_pool"]
+        assert Counter((s.numel, s.dtype) for s in planned) == Counter((s.numel, s.dtype) for s in slots)
+        assert sorted(s.users for s in planned) == sorted(s.users for s in slots)
+        assert run["pool_after_another_step"] == (allocations, slots)
 
 
 def _ranks_given_other_policies(rank: int, world_size: int) -> str | None:

@@ -19,6 +19,9 @@ from thunder.core.proxies import TensorProxy
 import thunder_overlap
 from thunder_overlap import MixedPrecision
 from thunder_overlap._analysis.classify import CollectiveKind, NodeKind, classify_trace
+from thunder_overlap._analysis.layout import NO_BUCKETS
+from thunder_overlap._analysis.local_copies import local_copy_bytes
+from thunder_overlap._transforms import BucketingTransform
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 
 MODEL = TinyGPTConfig(n_layer=2, n_embd=32)
@@ -29,11 +32,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fake_group_2"), pytest.
 
 
 @functools.cache
-def _tiny_gpt(sharding: str, policy: MixedPrecision | None):
+def _tiny_gpt(sharding: str, policy: MixedPrecision | None, bucketing: str = "none"):
     """(model, final forward trace, final backward trace) after one step; cached, as tracing
     dominates this module's time."""
     torch.manual_seed(0)
-    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy=sharding, mixed_precision=policy)
+    jm = thunder_overlap.fsdp(
+        TinyGPT(MODEL), device="cpu", sharding_strategy=sharding, bucketing_strategy=bucketing, mixed_precision=policy
+    )
     jm(torch.randint(0, MODEL.vocab_size, (2, 8))).float().sum().backward()
     return jm, thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
 
@@ -44,8 +49,8 @@ def _forget_traces_with_the_group():
     _tiny_gpt.cache_clear()  # they refer to this module's process group
 
 
-def _collectives(*traces):
-    return [c for trace in traces for c in classify_trace(trace).collectives]
+def _collectives(*traces, layouts=NO_BUCKETS):
+    return [c for trace in traces for c in classify_trace(trace, layouts=layouts).collectives]
 
 
 @pytest.mark.parametrize("sharding", ["zero2", "zero3"])
@@ -74,6 +79,30 @@ def test_gathers_move_exactly_half_the_bytes_of_float32(sharding):
 
     assert gathered_bytes(BF16_FP32) * 2 == gathered_bytes(None) > 0
     assert reduced_bytes(BF16_FP32) == reduced_bytes(None) > 0
+
+
+def test_buckets_gather_exactly_half_the_bytes_and_cast_each_flat_shard_once():
+    def bucketed(policy):
+        jm, forward, backward = _tiny_gpt("zero3", policy, "block")
+        bucketing = BucketingTransform.of(jm)
+        assert bucketing.summaries.forward.unbucketed == [] and bucketing.summaries.backward.unbucketed == []
+        gathers = [c for c in _collectives(forward, backward, layouts=bucketing.layouts) if c.kind is CollectiveKind.ALL_GATHER]
+        issues = [b for t in (forward, backward) for b in t.bound_symbols if b.sym.name.endswith("bucket_all_gather")]
+        return bucketing, gathers, issues
+
+    buckets, gathers, issues = bucketed(BF16_FP32)
+    fp32_buckets, fp32_gathers, fp32_issues = bucketed(None)
+    assert {c.dtype for c in gathers} == {dtypes.bfloat16}
+    assert sum(c.unsharded_bytes for c in gathers) * 2 == sum(c.unsharded_bytes for c in fp32_gathers) > 0
+    # No per-parameter cast is left: each gather casts its buckets' flat shards, which the cost
+    # model prices as one read of float32 and one write of bfloat16; without a cast, nothing.
+    assert not [b for t in _tiny_gpt("zero3", BF16_FP32, "block")[1:] for b in t.bound_symbols if b.sym.name == "shard_cast"]
+    assert issues and fp32_issues
+    for issue in issues:
+        members = [m[0] for m in issue.args[1]] if issue.sym.name.startswith("coalesced") else [issue.args[0]]
+        shard_numel = sum(buckets.layouts[b].unsharded_numel // buckets.layouts[b].world_size for b in members)
+        assert local_copy_bytes(issue, buckets.layouts) == shard_numel * (4 + 2)
+    assert {local_copy_bytes(issue, fp32_buckets.layouts) for issue in fp32_issues} == {0}
 
 
 def test_zero3_backward_casts_the_float32_shards_it_regathers():

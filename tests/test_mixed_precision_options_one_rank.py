@@ -13,7 +13,7 @@ from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 
 import thunder_overlap
 from thunder_overlap import FSDPOverlap, MixedPrecision
-from thunder_overlap._transforms import MixedPrecisionTransform
+from thunder_overlap._transforms import BucketingTransform, MixedPrecisionTransform
 from thunder_overlap.options import BucketingStrategy, FSDPOptions
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -110,13 +110,22 @@ def test_a_policy_must_be_a_mixed_precision(gloo_group, entry):
 
 
 @pytest.mark.parametrize("bucketing", ["layer", "block", "auto"])
-def test_buckets_are_refused_while_they_cannot_cast(gloo_group, bucketing):
+def test_buckets_refuse_a_reduce_dtype_other_than_the_parameters(gloo_group, bucketing):
     with pytest.raises(
         ValueError,
-        match=rf"^mixed_precision=MixedPrecision\(param_dtype=torch\.bfloat16, reduce_dtype=None\) casts this model's "
-        rf"torch\.float32 parameters, which is not supported yet with bucketing_strategy='{bucketing}' \(use 'none'\)$",
+        match=r"^mixed_precision=MixedPrecision\(param_dtype=torch\.bfloat16, reduce_dtype=torch\.bfloat16\) casts this model's "
+        rf"torch\.float32 parameters, which is not supported yet with bucketing_strategy='{bucketing}' and a reduce_dtype other "
+        r"than the parameters' \(torch\.bfloat16 for torch\.float32; buckets reduce in the parameters' dtype: leave reduce_dtype "
+        r"None or equal to it, or use bucketing_strategy='none'\)$",
     ):
-        thunder_overlap.fsdp(_model(), bucketing_strategy=bucketing, mixed_precision=MixedPrecision(BF16))
+        thunder_overlap.fsdp(_model(), bucketing_strategy=bucketing, mixed_precision=MixedPrecision(BF16, BF16))
+
+
+def test_buckets_gather_in_the_param_dtype(gloo_group):
+    model = thunder_overlap.fsdp(_model(), bucketing_strategy="block", mixed_precision=MixedPrecision(BF16, FP32))
+    bucketing = BucketingTransform.of(model)
+    assert bucketing.buckets and all(b.flat_shard.dtype is FP32 and b.gather_dtype is BF16 for b in bucketing.buckets)
+    assert {(layout.gather_dtype, layout.gather_itemsize) for layout in bucketing.layouts.values()} == {("torch.bfloat16", 2)}
 
 
 def test_buckets_are_kept_where_the_policy_casts_nothing(gloo_group):

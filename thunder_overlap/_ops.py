@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from thunder.core.dtypes import to_torch_dtype
+from thunder.core.dtypes import to_dtype, to_torch_dtype
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.distributed import prims as dist_prims
 from thunder.executors import torchex
@@ -54,6 +54,9 @@ BUCKET_COLLECTIVES = ("bucket_all_gather", "bucket_reduce_scatter")
 
 class BucketRuntime(Protocol):
     """What a bucket operator calls on the bucket the trace names (``_bucketing/buffers.py``)."""
+
+    # What its all-gather moves: the parameters' dtype, or mixed precision's param_dtype.
+    gather_dtype: torch.dtype
 
     def gathered_numel(self) -> int: ...
     def shard_numel(self) -> int: ...
@@ -105,7 +108,9 @@ def _numel(t: TensorProxy) -> int:
 
 bucket_all_gather = overlap_executor.register_operator(
     "bucket_all_gather",
-    meta=lambda bucket, group, shards, slots: FutureTensorProxy(shape=(bucket.gathered_numel(),), like=shards[0]),
+    meta=lambda bucket, group, shards, slots: FutureTensorProxy(
+        shape=(bucket.gathered_numel(),), like=shards[0], dtype=to_dtype(bucket.gather_dtype)
+    ),
     fn=lambda bucket, group, shards, slots: bucket.start_all_gather(shards, slots),
 )
 bucket_all_gather_wait = overlap_executor.register_operator(
@@ -264,7 +269,9 @@ coalesced_reduce_scatter = _coalesced_op(
 )
 coalesced_bucket_all_gather = _coalesced_op(
     "bucket_all_gather",
-    lambda group, members, shards: FutureTensorProxy(shape=(sum(b.gathered_numel() for b, _, _ in members),), like=shards[0][0]),
+    lambda group, members, shards: FutureTensorProxy(
+        shape=(sum(b.gathered_numel() for b, _, _ in members),), like=shards[0][0], dtype=to_dtype(members[0][0].gather_dtype)
+    ),
     _coalesced_buckets("prepare_all_gather", "launch_all_gather", "gathered_views"),
 )
 coalesced_bucket_reduce_scatter = _coalesced_op(

@@ -91,6 +91,7 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
             config=options.config,
             block_types=options.block_types,
             replicate_group=options.replicate_group,
+            mixed_precision=options.mixed_precision,
         )
         transforms.append(bucketing)
     else:

@@ -56,8 +56,13 @@ class BucketLayout:
     label: str
     # Elements of one unsharded buffer: world size x the flat shard, padding included.
     unsharded_numel: int
+    # The parameters' dtype: the flat shard's, and the reduce-scatter's buffers'.
     dtype: str
     itemsize: int
+    # What the all-gather moves and its buffers hold: the dtype above, or mixed precision's
+    # param_dtype, into which the flat shard is cast once per gather.
+    gather_dtype: str
+    gather_itemsize: int
     tensors: int
     world_size: int
     backend: Backend
@@ -83,20 +88,38 @@ class BucketLayout:
 
     @classmethod
     def default(
-        cls, label: str, *, unsharded_numel: int, dtype: str, itemsize: int, tensors: int, world_size: int, backend: Backend, padded: bool
+        cls,
+        label: str,
+        *,
+        unsharded_numel: int,
+        dtype: str,
+        itemsize: int,
+        tensors: int,
+        world_size: int,
+        backend: Backend,
+        padded: bool,
+        gather_dtype: str | None = None,
+        gather_itemsize: int | None = None,
     ) -> BucketLayout:
-        """The paths a bucket takes until a choice changes them: no copy where the backend allows."""
+        """The paths a bucket takes until a choice changes them: no copy where the backend allows.
+        The gather dtype defaults to ``dtype`` (no mixed precision)."""
         if tensors == 1 or world_size == 1:
             gather = GatherPath.VIEWS
         else:
             gather = GatherPath.IN_PLACE if backend.runs_coalesced_launch_as_one else GatherPath.COPY_OUT
         sendable = not padded and (tensors == 1 or backend.runs_coalesced_launch_as_one)
         reduce = ReducePath.SEND if sendable else ReducePath.LAID_OUT
-        return cls(label, unsharded_numel, dtype, itemsize, tensors, world_size, backend, padded, gather, reduce)
+        if gather_dtype is None:
+            gather_dtype, gather_itemsize = dtype, itemsize
+        elif gather_itemsize is None:
+            raise ValueError(f"bucket {label!r}: gather dtype {gather_dtype} given without its itemsize")
+        sizes = (unsharded_numel, dtype, itemsize, gather_dtype, gather_itemsize)
+        return cls(label, *sizes, tensors, world_size, backend, padded, gather, reduce)
 
     def as_on(self, backend: Backend) -> BucketLayout:
         """This bucket's default paths on ``backend`` (to run NCCL's paths over gloo, for real)."""
-        fields = {name: getattr(self, name) for name in ("unsharded_numel", "dtype", "itemsize", "tensors", "world_size", "padded")}
+        names = ("unsharded_numel", "dtype", "itemsize", "gather_dtype", "gather_itemsize", "tensors", "world_size", "padded")
+        fields = {name: getattr(self, name) for name in names}
         return BucketLayout.default(self.label, backend=backend, **fields)
 
     def with_paths(self, *, gather: GatherPath | None = None, reduce: ReducePath | None = None) -> BucketLayout:
@@ -118,7 +141,18 @@ class BucketLayout:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of one unsharded buffer in the parameters' dtype (a reduce-scatter's)."""
         return self.unsharded_numel * self.itemsize
+
+    @property
+    def gather_nbytes(self) -> int:
+        """Bytes of one gathered buffer (an all-gather's, a copy-out's)."""
+        return self.unsharded_numel * self.gather_itemsize
+
+    @property
+    def casts_for_gather(self) -> bool:
+        """Whether each gather first casts the flat shard into the bucket's cast shard."""
+        return self.gather_dtype != self.dtype
 
 
 # The layouts of a trace's buckets, keyed by the bucket object its operators name.

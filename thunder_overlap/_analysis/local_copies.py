@@ -8,14 +8,15 @@ stream, before the launch and after the wait, at memory bandwidth; :meth:`CostMo
 turns the bytes counted here into time. What each operator copies follows the bucket's paths
 (:mod:`~thunder_overlap._analysis.layout`; ``U`` is the bucket's unsharded bytes, ``G`` its gradients'):
 
-- ``bucket_all_gather``: nothing; the flat shard it sends is the parameters' storage.
+- ``bucket_all_gather``: nothing, the flat shard it sends being the parameters' storage; with mixed
+  precision, the cast of the flat shard into the gather dtype (read and written once).
 - ``bucket_all_gather_wait``: ``2 U`` for a copy-out, else nothing.
 - ``bucket_reduce_scatter``: ``G + U`` for the ``_chunk_cat`` that lays the gradients out (and
   pads them), ``2 U`` more for the in-place pre-average when it divides, ``2 U`` more where it
   goes from the backend's copy. Sending its gradients where they are, it only averages the
   received shard, ``2 U / world_size`` (done at the wait, counted here).
-- ``coalesced_bucket_reduce_scatter`` and the ``coalesced_wait`` of a ``coalesced_bucket_all_gather``:
-  each member as alone (the wait names no bucket, so its bytes come from the issue:
+- ``coalesced_bucket_all_gather``, ``coalesced_bucket_reduce_scatter`` and the ``coalesced_wait``
+  of a ``coalesced_bucket_all_gather``: each member as alone (the wait names no bucket, so its bytes come from the issue:
   :data:`WAIT_COPY_BYTES`).
 - ``bucket_accumulate_grads`` (no_sync): the lay-out (``G + U``) and the sum into the kept
   gradients (``3 U``), with ``U`` taken as ``G``.
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 
-from thunder_overlap._analysis.layout import BucketLayouts, GatherPath, ReducePath, layout_of
+from thunder_overlap._analysis.layout import BucketLayout, BucketLayouts, GatherPath, ReducePath, layout_of
 
 __all__ = ["LOCAL_COPY_BYTES", "WAIT_COPY_BYTES", "LocalCopyBytes", "backend_launches", "local_copy_bytes", "pool_bytes_to_wait"]
 
@@ -42,8 +43,12 @@ __all__ = ["LOCAL_COPY_BYTES", "WAIT_COPY_BYTES", "LocalCopyBytes", "backend_lau
 LocalCopyBytes = Callable[[BoundSymbol, BucketLayouts], int]
 
 
+def _numel(t: TensorProxy) -> int:
+    return math.prod(int(s) for s in t.shape)
+
+
 def _bytes(t: TensorProxy) -> int:
-    return math.prod(int(s) for s in t.shape) * t.dtype.bytes
+    return _numel(t) * t.dtype.bytes
 
 
 def _futures(values) -> list[FutureTensorProxy]:
@@ -56,6 +61,22 @@ def _tensors(values) -> list[TensorProxy]:
 
 def no_copy(bsym: BoundSymbol, layouts: BucketLayouts) -> int:
     return 0
+
+
+def _cast_bytes(layout: BucketLayout) -> int:
+    """Mixed precision: the flat shard read in the parameters' dtype, written in the gather dtype."""
+    if not layout.casts_for_gather:
+        return 0
+    return layout.unsharded_numel // layout.world_size * (layout.itemsize + layout.gather_itemsize)
+
+
+def all_gather_cast(bsym: BoundSymbol, layouts: BucketLayouts) -> int:
+    """The cast of the flat shard before the gather (mixed precision only)."""
+    return _cast_bytes(layout_of(layouts, bsym.args[0]))
+
+
+def coalesced_all_gather_cast(bsym: BoundSymbol, layouts: BucketLayouts) -> int:
+    return sum(_cast_bytes(layout_of(layouts, bucket)) for bucket, _, _ in bsym.args[1])
 
 
 def all_gather_copy_out(bsym: BoundSymbol, layouts: BucketLayouts) -> int:
@@ -115,12 +136,13 @@ def coalesced_reduce_scatter_copy_in(bsym: BoundSymbol, layouts: BucketLayouts) 
 
 def coalesced_all_gather_copy_out(issue: BoundSymbol, layouts: BucketLayouts) -> int:
     """The copy-out of every member bucket that copies out, from the coalesced issue: a member's
-    gathered ranks are ``world_size`` times its flat shard (the shards it sends)."""
+    gathered ranks are ``world_size`` times the shards it sends, in its gather dtype."""
     group, members, shards = issue.args[:3]
     total = 0
     for (bucket, _, _), member in zip(members, shards, strict=True):
-        if layout_of(layouts, bucket).gather is GatherPath.COPY_OUT:
-            total += 2 * group.size() * sum(_bytes(s) for s in member)
+        layout = layout_of(layouts, bucket)
+        if layout.gather is GatherPath.COPY_OUT:
+            total += 2 * group.size() * sum(_numel(s) for s in member) * layout.gather_itemsize
     return total
 
 
@@ -130,12 +152,12 @@ WAIT_COPY_BYTES: dict[str, LocalCopyBytes] = {
 }
 
 LOCAL_COPY_BYTES: dict[str, LocalCopyBytes] = {
-    "bucket_all_gather": no_copy,
+    "bucket_all_gather": all_gather_cast,
     "bucket_all_gather_wait": all_gather_copy_out,
     "bucket_reduce_scatter": reduce_scatter_copy_in,
     "bucket_reduce_scatter_wait": no_copy,
     "bucket_accumulate_grads": accumulate_copy,
-    "coalesced_bucket_all_gather": no_copy,
+    "coalesced_bucket_all_gather": coalesced_all_gather_cast,
     "coalesced_bucket_reduce_scatter": coalesced_reduce_scatter_copy_in,
 }
 

@@ -59,10 +59,12 @@ class StorageBooks:
         self.allocated += nbytes
         return len(self.nbytes) - 1
 
-    def new_pool_storage(self, layout: BucketLayout, purpose: str) -> int:
+    def new_pool_storage(self, layout: BucketLayout, purpose: str, *, gathered: bool = False) -> int:
         """A pool buffer of ``layout``'s size for ``purpose``, busy from now until its last
-        reference goes."""
-        use = PoolInterval(f"{layout.label} {purpose}", layout.unsharded_numel, layout.dtype, layout.itemsize, self.now, self.now)
+        reference goes: in the gather dtype for a ``gathered`` buffer (an all-gather's, a
+        copy-out's), in the parameters' otherwise."""
+        dtype, itemsize = (layout.gather_dtype, layout.gather_itemsize) if gathered else (layout.dtype, layout.itemsize)
+        use = PoolInterval(f"{layout.label} {purpose}", layout.unsharded_numel, dtype, itemsize, self.now, self.now)
         return self.resume_pool_storage(use)
 
     def resume_pool_storage(self, use: PoolInterval) -> int:
@@ -142,7 +144,7 @@ def run_bucket_op(name: str, bsym: BoundSymbol, books: StorageBooks, layouts: Bu
     any collective, its tensor inputs); ``DONE`` when every output is bound."""
     outs = [o for o in bsym.flat_proxy_outs if isinstance(o, (TensorProxy, FutureTensorProxy))]
     if name == "bucket_all_gather":
-        _bind_all(outs, books, books.new_pool_storage(layout_of(layouts, bsym.args[0]), "all-gather"))
+        _bind_all(outs, books, books.new_pool_storage(layout_of(layouts, bsym.args[0]), "all-gather", gathered=True))
         return None
     if name == "bucket_all_gather_wait":
         _bind_all(outs, books, _gathered_views(layout_of(layouts, bsym.args[1]), books.storage_of[bsym.args[0].name], books))
@@ -153,7 +155,7 @@ def run_bucket_op(name: str, bsym: BoundSymbol, books: StorageBooks, layouts: Bu
         members = [layout_of(layouts, bucket) for bucket, _, _ in bsym.args[1]]
         (future,) = outs
         _bind_all([future], books, books.new_storage(future, nbytes=0))
-        gathered = [books.new_pool_storage(layout, "all-gather") for layout in members]
+        gathered = [books.new_pool_storage(layout, "all-gather", gathered=True) for layout in members]
         books.coalesced_gathers[future.name] = [
             (layout, storage, len(wait_slots)) for layout, storage, (_, _, wait_slots) in zip(members, gathered, bsym.args[1], strict=True)
         ]
@@ -176,7 +178,7 @@ def run_bucket_op(name: str, bsym: BoundSymbol, books: StorageBooks, layouts: Bu
 
 def _gathered_views(layout: BucketLayout, gathered: int, books: StorageBooks) -> int:
     """The storage the parameters of a finished gather are views of: a copy-out's, or the gather's."""
-    return books.new_pool_storage(layout, "copy-out") if layout.gather is GatherPath.COPY_OUT else gathered
+    return books.new_pool_storage(layout, "copy-out", gathered=True) if layout.gather is GatherPath.COPY_OUT else gathered
 
 
 def _reduce_scatter(bsym: BoundSymbol, books: StorageBooks, layout: BucketLayout, outs) -> list[int]:

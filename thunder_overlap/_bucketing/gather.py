@@ -22,9 +22,11 @@ __all__ = ["copy_out", "launch", "prepare"]
 
 
 def prepare(bucket: BucketState, shards: list[torch.Tensor], slots: tuple[int, ...]) -> PendingCollective:
-    """Everything before the launch: checks the shards and takes an output buffer (no work yet)."""
+    """Everything before the launch: checks the shards, casts them for the gather (mixed precision)
+    and takes an output buffer."""
     bucket.check_is_flat_shard(shards, slots)
-    return PendingCollective(None, bucket.acquire("all-gather"))
+    bucket.cast_for_gather()
+    return PendingCollective(None, bucket.acquire("all-gather", gathered=True))
 
 
 def launch(bucket: BucketState, pending: PendingCollective, *, async_op: bool) -> dist.Work | None:
@@ -33,16 +35,16 @@ def launch(bucket: BucketState, pending: PendingCollective, *, async_op: bool) -
     pending.mark_launch()
     group = bucket.process_group
     if bucket.layout.gather is not GatherPath.IN_PLACE:
-        return dist.all_gather_into_tensor(pending.result, bucket.flat_shard, group=group, async_op=async_op)
+        return dist.all_gather_into_tensor(pending.result, bucket.gather_shard, group=group, async_op=async_op)
     world = bucket.world_size
     places = [pending.result[world * s.offset : world * (s.offset + s.numel)] for s in bucket.plan.slots]
     if async_op:
         with dist._coalescing_manager(group, async_ops=True) as manager:
-            for place, shard in zip(places, bucket.shard_pieces, strict=True):
+            for place, shard in zip(places, bucket.gather_pieces, strict=True):
                 dist.all_gather_into_tensor(place, shard, group=group)
         return manager
     work = None
-    for place, shard in zip(places, bucket.shard_pieces, strict=True):
+    for place, shard in zip(places, bucket.gather_pieces, strict=True):
         work = dist.all_gather_into_tensor(place, shard, group=group, async_op=async_op)
     return work
 
@@ -51,7 +53,7 @@ def copy_out(bucket: BucketState, gathered: torch.Tensor, slots: tuple[int, ...]
     """The unsharded parameters of ``slots`` from a finished gather, with at most one copy: a
     rank-major gather needs its rows from every rank next to each other."""
     world, plan = bucket.world_size, bucket.plan
-    unsharded = bucket.acquire("copy-out") if bucket.layout.gather is GatherPath.COPY_OUT else gathered
+    unsharded = bucket.acquire("copy-out", gathered=True) if bucket.layout.gather is GatherPath.COPY_OUT else gathered
     pieces = [unsharded[world * s.offset : world * (s.offset + s.numel)] for s in plan.slots]
     if unsharded is not gathered:
         torch.split_with_sizes_copy(

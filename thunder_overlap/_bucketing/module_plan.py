@@ -24,7 +24,7 @@ from thunder_overlap._bucketing.plan import BucketPlan, BucketPlanSummary, plan_
 from thunder_overlap._bucketing.pool import BufferPool
 from thunder_overlap._scheduling.limits import resolve_limits
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.options import BucketingStrategy
+from thunder_overlap.options import BucketingStrategy, MixedPrecision
 
 __all__ = ["ModuleBuckets", "make_buckets", "plan_module_buckets"]
 
@@ -95,16 +95,23 @@ def block_names(model: nn.Module, block_types: BlockTypes | None) -> set[str]:
 
 
 def make_buckets(
-    plans: list[BucketPlan], shards: dict[str, torch.Tensor], unsharded_numels: dict[str, int], process_group: dist.ProcessGroup
+    plans: list[BucketPlan],
+    shards: dict[str, torch.Tensor],
+    unsharded_numels: dict[str, int],
+    process_group: dist.ProcessGroup,
+    mixed_precision: MixedPrecision | None = None,
 ) -> tuple[list[BucketBuffers], BufferPool]:
     """One :class:`BucketBuffers` per plan, the shards copied into its flat buffer, all on one
-    pool; ``unsharded_numels`` (by parameter name, before padding) tell which buckets pad."""
+    pool; ``unsharded_numels`` (by parameter name, before padding) tell which buckets pad, and
+    ``mixed_precision`` which dtype each bucket gathers in."""
     pool = BufferPool()
     buckets = []
     world_size = process_group.size()
     for plan in plans:
         first = shards[plan.slots[0].name]
         flat = torch.empty(plan.shard_numel, dtype=plan.dtype, device=first.device)
+        cast = mixed_precision.dtypes_for(plan.dtype) if mixed_precision is not None else None
+        gather_dtype = plan.dtype if cast is None else cast[0]
         layout = BucketLayout.default(
             plan.label,
             unsharded_numel=world_size * plan.shard_numel,
@@ -114,8 +121,10 @@ def make_buckets(
             world_size=world_size,
             backend=backend_of(process_group, flat.device),
             padded=sum(unsharded_numels[s.name] for s in plan.slots) != world_size * plan.shard_numel,
+            gather_dtype=str(gather_dtype),
+            gather_itemsize=gather_dtype.itemsize,
         )
-        bucket = BucketBuffers(plan, flat, process_group, pool, layout)
+        bucket = BucketBuffers(plan, flat, process_group, pool, layout, gather_dtype)
         for index, slot in enumerate(plan.slots):
             with torch.no_grad():
                 bucket.shard_view(index).copy_(shards[slot.name])

@@ -2,7 +2,9 @@
 layout, and the gradient shards it has handed out.
 
 ``flat_shard`` lives for the life of the module: the optimizer updates it in place and the
-all-gather sends it with no copy-in. Each step a reduce-scatter writes into a new gradient shard
+all-gather sends it with no copy-in. With mixed precision the all-gather sends ``gather_shard``
+instead, a second persistent buffer in the gather dtype that each gather first casts the flat
+shard into: one cast per bucket, nothing allocated per step. Each step a reduce-scatter writes into a new gradient shard
 that ``.grad`` alone owns (``zero_grad(set_to_none=True)`` gives it back, as it does an
 unbucketed gradient), see ``docs/memory.md`` ("What buckets cost"). The layout is set by the
 bucket's owner, :class:`~thunder_overlap._transforms.BucketingTransform`, and read here.
@@ -25,7 +27,13 @@ class BucketState:
     """The buffers and shapes one bucket's collectives run on (``gather.py``, ``reduction.py``)."""
 
     def __init__(
-        self, plan: BucketPlan, flat_shard: torch.Tensor, process_group: dist.ProcessGroup, pool: BufferPool, layout: BucketLayout
+        self,
+        plan: BucketPlan,
+        flat_shard: torch.Tensor,
+        process_group: dist.ProcessGroup,
+        pool: BufferPool,
+        layout: BucketLayout,
+        gather_dtype: torch.dtype | None = None,
     ) -> None:
         self.plan = plan
         self.flat_shard = flat_shard
@@ -36,6 +44,11 @@ class BucketState:
         # Each parameter's shard, made once: views taken during a step would be aten ops on the
         # parameters' storage in every step (memory trackers would count them as new).
         self.shard_pieces = [flat_shard[s.offset : s.offset + s.numel] for s in plan.slots]
+        # What the all-gather sends: the flat shard itself, or its cast (mixed precision).
+        self.gather_shard = flat_shard
+        if gather_dtype is not None and gather_dtype != flat_shard.dtype:
+            self.gather_shard = torch.empty_like(flat_shard, dtype=gather_dtype)
+        self.gather_pieces = [self.gather_shard[s.offset : s.offset + s.numel] for s in plan.slots]
         # The gradient shards handed out, weakly (data pointer -> reference to the storage):
         # ``.grad`` owns them. A weak reference to the tensor would not do: its Python object
         # dies while views keep the storage alive.
@@ -69,9 +82,20 @@ class BucketState:
     def slot_views(self, flat: torch.Tensor, slots: tuple[int, ...]) -> list[torch.Tensor]:
         return [flat[s.offset : s.offset + s.numel].view(s.shard_shape) for s in (self.plan.slots[i] for i in slots)]
 
-    def acquire(self, purpose: str) -> torch.Tensor:
-        """A pool buffer of one unsharded bucket, named ``<label> <purpose>`` in the pool's slots."""
-        flat = self.flat_shard
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        return self.gather_shard.dtype
+
+    def cast_for_gather(self) -> None:
+        """Casts the flat shard into the gather shard (mixed precision); nothing otherwise. Only
+        this bucket's next gather writes it again, after this one's wait."""
+        if self.gather_shard is not self.flat_shard:
+            self.gather_shard.copy_(self.flat_shard)
+
+    def acquire(self, purpose: str, *, gathered: bool = False) -> torch.Tensor:
+        """A pool buffer of one unsharded bucket, named ``<label> <purpose>`` in the pool's slots:
+        in the gather dtype for a ``gathered`` buffer, in the parameters' otherwise."""
+        flat = self.gather_shard if gathered else self.flat_shard
         return self.pool.acquire(self.gathered_numel(), flat.dtype, flat.device, f"{self.plan.label} {purpose}")
 
     def new_grad_shard(self) -> torch.Tensor:

@@ -5,6 +5,7 @@ In a forward or backward execution trace, :func:`rewrite_bucket_collectives` rep
 - the all-gathers and waits of a bucket's parameters with one bucketed all-gather and one wait,
   whose outputs keep the names of the per-parameter waits (so the unpadding slices and the
   compute read them as before), placed where the bucket's first gather and first wait were;
+  with mixed precision, each shard's cast too (the bucket casts its flat shard once);
 - (backward) the pad, pre-average, reduce-scatter and wait of a bucket's gradients with one
   bucketed reduce-scatter, placed at the bucket's last reduce-scatter, and one wait at its last
   wait; or, when accumulating (a backward compiled under no_sync), with one local gradient
@@ -18,7 +19,7 @@ operators (``_ops.py``) name the bucket's runtime object, which the trace carrie
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -69,7 +70,7 @@ class _Member:
     slot: int
     start: BoundSymbol
     wait: BoundSymbol
-    # Bound symbols absorbed into the bucketed collective (padding, pre-averaging).
+    # Bound symbols absorbed into the bucketed collective (a gather's cast; padding, pre-averaging).
     prologue: list[BoundSymbol] = field(default_factory=list)
     # What the bucketed collective reads: the shard, or the gradient before padding.
     source: TensorProxy | None = None
@@ -126,12 +127,16 @@ class _Rewrite:
 
     def bucket_all_gathers(self) -> None:
         annotated, summary = self.annotated, self.summary
+        casts = _shard_casts(self.trace)
         members: dict[int, list[_Member]] = defaultdict(list)
         for c in annotated.collectives:
             if c.kind is not CollectiveKind.ALL_GATHER or c.wait is None:
                 continue
             start, wait = annotated.nodes[c.start].bsym, annotated.nodes[c.wait].bsym
-            shard = start.args[0]
+            gathered = start.args[0]
+            # Mixed precision gathers a cast of the shard; the bucket casts its flat shard instead.
+            cast = casts.get(gathered.name) if isinstance(gathered, TensorProxy) else None
+            shard = cast.args[0] if cast is not None else gathered
             located = self.index.slot_of_input(shard.name) if isinstance(shard, TensorProxy) else None
             if located is None:
                 summary.unbucketed.append((f"all_gather({getattr(shard, 'name', shard)})", "not a parameter of a bucket"))
@@ -140,19 +145,25 @@ class _Rewrite:
                 summary.unbucketed.append((f"all_gather({shard.name})", f"gathers along dim {start.args[3]}, not dim 0"))
                 continue
             bucket_id, slot = located
-            members[bucket_id].append(_Member(slot, start, wait, source=shard))
+            gather_dtype = self.index.buckets[bucket_id].gather_dtype
+            if to_torch_dtype(gathered.dtype) != gather_dtype:
+                problem = f"gathers {to_torch_dtype(gathered.dtype)}, its bucket {gather_dtype}"
+                summary.unbucketed.append((f"all_gather({shard.name})", problem))
+                continue
+            members[bucket_id].append(_Member(slot, start, wait, prologue=[cast] if cast is not None else [], source=shard))
 
         positions = self.positions
         for bucket_id, group in members.items():
             bucket = self.index.buckets[bucket_id]
             slots = tuple(m.slot for m in group)
             with tracectx(self.trace):
-                future = FutureTensorProxy(shape=(bucket.gathered_numel(),), like=group[0].source)
+                # In the gather dtype, as what each member gathered.
+                future = FutureTensorProxy(shape=(bucket.gathered_numel(),), like=group[0].start.args[0])
             start = ops.bucket_all_gather.bind(bucket, self.index.process_group, [m.source for m in group], slots, output=future)
             wait = ops.bucket_all_gather_wait.bind(future, bucket, slots, output=tuple(m.wait.output for m in group))
             self.new_bsyms[min(positions[id(m.start)] for m in group)].append(start)
             self.new_bsyms[min(positions[id(m.wait)] for m in group)].append(wait)
-            self.removed.update(positions[id(b)] for m in group for b in (m.start, m.wait))
+            self.removed.update(positions[id(b)] for m in group for b in (*m.prologue, m.start, m.wait))
             summary.all_gathers += 1
             logger.debug("bucket %s: one all-gather for %d parameters", bucket.label, len(group))
 
@@ -242,6 +253,13 @@ class _Rewrite:
         if to_torch_dtype(member.source.dtype) != plan.dtype:
             return None, f"gradient dtype {member.source.dtype} differs from the bucket's {plan.dtype}"
         return (bucket_id, member), None
+
+
+def _shard_casts(trace: TraceCtx) -> dict[str, BoundSymbol]:
+    """Mixed precision's casts of a shard for its all-gather (``shard_cast``), by the cast's name:
+    those nothing else reads, which a bucket's gather can replace with its own cast."""
+    readers = Counter(a.name for b in trace.bound_symbols if b.sym.id is not prims.PrimIDs.DEL for a in b.flat_proxy_args)
+    return {b.output.name: b for b in trace.bound_symbols if b.sym.name == "shard_cast" and readers[b.output.name] == 1}
 
 
 def _is_absorbable(bsym: BoundSymbol) -> bool:

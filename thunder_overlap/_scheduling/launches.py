@@ -184,7 +184,6 @@ def _coalesced_bound_symbols(annotated: AnnotatedTrace, launch: LaunchGroup) -> 
         inputs = [list(s.args[2]) for s in starts]
         op = ops.coalesced_bucket_all_gather if gather else ops.coalesced_bucket_reduce_scatter
         extra: tuple = ()
-        first_input = inputs[0][0]
     else:
         # all_gather(a, group, do_async, dim) / reduce_scatter(a, op, group, do_async, dim)
         dim_position = 3 if gather else 4
@@ -192,12 +191,12 @@ def _coalesced_bound_symbols(annotated: AnnotatedTrace, launch: LaunchGroup) -> 
         inputs = [s.args[0] for s in starts]
         op = ops.coalesced_all_gather if gather else ops.coalesced_reduce_scatter
         extra = () if gather else (starts[0].args[1],)
-        first_input = inputs[0]
     outputs = tuple(o for w in waits for o in w.flat_proxy_outs if isinstance(o, TensorProxy))
-    # As the operators' metas shape it: every member's future, back to back.
+    # As the operators' metas shape it: every member's future, back to back, in their dtype (a
+    # bucket's gather dtype may not be its shards').
     numel = sum(_numel(s.flat_proxy_outs[0]) for s in starts)
     with tracectx(annotated.trace):
-        future = FutureTensorProxy(shape=(numel,), like=first_input)
+        future = FutureTensorProxy(shape=(numel,), like=starts[0].flat_proxy_outs[0])
     issue = op.bind(group, members, inputs, *extra, output=future)
     shapes = tuple(tuple(int(s) for s in o.shape) for o in outputs)
     return issue, ops.coalesced_wait.bind(future, shapes, output=outputs)

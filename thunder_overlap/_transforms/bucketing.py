@@ -52,7 +52,7 @@ from thunder_overlap._bucketing.plan import BucketPlan, BucketPlanSummary, bucke
 from thunder_overlap._bucketing.pool import BufferPool
 from thunder_overlap._bucketing.trace_rewrite import BucketIndex, BucketingSummary, forward_input_names, rewrite_bucket_collectives
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.options import BucketingStrategy, parse_bucketing_strategy
+from thunder_overlap.options import BucketingStrategy, MixedPrecision, parse_bucketing_strategy
 
 __all__ = ["BucketingSummaries", "BucketingTransform"]
 
@@ -86,6 +86,8 @@ class BucketingTransform(Transform):
         block_types: the module classes that form blocks (None: detected).
         replicate_group: hybrid sharding's group across replicas, whose all-reduce of each
             bucket's shard ``"auto"`` buckets must saturate too; None for plain FSDP.
+        mixed_precision: the policy :class:`MixedPrecisionTransform` casts with: each bucket
+            gathers in its ``param_dtype`` (one cast of the flat shard per gather).
 
     After ``transform_module``: :attr:`buckets` (one :class:`BucketBuffers` each), their
     :attr:`layouts`, ``summaries.plan``; after each compile, ``summaries.forward``,
@@ -102,6 +104,7 @@ class BucketingTransform(Transform):
         config: OverlapConfig | None = None,
         block_types: BlockTypes | None = None,
         replicate_group: dist.ProcessGroup | None = None,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         self.strategy = parse_bucketing_strategy(strategy)
         if not self.strategy.has_buckets:
@@ -111,6 +114,7 @@ class BucketingTransform(Transform):
         self.config = config if config is not None else OverlapConfig()
         self.block_types = block_types
         self.replicate_group = replicate_group
+        self.mixed_precision = mixed_precision
         self.buckets: list[BucketBuffers] = []
         self.pool = BufferPool()
         self.summaries = BucketingSummaries()
@@ -152,8 +156,9 @@ class BucketingTransform(Transform):
         return max((b.unsharded_bytes for b in plan.buckets), default=None) if plan is not None else None
 
     def buffer_storages(self) -> set[int]:
-        """Data pointers of every persistent buffer: the flat shards and the pool."""
-        storages = {b.flat_shard.untyped_storage().data_ptr() for b in self.buckets}
+        """Data pointers of every persistent buffer: the flat shards, their casts (mixed
+        precision) and the pool."""
+        storages = {s.untyped_storage().data_ptr() for b in self.buckets for s in (b.flat_shard, b.gather_shard)}
         return storages | {p.untyped_storage().data_ptr() for p in self.pool.buffers}
 
     def gradient_storages(self) -> set[int]:
@@ -183,7 +188,7 @@ class BucketingTransform(Transform):
         plans, self.summaries.plan = plan_module_buckets(module, self.strategy, self.cap_bytes, self.config)
         logger.info("%s", self.summaries.plan)
         numels = {name: unsharded_numel(model._model, name) for name, _ in shards}
-        self.buckets, self.pool = make_buckets(plans, dict(shards), numels, self.process_group)
+        self.buckets, self.pool = make_buckets(plans, dict(shards), numels, self.process_group, self.mixed_precision)
         shared = model._get_shared_names()
         for index, bucket in enumerate(self.buckets):
             for slot_index, slot in enumerate(bucket.plan.slots):

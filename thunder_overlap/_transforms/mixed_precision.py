@@ -202,8 +202,10 @@ class MixedPrecisionTransform(Transform):
     """Casts gathered parameters and forward arguments to ``policy.param_dtype`` and reduces
     gradients in ``policy.reduce_dtype`` (see :class:`thunder_overlap.MixedPrecision`).
 
-    ``bucketing`` and ``hybrid``: what the other transforms do; buckets and HSDP do not handle
-    the casts yet, so a model whose parameters the policy casts is refused with them.
+    ``bucketing`` and ``hybrid``: what the other transforms do. Buckets gather in ``param_dtype``
+    but reduce in the parameters' own dtype, and HSDP does not handle the casts yet, so a model
+    whose parameters the policy casts is refused with a reduce dtype other than theirs and
+    buckets, or with HSDP.
     """
 
     def __init__(self, policy: MixedPrecision, *, bucketing: BucketingStrategy, hybrid: bool) -> None:
@@ -213,12 +215,20 @@ class MixedPrecisionTransform(Transform):
 
     def transform_module(self, model) -> None:
         # Runs when the model is jitted (in fsdp()), after Thunder's FSDP sharded it.
-        cast = sorted({str(p.dtype) for p in model.parameters() if self.policy.dtypes_for(p.dtype) is not None})
+        pairs = {p.dtype: self.policy.dtypes_for(p.dtype) for p in model.parameters()}
+        cast = sorted(str(dtype) for dtype, pair in pairs.items() if pair is not None)
         if not cast:
             return
         unsupported = []
         if self.bucketing.has_buckets:
-            unsupported.append(f"bucketing_strategy={self.bucketing.value!r} (use 'none')")
+            # A bucket reduce-scatters into its flat gradient shard, in the parameters' dtype.
+            narrower = sorted({f"{pair[1]} for {dtype}" for dtype, pair in pairs.items() if pair is not None and pair[1] != dtype})
+            if narrower:
+                unsupported.append(
+                    f"bucketing_strategy={self.bucketing.value!r} and a reduce_dtype other than the parameters' "
+                    f"({', '.join(narrower)}; buckets reduce in the parameters' dtype: leave reduce_dtype None or "
+                    "equal to it, or use bucketing_strategy='none')"
+                )
         if self.hybrid:
             unsupported.append("hybrid sharding (a 2-D device_mesh)")
         if unsupported:
