@@ -21,7 +21,7 @@ from thunder_overlap import MixedPrecision
 from thunder_overlap._analysis.classify import CollectiveKind, NodeKind, classify_trace
 from thunder_overlap._analysis.layout import NO_BUCKETS
 from thunder_overlap._analysis.local_copies import local_copy_bytes
-from thunder_overlap._transforms import BucketingTransform
+from thunder_overlap._transforms import BucketingTransform, MixedPrecisionTransform
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 
 MODEL = TinyGPTConfig(n_layer=2, n_embd=32)
@@ -127,7 +127,8 @@ def test_a_policy_that_casts_nothing_adds_nothing(policy):
 
 
 class _Scaled(nn.Module):
-    """Linear layers with a float32 buffer between them, applied as ``use`` says."""
+    """Linear layers with a float32 buffer between them, applied as ``use`` says; "index_add"
+    adds a gathered weight into the promoted activation, an op that refuses mixed dtypes."""
 
     def __init__(self, use: str) -> None:
         super().__init__()
@@ -137,7 +138,9 @@ class _Scaled(nn.Module):
 
     def forward(self, x: torch.Tensor, steps: int) -> torch.Tensor:
         h = self.fc1(x)
-        h = h * (self.scale if self.use == "as is" else self.scale.type_as(h))
+        h = h * (self.scale.type_as(h) if self.use == "type_as" else self.scale)
+        if self.use == "index_add":
+            h = h.index_add(0, torch.tensor([0]), self.fc1.bias[None])
         return self.fc2(h) * steps
 
 
@@ -149,14 +152,33 @@ def _step(model: nn.Module, policy: MixedPrecision, sharding: str = "zero3"):
     return jm, out
 
 
-def test_a_buffer_that_promotes_activations_is_an_error_naming_the_op():
+def _downcasts(jm) -> list[str]:
+    return next(t for t in thunder.compile_data(jm).transforms if isinstance(t, MixedPrecisionTransform)).downcasts
+
+
+def test_a_matmul_given_a_promoted_activation_runs_in_bf16_and_is_listed():
+    # The buffer promotes the activation to float32; fc2 then meets bf16 weights, and runs as
+    # under autocast: its float32 input downcast to bf16.
+    jm, out = _step(_Scaled("as is"), BF16_FP32)
+    assert out.dtype is torch.bfloat16
+    assert [re.sub(r":\d+", ":N", d) for d in _downcasts(jm)] == ["linear at linear.py:N (float32 inputs)"]
+    forward = thunder.last_traces(jm)[-1]
+    linears = [b for b in forward.bound_symbols if b.sym.name == "linear"]
+    assert linears and all({a.dtype for a in b.flat_proxy_args if isinstance(a, TensorProxy)} == {dtypes.bfloat16} for b in linears)
+    assert {p.grad.dtype for p in jm.parameters()} == {torch.float32}
+
+
+def test_an_op_that_refuses_mixed_dtypes_is_an_error_naming_it_and_the_promotion():
     with pytest.raises(RuntimeError) as error:
-        _step(_Scaled("as is"), BF16_FP32)
+        _step(_Scaled("index_add"), BF16_FP32)
     message = str(error.value)
-    refused = r"thunder_overlap mixed precision: linear at linear\.py:\d+ refuses its inputs once parameters are gathered in bfloat16 \("
+    refused = (
+        r"thunder_overlap mixed precision: index_add at test_mixed_precision_fake_group\.py:\d+ refuses its inputs once "
+        r"parameters are gathered in bfloat16 \("
+    )
     assert re.match(refused, message), message
     # The float32 activation is traced back to the model's line that promoted it.
-    promoted_here = r"\(\w+: float32, \w+: bfloat16, \w+: bfloat16\).* \w+ comes from mul at test_mixed_precision_fake_group\.py:\d+\."
+    promoted_here = r"\(\w+: float32, \w+: int64, \w+: bfloat16\).* \w+ comes from mul at test_mixed_precision_fake_group\.py:\d+\."
     assert re.search(promoted_here, message), message
     assert "buffer.type_as(activation)" in message
 
@@ -177,11 +199,12 @@ class _UpcastNorm(nn.Module):
         return self.fc2(normed) * steps
 
 
-def test_a_dtype_read_from_a_tensor_when_traced_is_an_error_naming_the_cast():
-    with pytest.raises(RuntimeError, match=r"linear at linear\.py:\d+ refuses .* comes from to at test_mixed_precision_fake_group\.py:\d+"):
-        _step(_UpcastNorm("to(h.dtype)"), BF16_FP32)
-    _, out = _step(_UpcastNorm("type_as(h)"), BF16_FP32)
+def test_a_dtype_read_from_a_tensor_when_traced_ends_at_the_next_matmul():
+    jm, out = _step(_UpcastNorm("to(h.dtype)"), BF16_FP32)
     assert out.dtype is torch.bfloat16
+    assert [re.sub(r":\d+", ":N", d) for d in _downcasts(jm)] == ["linear at linear.py:N (float32 inputs)"]
+    jm, out = _step(_UpcastNorm("type_as(h)"), BF16_FP32)
+    assert out.dtype is torch.bfloat16 and _downcasts(jm) == []
 
 
 def test_a_buffer_cast_like_the_activation_follows_it():

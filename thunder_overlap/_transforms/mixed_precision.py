@@ -18,6 +18,7 @@ and inputs) and the epilogue are left as they are.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -35,9 +36,16 @@ from thunder_overlap.options import BucketingStrategy, MixedPrecision
 
 __all__ = ["MixedPrecisionTransform", "synchronize_mixed"]
 
+logger = logging.getLogger(__name__)
+
 _SYNCHRONIZE_MIXED_ID = "thunder_overlap.synchronize_mixed"
 # Prologue ops that read the module's own state rather than the call's arguments.
 _MODULE_STATE_IDS = (prims.PrimIDs.UNPACK_PARAMETER, prims.PrimIDs.UNPACK_BUFFER, prims.PrimIDs.UNPACK_ATTR)
+# Ops that run in the gathered weights' dtype when their other inputs are wider, as under
+# autocast ([Note: mixed precision]).
+_MATMUL_OPS = frozenset(
+    ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "scaled_dot_product_attention", "conv1d", "conv2d", "conv3d", "einsum")
+)
 # Computation-trace ops that bind its inputs: kept as they are, never traced again.
 _HEADER_IDS = (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.UNPACK_SEQUENCE)
 
@@ -147,8 +155,29 @@ def _refused_op_message(bsym: BoundSymbol, args, casts: _Casts, origin: dict[str
     )
 
 
-def _retrace(computation_trace: TraceCtx, casts: _Casts) -> TraceCtx:
-    """``computation_trace`` with the casts of ``casts`` and every op traced again after them."""
+def _downcast_matmul_inputs(bsym: BoundSymbol, args, kwargs, dtype: dtypes.dtype | None, downcasts: list[str]):
+    """A matmul-like op whose floating inputs mix ``dtype`` (a gathered weight's) with a wider
+    one gets them all in ``dtype``, as autocast runs matmuls ([Note: mixed precision]); the op
+    and its source line are added to ``downcasts``."""
+    if dtype is None or bsym.sym.name not in _MATMUL_OPS:
+        return args, kwargs
+    floats = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, TensorProxy) and dtypes.is_float_dtype(t.dtype)]
+    others = [t for t in floats if not dtypes.are_same_dtypes(t.dtype, dtype)]
+    if not others or len(others) == len(floats):
+        return args, kwargs
+    downcasts.append(f"{_where(bsym)} ({', '.join(sorted({_dtype_name(t.dtype) for t in others}))} inputs)")
+
+    def down(x):
+        if isinstance(x, TensorProxy) and any(x is t for t in others):
+            return prims.convert_element_type(x, dtype)
+        return x
+
+    return tree_map(down, args), tree_map(down, kwargs)
+
+
+def _retrace(computation_trace: TraceCtx, casts: _Casts, downcasts: list[str]) -> TraceCtx:
+    """``computation_trace`` with the casts of ``casts`` and every op traced again after them;
+    each matmul whose inputs were downcast is added to ``downcasts``."""
     new_trace = from_trace(computation_trace)
     swapped: dict[str, Proxy] = {}
     # New tensor name -> the original op it replaces, for errors that point at the model's code.
@@ -177,6 +206,7 @@ def _retrace(computation_trace: TraceCtx, casts: _Casts) -> TraceCtx:
                 continue
             else:
                 args, kwargs = tree_map(read, bsym.args), tree_map(read, bsym.kwargs)
+                args, kwargs = _downcast_matmul_inputs(bsym, args, kwargs, casts.argument_dtype, downcasts)
                 try:
                     out = bsym.sym(*args, **kwargs)
                 except Exception as error:
@@ -212,6 +242,8 @@ class MixedPrecisionTransform(Transform):
         self.policy = policy
         self.bucketing = bucketing
         self.hybrid = hybrid
+        # Matmuls whose wider inputs the last retrace downcast to param_dtype: "<op> at <file:line> (<dtypes> inputs)".
+        self.downcasts: list[str] = []
 
     def transform_module(self, model) -> None:
         # Runs when the model is jitted (in fsdp()), after Thunder's FSDP sharded it.
@@ -241,4 +273,9 @@ class MixedPrecisionTransform(Transform):
         casts = _plan_casts(self.policy, prologue_trace, computation_trace)
         if casts is None:
             return prologue_trace, computation_trace, epilogue_trace
-        return prologue_trace, _retrace(computation_trace, casts), epilogue_trace
+        downcasts: list[str] = []
+        retraced = _retrace(computation_trace, casts, downcasts)
+        if downcasts:
+            logger.info("thunder_overlap mixed precision: inputs downcast to %s for %s", casts.argument_dtype, "; ".join(downcasts))
+        self.downcasts = downcasts
+        return prologue_trace, retraced, epilogue_trace
