@@ -9,8 +9,9 @@ gradient rules are this module's ([Note: mixed precision]):
   reduced shard cast back to the parameter's dtype;
 - the forward's floating arguments are cast to ``param_dtype`` (module state is not);
 - every later op that reads a changed tensor is traced again on the new tensors, so Thunder's own
-  meta functions derive every dtype downstream; an op that refuses the new dtypes is an error
-  naming it.
+  meta functions derive every dtype downstream; a matmul-like op whose inputs mix the gathered
+  dtype with a wider one runs in the gathered dtype (autocast's rule, listed in ``downcasts``);
+  any other op that refuses the new dtypes is an error naming it.
 
 Parameters and their ``.grad`` keep their dtypes; the prologue (its checks of the float32 shards
 and inputs) and the epilogue are left as they are.
