@@ -9,6 +9,12 @@ traces the model on the meta device over a fake process group and predicts one t
 - ``stock``: Thunder's order of thunder_overlap's collectives with these buckets;
 - ``memory_aware``: thunder_overlap's schedule (the default).
 
+``--precisions`` adds rows of other dtypes beside the default ``bf16`` (a bfloat16 model):
+``fp32`` (a float32 model) and ``bf16/fp32`` (float32 masters with
+``MixedPrecision(bfloat16, float32)``: bfloat16 all-gathers and compute, float32 reduce-scatters).
+Thunder's own FSDP row of a mixed-precision setting is its float32 model's (it has no mixed
+precision).
+
 With ``--shard-group-sizes 8``, every world size also gets hybrid sharding (HSDP) rows: a 2-D
 device mesh (world / 8 replicas, shard groups of 8 consecutive ranks, one node each), the
 all-gathers and reduce-scatters over NVLink inside the node and each reduced gradient shard
@@ -26,6 +32,8 @@ against the just-in-time order's, and whether the peak stays within the memory b
         --json benchmarks/measured/scaling/scaling.json
     python benchmarks/scaling_table.py --world-sizes 1024 --sharding zero3 --bucketing none block auto \\
         --shard-group-sizes 8 --n-layer-70b 0 --out benchmarks/measured/hsdp/hsdp.md --json benchmarks/measured/hsdp/hsdp.json
+    python benchmarks/scaling_table.py --world-sizes 64 1024 --sharding zero3 --bucketing block auto --precisions fp32 bf16/fp32 \\
+        --n-layer-70b 0 --out benchmarks/measured/mixed_precision/scaling.md --json benchmarks/measured/mixed_precision/scaling.json
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from thunder_overlap import CostModel, OverlapConfig
+from thunder_overlap import CostModel, MixedPrecision, OverlapConfig
 from thunder_overlap._analysis.network import NodeTopology
 from thunder_overlap._scheduling.limits import resolve_limits
 from thunder_overlap.report._models import BUILTIN_MODELS, trace_model
@@ -53,6 +61,10 @@ ORDERS = ("stock", "memory_aware")
 # The issue's targets for memory_aware with auto buckets: within 10% of its own max(C, M) at
 # every world size and within 3% on one NVLink node.
 GAP_TARGET, GAP_TARGET_ONE_NODE = 0.10, 0.03
+# The mixed-precision issue's target: bf16/fp32 rows within this share of their own max(C, M).
+MIXED_GAP_TARGET = 0.05
+# --precisions: the model's dtype and the mixed-precision policy (param, reduce) of each.
+PRECISIONS = {"bf16": ("bfloat16", None), "fp32": ("float32", None), "bf16/fp32": ("float32", ("bfloat16", "float32"))}
 # The HSDP issue's target: hybrid sharding's best step at most this share of full-world FSDP's best.
 HSDP_TARGET = 0.5
 # NVLink inside a node of 8 GPUs, InfiniBand across nodes, per process group.
@@ -78,6 +90,8 @@ class ScalingRow:
     # Hybrid sharding: ranks per shard group (world_size / shard_group_size replicas); None:
     # sharded over the whole world.
     shard_group_size: int | None = None
+    # A key of PRECISIONS.
+    precision: str = "bf16"
 
     @property
     def layout(self) -> str:
@@ -97,8 +111,9 @@ class ScalingRow:
     def markdown(self) -> str:
         vs_jit = "" if self.peak_vs_just_in_time is None else f"{self.peak_vs_just_in_time:+.1%}"
         budget = {None: "", True: "yes", False: "**no**"}[self.within_budget]
+        model = self.model if self.precision == "bf16" else f"{self.model} {self.precision}"
         return (
-            f"| {self.model} | {self.world_size}, {self.network} | {self.layout} | {self.bucketing} | {self.order} "
+            f"| {model} | {self.world_size}, {self.network} | {self.layout} | {self.bucketing} | {self.order} "
             f"| {self.step_ms:.1f} | {self.bound_ms:.1f} | {self.gap:.1%} | {self.peak_bytes / _GIB:.2f} | {vs_jit} | {budget} |"
         )
 
@@ -138,9 +153,11 @@ def measure_setting(
     device_profile: str,
     bucketings: tuple[str, ...],
     shard_group_size: int | None = None,
+    precision: str = "bf16",
 ) -> list[ScalingRow]:
-    """Every row of one model, world size and sharding (hybrid with ``shard_group_size``):
-    Thunder's own FSDP (full world only: it has no hybrid sharding), then each bucketing."""
+    """Every row of one model, world size, sharding (hybrid with ``shard_group_size``) and
+    precision (a key of PRECISIONS): Thunder's own FSDP (full world only: it has no hybrid
+    sharding), then each bucketing."""
     # The default network is the shard group's (bucket sizing reads it); each collective is
     # costed on its own group's network.
     network = TOPOLOGY.network_of_ranks(range(shard_group_size or world_size)).name
@@ -148,18 +165,21 @@ def measure_setting(
     recipe = BUILTIN_MODELS[model_name](n_layer)
     networks = network if shard_group_size is None else f"{network}+{TOPOLOGY.inter_node.name}"
     setting = {"model": f"{model_name} x{n_layer}", "world_size": world_size, "network": networks, "sharding": sharding}
+    dtype_name, policy_names = PRECISIONS[precision]
+    dtype = getattr(torch, dtype_name)
+    policy = MixedPrecision(*(getattr(torch, n) for n in policy_names)) if policy_names else None
     rows = []
     # One fake group for the whole setting: the topology reads each group's ranks while alive.
     with fake_process_group(world_size):
         with torch.device("meta"):
-            model = recipe.build().to(torch.bfloat16)
+            model = recipe.build().to(dtype)
             idx = torch.zeros((1, seq_len), dtype=torch.long)
         # Thunder's own traces do not depend on the bucketing asked for: trace them once.
         thunder_fsdp: ThunderFSDPTraces = trace_thunder_fsdp(model, world_size=world_size, sharding=sharding, args=(idx,))
         for bucketing in bucketings:
             start = time.perf_counter()
             with torch.device("meta"):
-                model = recipe.build().to(torch.bfloat16)
+                model = recipe.build().to(dtype)
             config = OverlapConfig(cost_model=cost_model)
             jm = trace_model(
                 model,
@@ -169,24 +189,30 @@ def measure_setting(
                 idx_shape=(1, seq_len),
                 config=config,
                 shard_group_size=shard_group_size,
+                mixed_precision=policy,
             )
             comparison = compare_policies(jm, cost_model=cost_model, config=config, policies=ORDERS, thunder_fsdp=thunder_fsdp)
             if bucketing == bucketings[0] and shard_group_size is None:
-                rows.append(_order_row(comparison, BASELINE, config, **setting, bucketing="-"))
+                rows.append(_order_row(comparison, BASELINE, config, **setting, bucketing="-", precision=precision))
             rows += [
-                _order_row(comparison, order, config, **setting, bucketing=bucketing, shard_group_size=shard_group_size) for order in ORDERS
+                _order_row(
+                    comparison, order, config, **setting, bucketing=bucketing, shard_group_size=shard_group_size, precision=precision
+                )
+                for order in ORDERS
             ]
             hybrid = f" HSDP shard {shard_group_size}" if shard_group_size else ""
-            print(f"{model_name} {world_size} {sharding}{hybrid} {bucketing}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+            took = time.perf_counter() - start
+            print(f"{model_name} {world_size} {sharding}{hybrid} {precision} {bucketing}: {took:.0f} s", file=sys.stderr)
     return rows
 
 
 def target_checks(rows: list[ScalingRow]) -> list[str]:
     """The issue's targets, one line each, for every model, world size and sharding."""
     lines = []
-    settings = sorted({(r.model, r.world_size, r.sharding, r.shard_group_size or 0) for r in rows})
-    for model, world_size, sharding, shard in settings:
-        group = [r for r in rows if (r.model, r.world_size, r.sharding, r.shard_group_size or 0) == (model, world_size, sharding, shard)]
+    settings = sorted({(r.model, r.world_size, r.sharding, r.shard_group_size or 0, r.precision) for r in rows})
+    for setting in settings:
+        group = [r for r in rows if (r.model, r.world_size, r.sharding, r.shard_group_size or 0, r.precision) == setting]
+        model, world_size = setting[:2]
         auto = next((r for r in group if (r.bucketing, r.order) == ("auto", "memory_aware")), None)
         if auto is None:
             continue
@@ -200,8 +226,27 @@ def target_checks(rows: list[ScalingRow]) -> list[str]:
             (auto.within_budget is not False, "peak within the memory budget"),
         ]
         verdicts = "; ".join(f"{'ok' if passed else 'MISSED'}: {what}" for passed, what in checks)
-        lines.append(f"{model} {world_size} ranks {auto.layout}, memory_aware auto {auto.step_ms:.1f} ms: {verdicts}")
-    return lines + hsdp_checks(rows)
+        precision = "" if auto.precision == "bf16" else f" {auto.precision}"
+        lines.append(f"{model}{precision} {world_size} ranks {auto.layout}, memory_aware auto {auto.step_ms:.1f} ms: {verdicts}")
+    return lines + hsdp_checks(rows) + mixed_precision_checks(rows)
+
+
+def mixed_precision_checks(rows: list[ScalingRow]) -> list[str]:
+    """For every bf16/fp32 memory_aware row: its gap to its own max(C, M) against the target, and
+    its step against the fp32 row of the same setting."""
+    lines = []
+    def setting(r: ScalingRow) -> tuple:
+        return r.model, r.world_size, r.sharding, r.shard_group_size, r.bucketing, r.order
+
+    for mixed in (r for r in rows if r.precision == "bf16/fp32" and r.order == "memory_aware"):
+        fp32 = next((r for r in rows if r.precision == "fp32" and setting(r) == setting(mixed)), None)
+        against = "" if fp32 is None else f"; fp32 {fp32.step_ms:.1f} ms, ratio {mixed.step_ms / fp32.step_ms:.2f}"
+        verdict = "ok" if mixed.gap <= MIXED_GAP_TARGET else "MISSED"
+        lines.append(
+            f"{mixed.model} bf16/fp32 {mixed.world_size} ranks {mixed.layout} {mixed.bucketing}: {mixed.step_ms:.1f} ms, "
+            f"gap {mixed.gap:.1%} ({verdict}: <= {MIXED_GAP_TARGET:.0%}){against}"
+        )
+    return lines
 
 
 def hsdp_checks(rows: list[ScalingRow]) -> list[str]:
@@ -250,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="also predict hybrid sharding with shard groups of these sizes (world sizes they divide, with replicas)",
     )
+    parser.add_argument("--precisions", nargs="+", default=["bf16"], choices=list(PRECISIONS), help="model dtypes and policies")
     parser.add_argument("--device-profile", default="h100")
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     parser.add_argument("--json", default=None, help="also write every row's raw figures to this JSON file")
@@ -257,15 +303,18 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[ScalingRow] = []
     settings = [
-        ("llama-2-7b", args.n_layer, world_size, sharding, shard)
+        ("llama-2-7b", args.n_layer, world_size, sharding, shard, precision)
         for world_size in args.world_sizes
         for sharding in args.sharding
         for shard in (None, *(s for s in args.shard_group_sizes if s < world_size and world_size % s == 0))
+        for precision in args.precisions
     ]
     if args.n_layer_70b:
-        settings.append(("llama-2-70b", args.n_layer_70b, 1024, "zero3", None))
-    for model_name, n_layer, world_size, sharding, shard in settings:
-        rows += measure_setting(model_name, n_layer, args.seq_len, world_size, sharding, args.device_profile, args.bucketing, shard)
+        settings.append(("llama-2-70b", args.n_layer_70b, 1024, "zero3", None, "bf16"))
+    for model_name, n_layer, world_size, sharding, shard, precision in settings:
+        rows += measure_setting(
+            model_name, n_layer, args.seq_len, world_size, sharding, args.device_profile, args.bucketing, shard, precision
+        )
         # Written after every setting: a long run that stops keeps what it measured.
         _write(rows, args.out, args.json)
     print("\n".join([HEADER, *(r.markdown() for r in rows), "", *target_checks(rows)]))

@@ -27,7 +27,13 @@ from pathlib import Path
 # Each of these imports neither torch nor Thunder.
 from thunder_overlap._analysis.devices import DEVICE_PROFILES, device_profile
 from thunder_overlap._analysis.network import DEFAULT_GPUS_PER_NODE, NETWORK_PROFILES, NodeTopology, network_profile
-from thunder_overlap.options import BucketingStrategy, ShardingStrategy, parse_bucketing_strategy, parse_sharding_strategy
+from thunder_overlap.options import (
+    _PRECISION_RANK,
+    BucketingStrategy,
+    ShardingStrategy,
+    parse_bucketing_strategy,
+    parse_sharding_strategy,
+)
 from thunder_overlap.report._models import BUILTIN_MODELS
 
 __all__ = ["DEFAULT_OUT", "main"]
@@ -39,8 +45,10 @@ HEARTBEAT_S = 15.0
 # Where report.json, report.trace.json and report.png go unless --out says otherwise.
 DEFAULT_OUT = "thunder_overlap_report"
 
-# --dtype: the torch dtype of each accepted name (looked up once torch is imported).
+# --dtype, --param-dtype, --reduce-dtype: torch dtype names (looked up once torch is imported),
+# and their short spellings.
 DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 AUTO_NETWORK = "auto"
 CUSTOM_NETWORK = "custom:<latency_us>:<GB/s>[:ring|tree[:<concurrent launches>]]"
 
@@ -80,7 +88,18 @@ def _parser() -> argparse.ArgumentParser:
             f"{sorted(NETWORK_PROFILES)}, or {CUSTOM_NETWORK} for every group"
         ),
     )
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="parameter and activation dtype")
+    dtypes = f"{', '.join(DTYPES)} or {', '.join(DTYPE_ALIASES)}"
+    parser.add_argument(
+        "--dtype", default=None, help=f"the model's parameter dtype: {dtypes} (default: bfloat16; float32 with --param-dtype)"
+    )
+    parser.add_argument(
+        "--param-dtype",
+        default=None,
+        help="mixed precision (MixedPrecision): the dtype parameters are gathered and computed in (default: --dtype, no cast)",
+    )
+    parser.add_argument(
+        "--reduce-dtype", default=None, help="mixed precision: the dtype gradients are reduced in (default: --dtype, no cast)"
+    )
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=None, help="default: the model's block size")
     parser.add_argument(
@@ -105,6 +124,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         args.bucketing = parse_bucketing_strategy(args.bucketing, flag="--bucketing")
     except ValueError as e:
         raise UsageError(str(e)) from None
+    _check_dtypes(args)
     # auto: a topology gives each process group its network; the default network (the one
     # bucket sizing and the report's header use) is the group parameters are sharded over's.
     args.topology = None
@@ -149,6 +169,43 @@ def _check_profiles(args: argparse.Namespace) -> None:
                 f"{', '.join(sorted(NETWORK_PROFILES))}, or {CUSTOM_NETWORK} with latency >= 0, bandwidth > 0 "
                 "and concurrent launches >= 1"
             ) from None
+
+
+def _dtype_name(value: str | None, flag: str) -> str | None:
+    if value is None:
+        return None
+    name = DTYPE_ALIASES.get(value, value)
+    if name not in DTYPES:
+        raise UsageError(f"{flag} {value!r} is not a dtype this report takes; accepted: {', '.join(DTYPES)} or {', '.join(DTYPE_ALIASES)}")
+    return name
+
+
+def _check_dtypes(args: argparse.Namespace) -> None:
+    """Resolves the dtype names; a policy that would cast nothing, or reduce in less precision
+    than it computes, is an error (MixedPrecision's own rule, checked here before torch loads)."""
+    args.param_dtype = _dtype_name(args.param_dtype, "--param-dtype")
+    args.reduce_dtype = _dtype_name(args.reduce_dtype, "--reduce-dtype")
+    mixed = args.param_dtype is not None or args.reduce_dtype is not None
+    args.dtype = _dtype_name(args.dtype, "--dtype") or ("float32" if mixed else "bfloat16")
+    if mixed and {args.param_dtype, args.reduce_dtype} <= {None, args.dtype}:
+        flags = (("--param-dtype", args.param_dtype), ("--reduce-dtype", args.reduce_dtype))
+        given = " ".join(f"{flag} {value}" for flag, value in flags if value)
+        raise UsageError(
+            f"{given} casts nothing for parameters of --dtype {args.dtype}; give a dtype other than {args.dtype} "
+            "(e.g. --param-dtype bf16 --dtype fp32), or no mixed precision"
+        )
+    gather = args.param_dtype or args.dtype
+    reduce = args.reduce_dtype or args.dtype
+    if gather != reduce and _PRECISION_RANK[reduce] <= _PRECISION_RANK[gather]:
+        raise UsageError(
+            f"--reduce-dtype {reduce} is not as wide as --param-dtype {gather}: gradients would be reduced in less precision "
+            f"than they were computed in; accepted: {gather} or wider"
+        )
+    if args.bucketing.has_buckets and reduce != args.dtype:
+        raise UsageError(
+            f"--reduce-dtype {reduce} with --bucketing {args.bucketing.value}: buckets reduce in the parameters' dtype "
+            f"(--dtype {args.dtype}) for now; accepted: --reduce-dtype {args.dtype}, or --bucketing none"
+        )
 
 
 def _divisors(n: int, shown: int = 12) -> str:
@@ -231,8 +288,13 @@ def _predict(args: argparse.Namespace, spec, seq_len: int, cost_model):
 
     start = time.perf_counter()
     _progress(f"building {args.model} ({args.n_layer or 'all'} layers) on the meta device")
+    from thunder_overlap.options import MixedPrecision
+
     with torch.device("meta"):
         model = spec.build().to(getattr(torch, args.dtype))
+    policy = None
+    if args.param_dtype is not None or args.reduce_dtype is not None:
+        policy = MixedPrecision(*(getattr(torch, d) if d is not None else None for d in (args.param_dtype, args.reduce_dtype)))
     layers = args.n_layer or "all"
     hybrid = f", hybrid: {args.world_size // args.shard_group_size} replicas of {args.shard_group_size}" if args.shard_group_size else ""
     _progress(
@@ -250,6 +312,7 @@ def _predict(args: argparse.Namespace, spec, seq_len: int, cost_model):
                 idx_shape=(args.batch_size, seq_len),
                 config=OverlapConfig(cost_model=cost_model),
                 shard_group_size=args.shard_group_size,
+                mixed_precision=policy,
             )
             traced = time.perf_counter()
             _progress(f"traced in {traced - start:.1f} s; tracing the same model with Thunder's own FSDP, the baseline")

@@ -111,6 +111,7 @@ def trace_model(
     idx_shape: tuple[int, int],
     config=None,
     shard_group_size: int | None = None,
+    mixed_precision=None,
 ):
     """Traces ``model`` (on meta) with thunder_overlap's FSDP on a fake group of ``world_size``
     and ``config`` (an OverlapConfig; give it the report's cost model, as the meta device has no
@@ -119,7 +120,8 @@ def trace_model(
     Runs in the live default group when there is one of ``world_size`` ranks (keep it alive
     while simulating with a cost model that has a topology: it reads each group's ranks), else
     in a fake group of its own. ``shard_group_size``: hybrid sharding on the (replicate, shard)
-    mesh of :func:`hybrid_mesh`; None shards over the whole world."""
+    mesh of :func:`hybrid_mesh`; None shards over the whole world. ``mixed_precision``: a
+    :class:`~thunder_overlap.MixedPrecision`, or None."""
     import thunder
     import torch
     import torch.distributed as dist
@@ -132,7 +134,13 @@ def trace_model(
     with nullcontext() if dist.is_initialized() else fake_process_group(world_size), _math_attention():
         mesh = hybrid_mesh(world_size, shard_group_size) if shard_group_size is not None else None
         jm = fsdp(
-            model, device="meta", sharding_strategy=sharding, bucketing_strategy=bucketing, config=config, device_mesh=mesh
+            model,
+            device="meta",
+            sharding_strategy=sharding,
+            bucketing_strategy=bucketing,
+            config=config,
+            device_mesh=mesh,
+            mixed_precision=mixed_precision,
         )
         idx = torch.zeros(idx_shape, dtype=torch.long, device="meta")
         thunder.compile_data(jm).get_computation_and_inputs(idx)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import thunder
+from thunder.core import dtypes
 from thunder.core.trace import TraceCtx
 
 from thunder_overlap._analysis.classify import classify_trace
@@ -79,6 +80,8 @@ class Report:
     profile_reason: str = ""
     # Each process group and the network its collectives were costed on.
     groups: tuple[GroupNetwork, ...] = ()
+    # What thunder_overlap's collectives move, by kind: ("all_gather", ("bfloat16",)), ...
+    collective_dtypes: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __getitem__(self, name: str) -> PassReport:
         for p in self.passes:
@@ -98,6 +101,9 @@ class Report:
         lines = [f"world size {self.world_size}, device {self.device}, network {self.network}{why}"]
         if self.groups:
             lines.append(f"process groups: {'; '.join(str(g) for g in self.groups)}")
+        if self.collective_dtypes:
+            moved = ", ".join(f"{kind.replace('_', '-')}s {' and '.join(names)}" for kind, names in self.collective_dtypes)
+            lines.append(f"{OVERLAP} collectives move: {moved}")
         lines += [head, "-" * len(head)]
         for p in self.passes:
             for r in p.orders:
@@ -124,6 +130,7 @@ class Report:
             "world_size": self.world_size,
             "profile_reason": self.profile_reason,
             "groups": [asdict(g) for g in self.groups],
+            "collective_dtypes": {kind: list(names) for kind, names in self.collective_dtypes},
             "step_ms": {order: self.step_ms(order) for order in ORDERS},
             "passes": {
                 p.name: {
@@ -235,7 +242,19 @@ def report_traces(
         groups = (c.process_group for p in passes for c in p.overlap.annotated.collectives if c.process_group is not None)
         world_size = next((g.size() for g in groups), 1)
     groups = group_networks([p.order(order) for order in (OVERLAP, UNSCHEDULED, BASELINE) for p in passes], cost_model)
-    return Report(tuple(passes), cost_model.device.name, cost_model.network.name, world_size, profile_reason, groups)
+    dtypes = _collective_dtypes([p.overlap for p in passes])
+    return Report(tuple(passes), cost_model.device.name, cost_model.network.name, world_size, profile_reason, groups, dtypes)
+
+
+def _collective_dtypes(reports: list[OrderReport]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The dtypes each kind of collective moves in these orders' traces (mixed precision shows
+    here: bfloat16 all-gathers, float32 reduce-scatters)."""
+    moved: dict[str, set[str]] = {}
+    for r in reports:
+        for c in r.annotated.collectives:
+            if c.dtype is not None:
+                moved.setdefault(c.kind.value, set()).add(str(dtypes.to_torch_dtype(c.dtype)).removeprefix("torch."))
+    return tuple((kind, tuple(sorted(names))) for kind, names in moved.items())
 
 
 def report(
