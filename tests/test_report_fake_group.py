@@ -65,6 +65,27 @@ def test_cli_with_auto_buckets_prints_the_plan(tmp_path, capsys):
     assert re.search(r"^  blocks\.1.* MiB  latency +\d+\.\d%  (end|block boundary|cap|saturated)$", out, re.M), out
 
 
+@pytest.mark.slow
+def test_cli_with_mixed_precision_gathers_half_the_bytes_and_says_so(tmp_path, capsys):
+    def run(*precision: str) -> tuple[str, dict]:
+        out_dir = tmp_path / "-".join(precision)
+        argv = ["--model", "tiny-gpt", "--n-layer", "2", "--world-size", "8", "--bucketing", "block", "--out", str(out_dir)]
+        assert main([*argv, *precision]) == 0
+        return capsys.readouterr().out, json.loads((out_dir / "report.json").read_text())
+
+    def moved(data: dict, kind: str) -> int:
+        passes = data["passes"].values()
+        return sum(c["bytes"] for p in passes for c in p[OVERLAP]["collective_timings"] if c["kind"] == kind)
+
+    mixed_out, mixed = run("--param-dtype", "bf16", "--reduce-dtype", "fp32")
+    fp32_out, fp32 = run("--dtype", "fp32")
+    assert "thunder_overlap collectives move: all-gathers bfloat16, reduce-scatters float32" in mixed_out
+    assert "thunder_overlap collectives move: all-gathers float32, reduce-scatters float32" in fp32_out
+    assert mixed["collective_dtypes"] == {"all_gather": ["bfloat16"], "reduce_scatter": ["float32"]}
+    assert moved(mixed, "all_gather") * 2 == moved(fp32, "all_gather") > 0
+    assert moved(mixed, "reduce_scatter") == moved(fp32, "reduce_scatter") > 0
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

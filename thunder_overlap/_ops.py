@@ -57,6 +57,8 @@ class BucketRuntime(Protocol):
 
     # What its all-gather moves: the parameters' dtype, or mixed precision's param_dtype.
     gather_dtype: torch.dtype
+    # What its reduce-scatter moves: the parameters' dtype (gradients in another are cast).
+    reduce_dtype: torch.dtype
 
     def gathered_numel(self) -> int: ...
     def shard_numel(self) -> int: ...
@@ -120,7 +122,9 @@ bucket_all_gather_wait = overlap_executor.register_operator(
 )
 bucket_reduce_scatter = overlap_executor.register_operator(
     "bucket_reduce_scatter",
-    meta=lambda bucket, group, grads, divisor: FutureTensorProxy(shape=(bucket.shard_numel(),), like=grads[0]),
+    meta=lambda bucket, group, grads, divisor: FutureTensorProxy(
+        shape=(bucket.shard_numel(),), like=grads[0], dtype=to_dtype(bucket.reduce_dtype)
+    ),
     fn=lambda bucket, group, grads, divisor: bucket.start_reduce_scatter(grads, divisor),
 )
 
@@ -276,7 +280,9 @@ coalesced_bucket_all_gather = _coalesced_op(
 )
 coalesced_bucket_reduce_scatter = _coalesced_op(
     "bucket_reduce_scatter",
-    lambda group, members, grads: FutureTensorProxy(shape=(sum(b.shard_numel() for b, _, _ in members),), like=grads[0][0]),
+    lambda group, members, grads: FutureTensorProxy(
+        shape=(sum(b.shard_numel() for b, _, _ in members),), like=grads[0][0], dtype=to_dtype(members[0][0].reduce_dtype)
+    ),
     _coalesced_buckets("prepare_reduce_scatter", "launch_reduce_scatter", "reduced_views"),
 )
 coalesced_wait = _coalesced_op(

@@ -148,11 +148,12 @@ def _proxy_names(values) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _tensor_bytes(t: TensorProxy) -> int:
+def _tensor_numel(t: TensorProxy) -> int:
     numel = 1
     for s in t.shape:
         numel *= int(s)
-    return numel * t.dtype.bytes
+    return numel
+
 
 
 def _walk(bsym: BoundSymbol):
@@ -264,11 +265,15 @@ def _link_collectives(nodes, producer, consumers, layouts: BucketLayouts | None)
             continue
         bsym = node.bsym
         kind = _collective_kind(bsym)
+        future = next((o for o in bsym.flat_proxy_outs if isinstance(o, FutureTensorProxy)), None)
         if kind is CollectiveKind.ALL_GATHER:
-            moved = [next(o for o in bsym.flat_proxy_outs if isinstance(o, FutureTensorProxy))]
+            moved = [future]
+            moved_dtype = future.dtype
         else:
-            # A bucketed reduce-scatter reads every gradient of its bucket.
+            # A bucketed reduce-scatter reads every gradient of its bucket, and sends them in its
+            # result's dtype (mixed precision's lay-out casts bf16 gradients to float32).
             moved = [a for a in bsym.flat_proxy_args if isinstance(a, TensorProxy)]
+            moved_dtype = future.dtype if future is not None else moved[0].dtype
         wait = None
         for name in node.outputs:
             for c in consumers.get(name, []):
@@ -283,8 +288,8 @@ def _link_collectives(nodes, producer, consumers, layouts: BucketLayouts | None)
                 start=node.index,
                 wait=wait,
                 process_group=_process_group(bsym),
-                unsharded_bytes=sum(_tensor_bytes(t) for t in moved),
-                dtype=moved[0].dtype,
+                unsharded_bytes=sum(_tensor_numel(t) for t in moved) * moved_dtype.bytes,
+                dtype=moved_dtype,
                 members=_launch_members(bsym),
                 launches=1 if layouts is None else backend_launches(bsym, layouts),
                 pool_bytes_to_wait=0 if layouts is None else pool_bytes_to_wait(bsym, layouts),

@@ -86,6 +86,10 @@ class BucketState:
     def gather_dtype(self) -> torch.dtype:
         return self.gather_shard.dtype
 
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self.flat_shard.dtype
+
     def cast_for_gather(self) -> None:
         """Casts the flat shard into the gather shard (mixed precision); nothing otherwise. Only
         this bucket's next gather writes it again, after this one's wait."""

@@ -6,7 +6,8 @@ In a forward or backward execution trace, :func:`rewrite_bucket_collectives` rep
   whose outputs keep the names of the per-parameter waits (so the unpadding slices and the
   compute read them as before), placed where the bucket's first gather and first wait were;
   with mixed precision, each shard's cast too (the bucket casts its flat shard once);
-- (backward) the pad, pre-average, reduce-scatter and wait of a bucket's gradients with one
+- (backward) the pad, pre-average, (mixed precision) cast, reduce-scatter and wait of a bucket's
+  gradients with one
   bucketed reduce-scatter, placed at the bucket's last reduce-scatter, and one wait at its last
   wait; or, when accumulating (a backward compiled under no_sync), with one local gradient
   accumulation per bucket.
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from thunder.core import prims
-from thunder.core.dtypes import to_torch_dtype
+from thunder.core.dtypes import to_dtype, to_torch_dtype
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace, tracectx
@@ -190,7 +191,8 @@ class _Rewrite:
                 logger.debug("bucket %s: %d gradients summed locally (no_sync)", bucket.label, len(group))
                 continue
             with tracectx(self.trace):
-                future = FutureTensorProxy(shape=(bucket.plan.shard_numel,), like=group[0].source)
+                # In the bucket's dtype: the lay-out casts gradients of another.
+                future = FutureTensorProxy(shape=(bucket.plan.shard_numel,), like=group[0].source, dtype=to_dtype(bucket.plan.dtype))
             start = ops.bucket_reduce_scatter.bind(bucket, self.index.process_group, sources, group[0].divisor, output=future)
             self.new_bsyms[last_start].append(start)
             wait = ops.bucket_reduce_scatter_wait.bind(future, bucket, slots, output=outputs)
@@ -238,20 +240,22 @@ class _Rewrite:
         if start.args[4] is not None or "SUM" not in str(start.args[1]):
             return None, f"reduces with {start.args[1]} along dim {start.args[4]}, not a sum along dim 0"
         bucket_id, slot = located
+        bucket = self.index.buckets[bucket_id]
         member = _Member(slot, start, wait, source=start.args[0])
-        # Walk from the reduce-scatter's input back through the padding and pre-averaging of its
-        # prologue; whatever comes before them (a bias gradient's sum) stays where it is.
+        # Walk from the reduce-scatter's input back through the padding, pre-averaging and (mixed
+        # precision) cast of its prologue; whatever comes before them (a bias gradient's sum)
+        # stays where it is.
         producer = {o.name: annotated.nodes[i].bsym for i in c.prologue for o in annotated.nodes[i].bsym.flat_proxy_outs}
-        while member.source.name in producer and _is_absorbable(producer[member.source.name]):
+        while member.source.name in producer and _is_absorbable(producer[member.source.name], bucket):
             bsym = producer[member.source.name]
             problem = _absorb(bsym, member, self.index.process_group.size())
             if problem is not None:
                 return None, problem
             member.prologue.append(bsym)
             member.source = next(a for a in bsym.flat_proxy_args if isinstance(a, TensorProxy))
-        plan = self.index.buckets[bucket_id].plan
-        if to_torch_dtype(member.source.dtype) != plan.dtype:
-            return None, f"gradient dtype {member.source.dtype} differs from the bucket's {plan.dtype}"
+        # A gradient computed in the gather dtype is cast by the lay-out into the bucket's.
+        if to_torch_dtype(member.source.dtype) not in (bucket.plan.dtype, bucket.gather_dtype):
+            return None, f"gradient dtype {member.source.dtype} differs from the bucket's {bucket.plan.dtype}"
         return (bucket_id, member), None
 
 
@@ -262,9 +266,23 @@ def _shard_casts(trace: TraceCtx) -> dict[str, BoundSymbol]:
     return {b.output.name: b for b in trace.bound_symbols if b.sym.name == "shard_cast" and readers[b.output.name] == 1}
 
 
-def _is_absorbable(bsym: BoundSymbol) -> bool:
+def _is_absorbable(bsym: BoundSymbol, bucket: BucketBuffers) -> bool:
     name = bsym.sym.name
-    return "pad" in name or name in ("true_divide", "div")
+    return "pad" in name or name in ("true_divide", "div") or _is_gradient_cast(bsym, bucket)
+
+
+def _is_gradient_cast(bsym: BoundSymbol, bucket: BucketBuffers) -> bool:
+    """Mixed precision's cast of a gradient from the gather dtype to the bucket's, which the
+    lay-out's ``_chunk_cat`` does as it copies (as FSDP2 reduces)."""
+    if bsym.sym.name not in ("to", "convert_element_type") or bucket.gather_dtype == bucket.plan.dtype:
+        return False
+    inputs = [a for a in bsym.flat_proxy_args if isinstance(a, TensorProxy)]
+    outputs = [o for o in bsym.flat_proxy_outs if isinstance(o, TensorProxy)]
+    return (
+        len(inputs) == len(outputs) == 1
+        and to_torch_dtype(inputs[0].dtype) == bucket.gather_dtype
+        and to_torch_dtype(outputs[0].dtype) == bucket.plan.dtype
+    )
 
 
 def _absorb(bsym: BoundSymbol, member: _Member, world_size: int) -> str | None:
@@ -272,6 +290,8 @@ def _absorb(bsym: BoundSymbol, member: _Member, world_size: int) -> str | None:
     itself (``_chunk_cat`` pads rows with zeros; the divisor is applied in place); records the
     divisor."""
     name = bsym.sym.name
+    if name in ("to", "convert_element_type"):
+        return None  # a gradient cast (_is_gradient_cast): the lay-out casts
     if "pad" in name:
         _, value, config = bsym.args[:3]
         rows_only = all(tuple(c) == (0, 0, 0) for c in config[1:]) and config[0][0] == 0 and config[0][2] == 0
