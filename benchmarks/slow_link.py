@@ -9,7 +9,9 @@ fsdp_bench/netns.py). Everything created is removed on exit, also on errors, Ctr
 
 Every round runs, one after another (A B A B ... to cancel drift), two calibration runs and then
 each implementation, each a fresh ``benchmark_fsdp.py`` launch with the same model and data
-(``--impls thunder_overlap@none,thunder_overlap@block`` compares bucketing strategies):
+(``--impls thunder_overlap@none,thunder_overlap@block`` compares bucketing strategies; a ``:bf16``
+suffix runs with mixed precision, bf16 gathers and compute over fp32 parameters, fp32 reductions:
+``--impls thunder_overlap@block,thunder_overlap@block:bf16,fsdp2:bf16``):
 
 - C, ``--impl compute_only``: every rank runs ``thunder.jit`` of the unsharded model on its own
   micro-batch with no communication at all, i.e. exactly an FSDP rank's forward and backward. Its
@@ -24,6 +26,10 @@ each implementation, each a fresh ``benchmark_fsdp.py`` launch with the same mod
 - C with M, ``--impl compute_with_comm``: both at once on every rank, the replay on a second
   thread, with no dependencies between them. No schedule can beat it; how far it sits above
   max(C, M) is what communicating takes from computing on this machine (one core per rank).
+
+The calibration runs are float32's: a ``:bf16`` implementation is placed between float32's bounds
+and gets no simulator prediction (its compute is not calibrated), only the mixed-precision
+targets (against float32 thunder_overlap and against FSDP2 with the same policy).
 
 It prints, per implementation, the median step time (median over rounds of each run's median),
 its ratio to Thunder's own FSDP, where it lands between the serial bound C + M (gap closed 0%) and
@@ -84,11 +90,22 @@ class TestbedConfig:
     from_runs: bool = False
 
     def __post_init__(self) -> None:
-        unknown = [i for i in self.impls if split_label(i)[0] not in TRAINING_IMPLS or split_label(i)[1] not in BUCKETING_MODES]
+        def known(label: str) -> bool:
+            impl, bucketing = split_label(label)
+            precision = label.partition(":")[2]
+            return (
+                impl in TRAINING_IMPLS
+                and bucketing in BUCKETING_MODES
+                and precision in ("", "bf16")
+                and (impl, precision) != ("thunder", "bf16")
+            )
+
+        unknown = [i for i in self.impls if not known(i)]
         if unknown or not self.impls:
             raise ValueError(
                 f"--impls {','.join(self.impls)!r}: accepted are one or more of {', '.join(TRAINING_IMPLS)}, "
-                f"each optionally with @bucketing ({', '.join(BUCKETING_MODES)}), e.g. thunder_overlap@block"
+                f"each optionally with @bucketing ({', '.join(BUCKETING_MODES)}) and :bf16 for mixed precision (not thunder), "
+                "e.g. thunder_overlap@block:bf16"
             )
         if self.shard_mode not in SHARD_MODES:
             raise ValueError(f"--shard-mode={self.shard_mode!r}; accepted: {', '.join(SHARD_MODES)}")
@@ -96,8 +113,7 @@ class TestbedConfig:
             raise ValueError(f"--rounds must be >= 1, got {self.rounds}")
         if not (self.link_latency_us >= 0 and self.rate_mbit > 0):
             raise ValueError(
-                f"--link-latency-us={self.link_latency_us} and --rate-mbit={self.rate_mbit}: "
-                "accepted are a latency >= 0 and a rate > 0"
+                f"--link-latency-us={self.link_latency_us} and --rate-mbit={self.rate_mbit}: accepted are a latency >= 0 and a rate > 0"
             )
 
     @property
@@ -130,6 +146,7 @@ class TestbedConfig:
             "max_iters": self.max_iters,
             "warmup_iters": self.warmup_iters,
             "json_path": json_path,
+            "mixed_precision": "bf16/fp32" if is_mixed(label) else None,
             # Runs that trace thunder_overlap (the calibration replays included) schedule for the link.
             "network": self.network if impl.startswith("thunder_overlap") or impl in ("comm_only", "compute_with_comm") else None,
         }
@@ -137,9 +154,33 @@ class TestbedConfig:
 
 
 def split_label(label: str) -> tuple[str, str]:
-    """``"thunder_overlap@block"`` -> ("thunder_overlap", "block"); no ``@`` means no buckets."""
-    impl, _, bucketing = label.partition("@")
+    """``"thunder_overlap@block:bf16"`` -> ("thunder_overlap", "block"); no ``@`` means no buckets."""
+    impl, _, bucketing = label.partition(":")[0].partition("@")
     return impl, bucketing or "none"
+
+
+def is_mixed(label: str) -> bool:
+    """Whether ``label`` runs with mixed precision (a ``:bf16`` suffix)."""
+    return label.endswith(":bf16")
+
+
+def mixed_precision_checks(summaries: list) -> list[str]:
+    """Each ``:bf16`` thunder_overlap run against its float32 run (at most 0.8x) and against FSDP2
+    with the same policy (faster), all in the same rounds."""
+    by_impl = {s.impl: s for s in summaries}
+    fsdp2 = by_impl.get("fsdp2:bf16")
+    checks = []
+    for label, mixed in by_impl.items():
+        if not is_mixed(label) or not label.startswith("thunder_overlap"):
+            continue
+        fp32 = by_impl.get(label.removesuffix(":bf16"))
+        if fp32 is not None:
+            ratio = mixed.median_ms / fp32.median_ms
+            checks.append(f"{'PASS' if ratio <= 0.8 else 'FAIL'} {label} / its float32 run = {ratio:.3f} (<= 0.8)")
+        if fsdp2 is not None:
+            ratio = mixed.median_ms / fsdp2.median_ms
+            checks.append(f"{'PASS' if ratio < 1 else 'FAIL'} {label} / fsdp2:bf16 = {ratio:.3f} (< 1)")
+    return checks
 
 
 def _parse_args(argv: list[str]) -> TestbedConfig:
@@ -166,9 +207,7 @@ def _parse_args(argv: list[str]) -> TestbedConfig:
     args = p.parse_args(argv)
     try:
         cores = tuple(int(c) for c in args.cores.split(","))
-        return TestbedConfig(
-            **{**vars(args), "impls": tuple(i for i in args.impls.split(",") if i), "cores": cores}
-        )
+        return TestbedConfig(**{**vars(args), "impls": tuple(i for i in args.impls.split(",") if i), "cores": cores})
     except ValueError as e:
         p.error(str(e))
 
@@ -238,7 +277,9 @@ def main(argv: list[str]) -> None:
     calibration_of = {impl: calibrations["none" if split_label(impl)[0] == "thunder" else split_label(impl)[1]] for impl in runs}
     first = next(iter(runs.values()))[0]
     simulated = {
-        impl: predict_testbed_step_ms(
+        impl: None
+        if is_mixed(impl)
+        else predict_testbed_step_ms(
             TestbedSetting(
                 impl=split_label(impl)[0],
                 bucketing=split_label(impl)[1],
@@ -262,7 +303,7 @@ def main(argv: list[str]) -> None:
     summaries = summarize(runs, calibration_of, simulated)
     print()
     print(format_table(summaries, calibrations))
-    checks = target_checks(summaries, calibrations["none"])
+    checks = target_checks(summaries, calibrations["none"]) + mixed_precision_checks(summaries)
     print("\n".join(checks))
     summary = {
         "config": asdict(cfg),

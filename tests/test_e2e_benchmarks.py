@@ -125,6 +125,27 @@ def test_benchmark_schedules_thunder_overlap_for_the_named_link():
         TestbedConfig(link_latency_us=-1.0)
 
 
+def test_mixed_precision_runs_are_named_and_refused_where_they_cannot_run():
+    from slow_link import TestbedConfig, split_label
+
+    with pytest.raises(ValueError, match=r"--mixed_precision: Thunder's own FSDP has no mixed precision"):
+        BenchmarkConfig(impl="thunder", mixed_precision="bf16/fp32")
+    with pytest.raises(ValueError, match=r"--mixed_precision='fp8'.*accepted: bf16/fp32"):
+        BenchmarkConfig(mixed_precision="fp8")
+    testbed = TestbedConfig(impls=("thunder_overlap@block", "thunder_overlap@block:bf16", "fsdp2:bf16"))
+    args = {label: testbed.benchmark_args(label, Path("run.json")) for label in testbed.impls}
+    assert [a[a.index("--mixed_precision") + 1] if "--mixed_precision" in a else None for a in args.values()] == [
+        None,
+        "bf16/fp32",
+        "bf16/fp32",
+    ]
+    assert split_label("thunder_overlap@block:bf16") == ("thunder_overlap", "block")
+    assert testbed.bucketings == ("none", "block")
+    for label in ("thunder:bf16", "fsdp2:fp8"):
+        with pytest.raises(ValueError, match=r":bf16 for mixed precision \(not thunder\)"):
+            TestbedConfig(impls=(label,))
+
+
 def test_cuda_peak_names_what_was_alive_at_the_step_peak():
     def alloc(addr, size, line):
         return {"action": "alloc", "addr": addr, "size": size, "frames": [{"filename": "x.py", "line": line, "name": "f"}]}

@@ -22,6 +22,7 @@ __all__ = [
     "SHARD_MODES",
     "BUCKETING_MODES",
     "DEVICES",
+    "MIXED_PRECISIONS",
     "parse_args",
 ]
 
@@ -65,6 +66,8 @@ SHARD_MODES = ShardingStrategy.names()
 BUCKETING_MODES = BucketingStrategy.names()
 # "auto": CUDA (NCCL) when a GPU is visible, else CPU (gloo).
 DEVICES = ("auto", "cpu", "cuda")
+# --mixed_precision: fp32 parameters gathered and computed in bf16, gradients reduced in fp32.
+MIXED_PRECISIONS = ("bf16/fp32",)
 
 
 def _check_choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
@@ -110,6 +113,11 @@ class BenchmarkConfig:
         None, "CUDA only: where rank 0 writes what one more step had alive at its peak, by the trace line that allocated it"
     )
     seed: int = _option(1337, "seed of the token batches")
+    mixed_precision: str | None = _option(
+        None,
+        "bf16/fp32: fp32 parameters gathered and computed in bf16, gradients reduced in fp32 (thunder_overlap's "
+        "MixedPrecision, fsdp2's MixedPrecisionPolicy; compute_only computes a bf16 copy); Thunder's FSDP has none",
+    )
 
     def __post_init__(self) -> None:
         _check_choice("impl", self.impl, IMPLS)
@@ -134,6 +142,10 @@ class BenchmarkConfig:
             )
         if self.cuda_peak_json is not None and self.device == "cpu":
             raise ValueError("--cuda_peak_json records the CUDA caching allocator; it needs --device cuda or auto, not cpu")
+        if self.mixed_precision is not None:
+            _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+            if self.impl == "thunder":
+                raise ValueError("--mixed_precision: Thunder's own FSDP has no mixed precision; leave it out for --impl thunder")
         if self.dump_traces and self.json_path is None:
             raise ValueError("--dump_traces writes the traces next to the result JSON; give --json_path too")
 

@@ -130,12 +130,14 @@ def overlap_config(cfg: BenchmarkConfig, device: torch.device, impl: str = "thun
 
 
 def _thunder_overlap(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, impl: str = "thunder_overlap") -> nn.Module:
+    policy = thunder_overlap.MixedPrecision(torch.bfloat16, torch.float32) if cfg.mixed_precision else None
     return thunder_overlap.fsdp(
         model,
         device=ctx.device,
         sharding_strategy=cfg.shard_mode,
         bucketing_strategy=cfg.bucketing_mode,
         config=overlap_config(cfg, ctx.device, impl),
+        mixed_precision=policy,
     )
 
 
@@ -150,7 +152,7 @@ def _thunder(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext) -> nn.Modu
 
 def _fsdp2(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, *, compile_blocks: bool) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if cfg.bucketing_mode != "none":
         warnings.warn(
@@ -160,17 +162,21 @@ def _fsdp2(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, *, compile_b
     if not blocks:
         raise ValueError(f"--model_name={cfg.model_name!r} has no repeated blocks (nn.ModuleList) to fully_shard")
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    reshard_after_forward = cfg.shard_mode == "zero3"
+    options = {"mesh": mesh, "reshard_after_forward": cfg.shard_mode == "zero3"}
+    if cfg.mixed_precision:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for _, block in blocks:
         if compile_blocks:
             block.compile()
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, **options)
+    fully_shard(model, **options)
     return materialize(model, ctx.device)
 
 
 def _compute_only(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext) -> nn.Module:
-    return thunder.jit(materialize(model, ctx.device))
+    # With mixed precision a rank computes on bf16 parameters: a bf16 copy computes the same.
+    model = materialize(model, ctx.device)
+    return thunder.jit(model.to(torch.bfloat16) if cfg.mixed_precision else model)
 
 
 _SHARDERS: dict[str, Callable[[nn.Module, BenchmarkConfig, RunContext], nn.Module]] = {

@@ -18,6 +18,7 @@ class BenchmarkResult:
     bucketing_mode: str
     world_size: int
     device: str
+    # The parameters' dtype; mixed_precision "bf16/fp32" gathers and computes in bf16.
     dtype: str
     n_layers: int
     block_size: int
@@ -40,6 +41,8 @@ class BenchmarkResult:
     # Empty without buckets.
     bucket_pool_bytes: list[int]
     bucket_pool_plan_bytes: list[int]
+    # --mixed_precision ("bf16/fp32"), or None.
+    mixed_precision: str | None = None
 
     @property
     def median_iter_time_ms(self) -> float:

@@ -141,6 +141,7 @@ def run_benchmark(cfg: BenchmarkConfig, ctx: RunContext) -> BenchmarkResult:
         world_size=ctx.world_size,
         device=ctx.device.type,
         dtype=str(ctx.dtype).removeprefix("torch."),
+        mixed_precision=cfg.mixed_precision,
         n_layers=spec.n_layers,
         block_size=spec.block_size,
         micro_batch_size=cfg.micro_batch_size,
