@@ -222,3 +222,69 @@ def test_ranks_given_other_policies_raise_naming_them(local_ranks):
     for message in messages:
         assert message is not None and "rank 1 of the process group was given other settings than rank 0" in message, message
         assert named in message, message
+
+
+# --- hybrid sharding (HSDP): 4 ranks, 2 replicas of shard groups of 2 -------------------------
+
+HSDP_WORLD_SIZE, HSDP_MESH = 4, (2, 2)
+
+
+def _hsdp_session(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import thunder_overlap
+
+    assert world_size == HSDP_WORLD_SIZE
+    # Each rank trains on its own rows: the same split as a 4-rank data-parallel run.
+    batches = [_batch(step, rank % WORLD_SIZE) for step in range(STEPS)]
+    if rank >= WORLD_SIZE:
+        batches = [(idx.flip(0), targets.flip(0)) for idx, targets in batches]
+
+    torch.manual_seed(0)
+    model = _model("tinygpt")
+    mesh = init_device_mesh("cpu", HSDP_MESH, mesh_dim_names=("replicate", "shard"))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    theirs = _train_on(model, batches)
+    full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+    torch.manual_seed(0)
+    jm = thunder_overlap.fsdp(
+        _model("tinygpt"),
+        device="cpu",
+        sharding_strategy="zero3",
+        bucketing_strategy="block",
+        device_mesh=init_device_mesh("cpu", HSDP_MESH),
+        mixed_precision=thunder_overlap.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    )
+    ours = _train_on(jm, batches)
+    shards = {n: p.detach().clone() for n, p in jm.named_parameters()}
+    return {"fsdp2": {"losses": theirs, "full": full}, "ours": {"losses": ours, "shards": shards}}
+
+
+def _train_on(model, batches) -> list[float]:
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for idx, targets in batches:
+        logits = model(idx).float()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def test_hybrid_sharding_follows_fsdp2_hsdp_with_the_same_policy(local_ranks):
+    sessions = local_ranks(_hsdp_session, HSDP_WORLD_SIZE, (), timeout_s=900)
+    for rank, session in enumerate(sessions):
+        ours, theirs = session["ours"], session["fsdp2"]
+        relative = [abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"], strict=True)]
+        assert max(relative) <= TOLERANCE, (ours["losses"], theirs["losses"])
+        for name, full in theirs["full"].items():
+            # Rank r holds shard r % 2 of its replica: the same rows as rank r % 2 of a 2-rank run.
+            expected, rows = _shard_of(full, rank % WORLD_SIZE)
+            torch.testing.assert_close(ours["shards"][name][:rows], expected, rtol=TOLERANCE, atol=TOLERANCE, msg=name)

@@ -7,10 +7,12 @@ import pytest
 import thunder
 import torch
 import torch.distributed as dist
+from thunder.core import dtypes
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import thunder_overlap
 from thunder_overlap import fsdp_transforms
+from thunder_overlap._analysis.classify import classify_trace
 from thunder_overlap._analysis.memory_estimate import estimate_memory
 from thunder_overlap._transforms import OverlapScheduleTransform, ReplicaReduceTransform
 from thunder_overlap.options import FSDPOptions
@@ -77,3 +79,21 @@ def test_the_all_reduces_work_in_place_and_the_estimator_allocates_nothing_for_t
     # The reduced shard is divided and summed where it lies: neither the issue nor the wait
     # allocates (an estimator that gave the future a storage of its own would count a shard).
     assert [estimate.allocated[i] for i in all_reduces] == [0] * len(all_reduces)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bucketing", ["none", "block"])
+def test_mixed_precision_gathers_bf16_and_reduces_and_all_reduces_float32(fake_group_4, bucketing):
+    torch.manual_seed(0)
+    policy = thunder_overlap.MixedPrecision(torch.bfloat16, torch.float32)
+    mesh = init_device_mesh("cpu", (2, 2))
+    model = TinyGPT(TinyGPTConfig(n_layer=2))
+    jm = thunder_overlap.fsdp(
+        model, device="cpu", sharding_strategy="zero3", bucketing_strategy=bucketing, device_mesh=mesh, mixed_precision=policy
+    )
+    jm(torch.randint(0, 101, (2, 8))).float().sum().backward()
+    layouts = thunder_overlap.BucketingTransform.of(jm).layouts if bucketing != "none" else {}
+    traces = (thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1])
+    moved = {(c.kind.value, c.dtype) for t in traces for c in classify_trace(t, layouts=layouts).collectives}
+    assert moved == {("all_gather", dtypes.bfloat16), ("reduce_scatter", dtypes.float32), ("all_reduce", dtypes.float32)}
+    assert {p.grad.dtype for p in jm.parameters() if p.requires_grad} == {torch.float32}

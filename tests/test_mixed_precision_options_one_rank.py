@@ -115,8 +115,8 @@ def test_buckets_refuse_a_reduce_dtype_other_than_the_parameters(gloo_group, buc
         ValueError,
         match=r"^mixed_precision=MixedPrecision\(param_dtype=torch\.bfloat16, reduce_dtype=torch\.bfloat16\) casts this model's "
         rf"torch\.float32 parameters, which is not supported yet with bucketing_strategy='{bucketing}' and a reduce_dtype other "
-        r"than the parameters' \(torch\.bfloat16 for torch\.float32; buckets reduce in the parameters' dtype: leave reduce_dtype "
-        r"None or equal to it, or use bucketing_strategy='none'\)$",
+        r"than the parameters' \(torch\.bfloat16 for torch\.float32\): they reduce in the parameters' dtype; leave reduce_dtype "
+        r"None or equal to it, or use bucketing_strategy='none'$",
     ):
         thunder_overlap.fsdp(_model(), bucketing_strategy=bucketing, mixed_precision=MixedPrecision(BF16, BF16))
 
@@ -133,7 +133,11 @@ def test_buckets_are_kept_where_the_policy_casts_nothing(gloo_group):
     assert all(p.dtype is BF16 for p in model.parameters())
 
 
-def test_hybrid_sharding_is_refused_while_untested():
+def test_hybrid_sharding_refuses_a_reduce_dtype_other_than_the_parameters():
     transform = MixedPrecisionTransform(MixedPrecision(reduce_dtype=FP64), bucketing=BucketingStrategy.NONE, hybrid=True)
-    with pytest.raises(ValueError, match=r"casts this model's torch\.float32 parameters, .*with hybrid sharding \(a 2-D device_mesh\)$"):
+    with pytest.raises(
+        ValueError, match=r"casts this model's torch\.float32 parameters, .*with hybrid sharding \(a 2-D device_mesh\) and a reduce_dtype"
+    ):
         transform.transform_module(_model())
+    # Reducing in the parameters' dtype, it is accepted.
+    MixedPrecisionTransform(MixedPrecision(BF16, FP32), bucketing=BucketingStrategy.BLOCK, hybrid=True).transform_module(_model())

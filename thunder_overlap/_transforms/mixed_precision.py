@@ -234,9 +234,8 @@ class MixedPrecisionTransform(Transform):
     gradients in ``policy.reduce_dtype`` (see :class:`thunder_overlap.MixedPrecision`).
 
     ``bucketing`` and ``hybrid``: what the other transforms do. Buckets gather in ``param_dtype``
-    but reduce in the parameters' own dtype, and HSDP does not handle the casts yet, so a model
-    whose parameters the policy casts is refused with a reduce dtype other than theirs and
-    buckets, or with HSDP.
+    but reduce in the parameters' own dtype, as HSDP all-reduces, so with either a policy whose
+    ``reduce_dtype`` is not the parameters' is refused.
     """
 
     def __init__(self, policy: MixedPrecision, *, bucketing: BucketingStrategy, hybrid: bool) -> None:
@@ -252,22 +251,17 @@ class MixedPrecisionTransform(Transform):
         cast = sorted(str(dtype) for dtype, pair in pairs.items() if pair is not None)
         if not cast:
             return
-        unsupported = []
-        if self.bucketing.has_buckets:
-            # A bucket reduce-scatters into its flat gradient shard, in the parameters' dtype.
-            narrower = sorted({f"{pair[1]} for {dtype}" for dtype, pair in pairs.items() if pair is not None and pair[1] != dtype})
-            if narrower:
-                unsupported.append(
-                    f"bucketing_strategy={self.bucketing.value!r} and a reduce_dtype other than the parameters' "
-                    f"({', '.join(narrower)}; buckets reduce in the parameters' dtype: leave reduce_dtype None or "
-                    "equal to it, or use bucketing_strategy='none')"
-                )
-        if self.hybrid:
-            unsupported.append("hybrid sharding (a 2-D device_mesh)")
-        if unsupported:
+        # Buckets reduce-scatter into their flat gradient shard, and HSDP all-reduces the reduced
+        # shard, in the parameters' dtype: a reduce dtype of their own is not handled yet.
+        other_reduce = sorted({f"{pair[1]} for {dtype}" for dtype, pair in pairs.items() if pair is not None and pair[1] != dtype})
+        users = [f"bucketing_strategy={self.bucketing.value!r}"] if self.bucketing.has_buckets else []
+        users += ["hybrid sharding (a 2-D device_mesh)"] if self.hybrid else []
+        if other_reduce and users:
             raise ValueError(
-                f"mixed_precision={self.policy} casts this model's {' and '.join(cast)} parameters, which is not "
-                f"supported yet with {' or '.join(unsupported)}"
+                f"mixed_precision={self.policy} casts this model's {' and '.join(cast)} parameters, which is not supported "
+                f"yet with {' or '.join(users)} and a reduce_dtype other than the parameters' ({', '.join(other_reduce)}): "
+                "they reduce in the parameters' dtype; leave reduce_dtype None or equal to it"
+                + (", or use bucketing_strategy='none'" if not self.hybrid else "")
             )
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
