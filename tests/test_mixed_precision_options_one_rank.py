@@ -6,6 +6,8 @@ FSDP2: tests/test_e2e_mixed_precision.py.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -141,3 +143,27 @@ def test_hybrid_sharding_refuses_a_reduce_dtype_other_than_the_parameters():
         transform.transform_module(_model())
     # Reducing in the parameters' dtype, it is accepted.
     MixedPrecisionTransform(MixedPrecision(BF16, FP32), bucketing=BucketingStrategy.BLOCK, hybrid=True).transform_module(_model())
+
+
+@pytest.mark.slow  # three compiles
+def test_no_sync_sums_bf16_gradients_in_float32_into_the_next_reduction(gloo_group):
+    # One rank: a reduce-scatter is a copy, so the next synced backward's gradient is the sum of
+    # the micro-batches' bf16 gradients, each cast to float32 by the lay-out (FSDP2 accumulates
+    # unsharded gradients in float32 too).
+    def grads(accumulate: bool, micro_batches: int = 3) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = thunder_overlap.fsdp(_model(), bucketing_strategy="block", mixed_precision=MixedPrecision(BF16, FP32))
+        batches = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(micro_batches)]
+        for i, x in enumerate(batches):
+            with model.no_sync() if accumulate and i < micro_batches - 1 else contextlib.nullcontext():
+                model(x).float().sum().backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    summed, synced, first = grads(accumulate=True), grads(accumulate=False), grads(accumulate=False, micro_batches=1)
+    assert {g.dtype for g in summed.values()} == {FP32}
+    # The three micro-batches' sum, not the last one's gradient alone.
+    assert all((summed[name] - first[name]).abs().max() > 0.1 for name in first)
+    for name, expected in synced.items():
+        # The same three float32 terms, added in another order: gamma_2 (1.2e-7) times their
+        # absolute sum, which stays below 10 here.
+        torch.testing.assert_close(summed[name], expected, rtol=0, atol=2e-6, msg=name)
