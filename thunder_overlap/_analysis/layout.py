@@ -60,8 +60,8 @@ class BucketLayout:
     dtype: str
     itemsize: int
     # What the all-gather moves and its buffers hold: the dtype above, or mixed precision's
-    # param_dtype, into which the flat shard is cast once per gather. The gradients then come in
-    # it too, and the reduce-scatter's lay-out casts them back.
+    # param_dtype, into which the flat shard is cast once per gather (the gradients then come in
+    # it too: see [Note: mixed precision]).
     gather_dtype: str
     gather_itemsize: int
     tensors: int
@@ -81,7 +81,7 @@ class BucketLayout:
             )
         if self.reduce is ReducePath.SEND and not self.can_send_gradients:
             raise ValueError(
-                f"bucket {self.label!r}: its gradients cannot be sent where they are (padded, cast, or several on {self.backend.name})"
+                f"bucket {self.label!r}: its gradients cannot be sent where they are (padded, or several on {self.backend.name})"
             )
         if self.reduce is ReducePath.FROM_COPY and not self.backend.copies_reduce_scatter_input:
             # Handing the buffer back at the launch would let the next use overwrite it in flight.
@@ -112,8 +112,7 @@ class BucketLayout:
             gather = GatherPath.VIEWS
         else:
             gather = GatherPath.IN_PLACE if backend.runs_coalesced_launch_as_one else GatherPath.COPY_OUT
-        # Gradients computed in another dtype than the bucket's are cast by a lay-out.
-        sendable = not padded and gather_dtype == dtype and (tensors == 1 or backend.runs_coalesced_launch_as_one)
+        sendable = not padded and (tensors == 1 or backend.runs_coalesced_launch_as_one)
         reduce = ReducePath.SEND if sendable else ReducePath.LAID_OUT
         sizes = (unsharded_numel, dtype, itemsize, gather_dtype, gather_itemsize)
         return cls(label, *sizes, tensors, world_size, backend, padded, gather, reduce)
@@ -129,8 +128,7 @@ class BucketLayout:
 
     @property
     def can_send_gradients(self) -> bool:
-        sendable_count = self.tensors == 1 or self.backend.runs_coalesced_launch_as_one
-        return not self.padded and not self.casts_for_gather and sendable_count
+        return not self.padded and (self.tensors == 1 or self.backend.runs_coalesced_launch_as_one)
 
     def reduce_scatter_holds_pool_buffer(self, *, coalesced: bool = False) -> bool:
         """Whether the reduce-scatter keeps a pool buffer busy from its launch to its wait (a

@@ -272,9 +272,13 @@ def _is_absorbable(bsym: BoundSymbol, bucket: BucketBuffers) -> bool:
 
 
 def _is_gradient_cast(bsym: BoundSymbol, bucket: BucketBuffers) -> bool:
-    """Mixed precision's cast of a gradient from the gather dtype to the bucket's, which the
-    lay-out's ``_chunk_cat`` does as it copies (as FSDP2 reduces)."""
+    """Mixed precision's cast of a gradient from the gather dtype to the bucket's, in a bucket
+    that lays its gradients out: the lay-out's ``_chunk_cat`` casts as it copies (as FSDP2
+    reduces). A bucket that sends its gradients where they are sends them cast by the trace
+    ([Note: mixed precision])."""
     if bsym.sym.name not in ("to", "convert_element_type") or bucket.gather_dtype == bucket.plan.dtype:
+        return False
+    if bucket.layout.can_send_gradients:
         return False
     inputs = [a for a in bsym.flat_proxy_args if isinstance(a, TensorProxy)]
     outputs = [o for o in bsym.flat_proxy_outs if isinstance(o, TensorProxy)]
