@@ -7,6 +7,7 @@ accounting, not numerics (tests/test_e2e_two_ranks.py checks numerics on real gl
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 import thunder
@@ -22,6 +23,10 @@ from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.testing.training import collective_sequence
 
 MODEL = TinyGPTConfig(n_layer=3, n_embd=32)
+# The tests under torch.compile's fuser (the slowest to compile here) check no schedule, only that
+# every collective stays out of the fusions: two blocks still put one block's all-gathers among
+# the other's compute, where a fusion could swallow them.
+FUSED_MODEL = replace(MODEL, n_layer=2)
 COLLECTIVE_WORDS = ("all_gather", "reduce_scatter", "wait")
 # Configurations whose schedules every order test below checks: the default, each limit alone
 # pushed until it binds, and the policies at both ends.
@@ -37,24 +42,36 @@ CONFIGS = {
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fake_group_4")]
 
 
-def _run(jm) -> tuple:
-    torch.manual_seed(0)
-    jm(torch.randint(0, MODEL.vocab_size, (2, 8))).sum().backward()
+def _final_traces(jm) -> tuple:
     return thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
 
 
+def _run(jm) -> tuple:
+    torch.manual_seed(0)
+    jm(torch.randint(0, MODEL.vocab_size, (2, 8))).sum().backward()
+    return _final_traces(jm)
+
+
 @functools.cache
-def _traces(sharding: str = "zero3", config: OverlapConfig | None = None):
-    """Final (forward, backward) traces; cached, as compiling dominates this module's time."""
+def _stepped(sharding: str, config: OverlapConfig | None):
+    """A model sharded as asked, after one step; cached, as compiling dominates this module's
+    time. The tests only read its traces."""
     torch.manual_seed(0)
     jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy=sharding, config=config)
-    return _run(jm)
+    _run(jm)
+    return jm
+
+
+def _traces(sharding: str = "zero3", config: OverlapConfig | None = None):
+    """Final (forward, backward) traces. Positional arguments for the cache: it would key
+    ``_traces("zero3")`` and ``_traces(config=None)`` apart and compile the same model twice."""
+    return _final_traces(_stepped(sharding, config))
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _forget_traces_with_the_group():
     yield
-    _traces.cache_clear()  # they refer to this module's process group
+    _stepped.cache_clear()  # they refer to this module's process group
 
 
 def _compute_outputs(trace) -> list[str]:
@@ -89,8 +106,10 @@ def _expected_collectives(model: torch.nn.Module) -> tuple[list[str], int, list[
     return forward, trainable, regathered
 
 
-def _assert_moves_each_parameter_once(forward, backward, sharding: str, *, exact_regathers: bool = True) -> None:
-    expected_forward, trainable, regathered = _expected_collectives(TinyGPT(MODEL))
+def _assert_moves_each_parameter_once(
+    forward, backward, sharding: str, *, exact_regathers: bool = True, model: TinyGPTConfig = MODEL
+) -> None:
+    expected_forward, trainable, regathered = _expected_collectives(TinyGPT(model))
     forward_annotated, backward_annotated = classify_trace(forward), classify_trace(backward)
     assert sorted(_gathered(forward_annotated)) == expected_forward
     assert not _reduce_scatters(forward_annotated)
@@ -124,9 +143,7 @@ def test_collectives_are_top_level_and_named(sharding):
 
 
 def test_compute_order_is_unchanged_by_scheduling():
-    torch.manual_seed(0)
-    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3")
-    _run(jm)
+    jm = _stepped("zero3", None)
     for history in (thunder.last_traces(jm), thunder.last_backward_traces(jm)):
         before = next(t for t in reversed(history) if "memory_aware schedule" not in str(t.get_provenance()))
         after = history[-1]
@@ -205,7 +222,7 @@ def test_stock_policy_keeps_thunder_order():
 
 def test_identical_models_get_identical_schedules():
     first = [collective_sequence(t) for t in _traces("zero3")]
-    second = [collective_sequence(t) for t in _traces.__wrapped__("zero3")]
+    second = [collective_sequence(t) for t in _final_traces(_stepped.__wrapped__("zero3", None))]
     assert first == second
 
 
@@ -213,8 +230,8 @@ def test_plugin_by_name_uses_the_defaults():
     from thunder.recipes import BaseRecipe
 
     torch.manual_seed(0)
-    forward, backward = _run(thunder.compile(TinyGPT(MODEL), recipe=BaseRecipe(fuser="torch.compile"), plugins="fsdp-overlap"))
-    _assert_moves_each_parameter_once(forward, backward, "zero2")  # the default is ZeRO2
+    forward, backward = _run(thunder.compile(TinyGPT(FUSED_MODEL), recipe=BaseRecipe(fuser="torch.compile"), plugins="fsdp-overlap"))
+    _assert_moves_each_parameter_once(forward, backward, "zero2", model=FUSED_MODEL)  # the default is ZeRO2
 
 
 def test_plugin_by_instance():
@@ -223,12 +240,12 @@ def test_plugin_by_instance():
     torch.manual_seed(0)
     # On CPU the only fuser is torch.compile, which would otherwise swallow the collectives.
     jm = thunder.compile(
-        TinyGPT(MODEL),
+        TinyGPT(FUSED_MODEL),
         recipe=BaseRecipe(fuser="torch.compile"),
         plugins=[FSDPOverlap(sharding_strategy="zero3", device="cpu")],
     )
     # Under the torch.compile fuser's recipe the backward also re-gathers the norms' biases.
-    _assert_moves_each_parameter_once(*_run(jm), "zero3", exact_regathers=False)
+    _assert_moves_each_parameter_once(*_run(jm), "zero3", exact_regathers=False, model=FUSED_MODEL)
 
 
 def test_transforms_compose_with_thunder_jit():
@@ -256,15 +273,15 @@ def test_fusing_executor_cannot_swallow_collectives():
     from thunder.executors.torch_compile import torch_compile_ex
 
     torch.manual_seed(0)
-    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", jit_options={"executors": [torch_compile_ex]})
-    _assert_moves_each_parameter_once(*_run(jm), "zero2")
+    jm = thunder_overlap.fsdp(TinyGPT(FUSED_MODEL), device="cpu", jit_options={"executors": [torch_compile_ex]})
+    _assert_moves_each_parameter_once(*_run(jm), "zero2", model=FUSED_MODEL)
 
 
 def test_collectives_fused_by_a_prejitted_module_raise_a_clear_error():
     from thunder.executors.torch_compile import torch_compile_ex
 
     torch.manual_seed(0)
-    jm = thunder_overlap.fsdp(thunder.jit(TinyGPT(MODEL), executors=[torch_compile_ex]), device="cpu")
+    jm = thunder_overlap.fsdp(thunder.jit(TinyGPT(FUSED_MODEL), executors=[torch_compile_ex]), device="cpu")
     with pytest.raises(RuntimeError, match="collectives were fused into .*torchcompile"):
         _run(jm)
 
