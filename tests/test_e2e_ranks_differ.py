@@ -21,6 +21,9 @@ pytestmark = pytest.mark.ranks
 
 WORLD_SIZE = 2
 MODEL = TinyGPTConfig(n_layer=2, n_embd=32, n_head=2)
+# For the errors raised at the first compile: settings, bucket plans and the first collective that
+# differs are all compared within the first block, so a second one adds only tracing time.
+ONE_BLOCK = replace(MODEL, n_layer=1)
 CONFIGS = [("zero2", "none"), ("zero3", "none"), ("zero2", "block"), ("zero3", "block")]
 # (batch size, sequence length) per step for each rank: each retraces at a step the other does
 # not, and at the last step rank 1 runs a trace it compiled before while rank 0 compiles one.
@@ -144,7 +147,7 @@ def _one_rank_moves_other_collectives(rank: int, world_size: int) -> str | None:
 
     torch.manual_seed(0)
     # Rank 1's MLP is wider: its all-gathers move other shapes from the first block on.
-    config = replace(MODEL, n_embd=32 + 16 * rank)
+    config = replace(ONE_BLOCK, n_embd=32 + 16 * rank)
     return _first_step_error(thunder_overlap.fsdp(TinyGPT(config), sharding_strategy="zero3"))
 
 
@@ -219,7 +222,7 @@ def _ranks_given_other_settings(rank: int, world_size: int) -> dict[str, str | N
     for name, (change, _) in OTHER_SETTINGS.items():
         torch.manual_seed(0)
         config = OverlapConfig(**change.get("config", {}), _tuning=Tuning(**change.get("tuning", {}))) if rank == 1 else None
-        jm = thunder_overlap.fsdp(TinyGPT(MODEL), sharding_strategy="zero3", bucketing_strategy="block", config=config)
+        jm = thunder_overlap.fsdp(TinyGPT(ONE_BLOCK), sharding_strategy="zero3", bucketing_strategy="block", config=config)
         messages[name] = _first_step_error(jm)
     return messages
 
@@ -240,7 +243,8 @@ def _one_rank_caps_its_buckets_differently(rank: int, world_size: int) -> str | 
     torch.manual_seed(0)
     # Rank 1 alone caps its buckets: its plan (and its collectives) differ from rank 0's.
     cap = None if rank == 0 else 0.05
-    return _first_step_error(thunder_overlap.fsdp(TinyGPT(MODEL), sharding_strategy="zero3", bucketing_strategy="auto", bucket_cap_mb=cap))
+    jm = thunder_overlap.fsdp(TinyGPT(ONE_BLOCK), sharding_strategy="zero3", bucketing_strategy="auto", bucket_cap_mb=cap)
+    return _first_step_error(jm)
 
 
 def test_ranks_given_other_bucket_caps_raise_on_every_rank(local_ranks):
@@ -262,7 +266,8 @@ def _one_rank_estimates_other_buckets(rank: int, world_size: int) -> str | None:
     # parameter saturates the link alone: its auto plan (and its collectives) differ from rank 0's.
     network = "gloo-loopback" if rank == 0 else NetworkProfile("instant", 1e-9, 1e12)
     config = OverlapConfig(cost_model=CostModel.named("cpu", network))
-    return _first_step_error(thunder_overlap.fsdp(TinyGPT(MODEL), sharding_strategy="zero3", bucketing_strategy="auto", config=config))
+    jm = thunder_overlap.fsdp(TinyGPT(ONE_BLOCK), sharding_strategy="zero3", bucketing_strategy="auto", config=config)
+    return _first_step_error(jm)
 
 
 def test_ranks_whose_cost_models_plan_other_buckets_raise_on_every_rank(local_ranks):
@@ -276,7 +281,7 @@ def _one_rank_plans_other_buckets(rank: int, world_size: int) -> str | None:
     import thunder_overlap
 
     torch.manual_seed(0)
-    model = TinyGPT(MODEL)
+    model = TinyGPT(ONE_BLOCK)
     if rank == 1:  # the same options, another model: its frozen final norm makes a bucket of its own
         model.norm_f.requires_grad_(False)
     return _first_step_error(thunder_overlap.fsdp(model, sharding_strategy="zero3", bucketing_strategy="block"))
