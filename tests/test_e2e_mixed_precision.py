@@ -66,10 +66,14 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(model, rank: int) -> list[float]:
+    return _train_on(model, [_batch(step, rank) for step in range(STEPS)])
+
+
+def _train_on(model, batches) -> list[float]:
+    """SGD steps, one per (tokens, targets) batch; the loss of each."""
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
-    for step in range(STEPS):
-        idx, targets = _batch(step, rank)
+    for idx, targets in batches:
         logits = model(idx).float()
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         loss.backward()
@@ -263,19 +267,6 @@ def _hsdp_session(rank: int, world_size: int) -> dict:
     ours = _train_on(jm, batches)
     shards = {n: p.detach().clone() for n, p in jm.named_parameters()}
     return {"fsdp2": {"losses": theirs, "full": full}, "ours": {"losses": ours, "shards": shards}}
-
-
-def _train_on(model, batches) -> list[float]:
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    losses = []
-    for idx, targets in batches:
-        logits = model(idx).float()
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
 
 
 def test_hybrid_sharding_follows_fsdp2_hsdp_with_the_same_policy(local_ranks):
