@@ -66,7 +66,12 @@ def _heavy(names: list[str]) -> list[str]:
         (
             ["report", "--param-dtype", "bf16", "--reduce-dtype", "bf16", "--bucketing", "block"],
             2,
-            ["--reduce-dtype bfloat16 with --bucketing block: buckets reduce in the parameters' dtype (--dtype float32)"],
+            ["--reduce-dtype bfloat16 with --bucketing block: they reduce in the parameters' dtype (--dtype float32)", "--bucketing none"],
+        ),
+        (
+            ["report", "--param-dtype", "bf16", "--reduce-dtype", "bf16", "--world-size", "4", "--shard-group-size", "2"],
+            2,
+            ["--reduce-dtype bfloat16 with --shard-group-size: they reduce in the parameters' dtype", "accepted: --reduce-dtype float32"],
         ),
         (["demo", "--sharding", "zero4"], 2, ["invalid choice: 'zero4'", "'zero2', 'zero3'"]),
         (["demo", "--steps", "1"], 2, ["--steps 1 is not allowed; it must be at least 2"]),

@@ -44,8 +44,10 @@ __all__ = [
     "MixedPrecision",
     "ShardingStrategy",
     "options_from",
+    "own_dtype_reducers",
     "parse_bucketing_strategy",
     "parse_sharding_strategy",
+    "reduce_dtypes_for",
     "resolve_keywords",
     "unknown_keywords_message",
 ]
@@ -175,6 +177,25 @@ _MIXED_PRECISION_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _PRECISION_RANK = {"float16": 0, "bfloat16": 0, "float32": 1, "float64": 2}
 
 
+def reduce_dtypes_for(gather: str) -> tuple[str, ...]:
+    """The dtype names gradients computed in ``gather`` may be reduced in: ``gather`` itself and
+    the wider ones (a narrower reduce would lose what the gradients were computed with)."""
+    return tuple(n for n in _MIXED_PRECISION_DTYPES if n == gather or _PRECISION_RANK[n] > _PRECISION_RANK[gather])
+
+
+def own_dtype_reducers(bucketing: BucketingStrategy, hybrid: bool, *, flags: bool = False) -> list[str]:
+    """The options, in the caller's terms (Python arguments or, given ``flags``, command-line
+    flags), that reduce gradients in the parameters' own dtype: buckets reduce-scatter into their
+    flat gradient shard, and HSDP all-reduces the reduced shard, in that dtype, so a mixed-precision
+    ``reduce_dtype`` of its own is not handled with them yet."""
+    users = []
+    if bucketing.has_buckets:
+        users.append(f"--bucketing {bucketing.value}" if flags else f"bucketing_strategy={bucketing.value!r}")
+    if hybrid:
+        users.append("--shard-group-size" if flags else "hybrid sharding (a 2-D device_mesh)")
+    return users
+
+
 def _dtype_name(value: object) -> str | None:
     """``value``'s name in ``_MIXED_PRECISION_DTYPES``, or None when it is no such torch dtype."""
     import torch
@@ -214,13 +235,12 @@ class MixedPrecision:
                 )
         if self.param_dtype is None or self.reduce_dtype is None or self.param_dtype == self.reduce_dtype:
             return
-        gather, reduce = _dtype_name(self.param_dtype), _dtype_name(self.reduce_dtype)
-        if _PRECISION_RANK[reduce] <= _PRECISION_RANK[gather]:
-            wider = [f"torch.{n}" for n in _MIXED_PRECISION_DTYPES if _PRECISION_RANK[n] > _PRECISION_RANK[gather]]
+        accepted = reduce_dtypes_for(_dtype_name(self.param_dtype))
+        if _dtype_name(self.reduce_dtype) not in accepted:
             raise ValueError(
                 f"MixedPrecision reduce_dtype={self.reduce_dtype} is not as wide as param_dtype={self.param_dtype}: "
                 f"gradients would be reduced in less precision than they were computed in; "
-                f"use reduce_dtype={self.param_dtype}, {', '.join(wider)}, or None for the parameter's own dtype"
+                f"use reduce_dtype={', '.join(f'torch.{n}' for n in accepted)}, or None for the parameter's own dtype"
             )
 
     @property

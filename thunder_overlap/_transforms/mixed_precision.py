@@ -33,7 +33,7 @@ from thunder.core.transforms import register_augmented_forward, register_backwar
 from thunder.distributed import prims as dist_prims
 
 from thunder_overlap._ops import shard_cast
-from thunder_overlap.options import BucketingStrategy, MixedPrecision
+from thunder_overlap.options import BucketingStrategy, MixedPrecision, own_dtype_reducers
 
 __all__ = ["MixedPrecisionTransform", "synchronize_mixed"]
 
@@ -251,11 +251,8 @@ class MixedPrecisionTransform(Transform):
         cast = sorted(str(dtype) for dtype, pair in pairs.items() if pair is not None)
         if not cast:
             return
-        # Buckets reduce-scatter into their flat gradient shard, and HSDP all-reduces the reduced
-        # shard, in the parameters' dtype: a reduce dtype of their own is not handled yet.
         other_reduce = sorted({f"{pair[1]} for {dtype}" for dtype, pair in pairs.items() if pair is not None and pair[1] != dtype})
-        users = [f"bucketing_strategy={self.bucketing.value!r}"] if self.bucketing.has_buckets else []
-        users += ["hybrid sharding (a 2-D device_mesh)"] if self.hybrid else []
+        users = own_dtype_reducers(self.bucketing, self.hybrid)
         if other_reduce and users:
             raise ValueError(
                 f"mixed_precision={self.policy} casts this model's {' and '.join(cast)} parameters, which is not supported "

@@ -28,11 +28,12 @@ from pathlib import Path
 from thunder_overlap._analysis.devices import DEVICE_PROFILES, device_profile
 from thunder_overlap._analysis.network import DEFAULT_GPUS_PER_NODE, NETWORK_PROFILES, NodeTopology, network_profile
 from thunder_overlap.options import (
-    _PRECISION_RANK,
     BucketingStrategy,
     ShardingStrategy,
+    own_dtype_reducers,
     parse_bucketing_strategy,
     parse_sharding_strategy,
+    reduce_dtypes_for,
 )
 from thunder_overlap.report._models import BUILTIN_MODELS
 
@@ -196,15 +197,18 @@ def _check_dtypes(args: argparse.Namespace) -> None:
         )
     gather = args.param_dtype or args.dtype
     reduce = args.reduce_dtype or args.dtype
-    if gather != reduce and _PRECISION_RANK[reduce] <= _PRECISION_RANK[gather]:
+    accepted = reduce_dtypes_for(gather)
+    if reduce not in accepted:
         raise UsageError(
             f"--reduce-dtype {reduce} is not as wide as --param-dtype {gather}: gradients would be reduced in less precision "
-            f"than they were computed in; accepted: {gather} or wider"
+            f"than they were computed in; accepted: {', '.join(accepted)}"
         )
-    if args.bucketing.has_buckets and reduce != args.dtype:
+    users = own_dtype_reducers(args.bucketing, hybrid=args.shard_group_size is not None, flags=True)
+    if users and reduce != args.dtype:
         raise UsageError(
-            f"--reduce-dtype {reduce} with --bucketing {args.bucketing.value}: buckets reduce in the parameters' dtype "
-            f"(--dtype {args.dtype}) for now; accepted: --reduce-dtype {args.dtype}, or --bucketing none"
+            f"--reduce-dtype {reduce} with {' and '.join(users)}: they reduce in the parameters' dtype "
+            f"(--dtype {args.dtype}) for now; accepted: --reduce-dtype {args.dtype}"
+            + (", or --bucketing none" if args.shard_group_size is None else "")
         )
 
 
