@@ -10,6 +10,7 @@ import torch
 
 import thunder_overlap
 from thunder_overlap import OverlapConfig, OverlapScheduleTransform
+from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.memory_estimate import estimate_memory
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.testing.memory_check import measure_step
@@ -42,3 +43,22 @@ def test_a_tight_budget_binds_and_the_measured_peak_stays_within_it(fake_group_8
         assert predicted[name] == summary.peak_bytes
         # The estimator is exact on CPU up to temporaries an op frees inside itself.
         assert measured[name] <= summary.budget_bytes * 1.05, (name, measured[name], summary.budget_bytes)
+
+
+@pytest.mark.slow
+def test_buckets_the_pool_cannot_grow_for_are_held_back_not_the_whole_prefetch(fake_group_8):
+    """On a link too slow for a block's compute to hide its bucket's all-gather, the prefetch
+    distance sends several buckets ahead and the pool grows by each, past a budget of one and a
+    half buckets over the just-in-time peak: the retry takes the growth off the all-gathers in
+    flight ([Note: pool growth]), so the forward still prefetches, within the budget, instead of
+    falling back to the just-in-time order."""
+    model = TinyGPT(MODEL)
+    block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    slow_link = CostModel.named("cpu", "custom:100:0.01")
+    config = OverlapConfig(memory_slack_bytes=int(1.5 * block_bytes), memory_slack_ratio=0.0, cost_model=slow_link)
+    jm = thunder_overlap.fsdp(model, device="cpu", sharding_strategy="zero3", bucketing_strategy="block", config=config)
+    jm(torch.randint(0, MODEL.vocab_size, (4, 32)))
+    forward = OverlapScheduleTransform.of(jm).summaries.forward
+    assert forward.attempts >= 2 and not forward.fell_back_to_just_in_time, forward.describe()
+    assert forward.peak_bytes <= forward.budget_bytes
+    assert forward.peak_bytes > forward.baseline_peak_bytes, "nothing was prefetched: the pool did not grow at all"

@@ -131,10 +131,12 @@ class InFlight:
     def __init__(self) -> None:
         self.bytes_by_collective: dict[int, int] = {}  # insertion-ordered: oldest first
         self.total_bytes = 0
+        self.peak_bytes = 0  # the most ever in flight at once
 
     def add(self, c: int, nbytes: int) -> None:
         self.bytes_by_collective[c] = nbytes
         self.total_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.total_bytes)
 
     def discard(self, c: int) -> None:
         self.total_bytes -= self.bytes_by_collective.pop(c, 0)

@@ -19,8 +19,8 @@ Compute ops (``NodeKind.COMPUTE``) are emitted in the order Thunder produced the
 The memory budget is relative to the just-in-time order (:func:`just_in_time_order`): the
 scheduler estimates that order's memory once (:mod:`~thunder_overlap._scheduling.memory_budget`), tracks what
 its own decisions add, and checks the final order with the memory estimator; if the model was
-optimistic it schedules again with the overshoot held back, and after ``MAX_ATTEMPTS`` returns the
-just-in-time order itself.
+optimistic it schedules again with the overshoot held back ([Note: pool growth] in
+docs/design.md), and after ``MAX_ATTEMPTS`` returns the just-in-time order itself.
 
 The result depends only on the trace, the limits and the cost model's estimates, never on hashing
 or timing, so every rank computes the same order as long as they agree on the estimates.
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 from thunder.core.trace import TraceCtx
 
@@ -121,22 +122,27 @@ class OverlapScheduler:
         """The prefetch distance, with compute and collective times when the limits stretch it by time."""
         return PrefetchDistance.estimate(self.annotated, self.anchors, self.limits, self.cost_model)
 
-    def estimate_baseline_memory(self) -> tuple[list[int], int]:
-        """The just-in-time order's live bytes per compute segment, and its peak."""
+    def estimate_baseline_memory(self) -> tuple[list[int], MemoryEstimate]:
+        """The just-in-time order's live bytes per compute segment, and its memory estimate."""
         order = just_in_time_order(self.annotated, self.issue_order)
         trace = apply_order(self.annotated, order, provenance="thunder_overlap: just-in-time baseline")
         estimate = estimate_memory(trace, layouts=self.annotated.layouts, after=self.memory_after)
-        return baseline_profile(self.annotated, trace, estimate), estimate.peak_bytes
+        return baseline_profile(self.annotated, trace, estimate), estimate
 
     def schedule(self) -> list[int]:
         """Node indices of the annotated trace in execution order."""
         first_use = self.find_first_uses()
         distance = self.estimate_costs()
 
-        def walk(memory: MemoryBudget | None) -> list[int]:
-            return ScheduleWalk(self.annotated, first_use, self.limits, distance, memory, self.summary, self.issue_order).run()
+        def walk(limits: ScheduleLimits, memory: MemoryBudget | None) -> ScheduleWalk:
+            walk = ScheduleWalk(self.annotated, first_use, limits, distance, memory, self.summary, self.issue_order)
+            walk.run()
+            return walk
 
-        order = walk(None) if self.limits.memory_budget is None else self._schedule_within_budget(walk)
+        if self.limits.memory_budget is None:
+            order = walk(self.limits, None).builder.order
+        else:
+            order = self._schedule_within_budget(walk)
         logger.debug(
             "scheduled %d collectives around %d compute ops: %s",
             len(self.annotated.collectives),
@@ -145,16 +151,18 @@ class OverlapScheduler:
         )
         return order
 
-    def _schedule_within_budget(self, walk: Callable[[MemoryBudget | None], list[int]]) -> list[int]:
+    def _schedule_within_budget(self, walk: Callable[[ScheduleLimits, MemoryBudget | None], ScheduleWalk]) -> list[int]:
         """Walks until the estimator confirms an order within the budget, holding back each
         attempt's overshoot in the next; the just-in-time order after ``MAX_ATTEMPTS``."""
-        baseline, baseline_peak = self.estimate_baseline_memory()
+        baseline, baseline_memory = self.estimate_baseline_memory()
+        baseline_peak = baseline_memory.peak_bytes
         budget = self.limits.memory_budget.budget(baseline_peak)
         self.summary.baseline_peak_bytes, self.summary.budget_bytes = baseline_peak, budget
-        held_back = 0
+        limits, held_back = self.limits, 0
         for attempt in range(1, MAX_ATTEMPTS + 1):
             self.summary.attempts = attempt
-            order = walk(MemoryBudget(MemoryProfile(baseline, budget - held_back)))
+            walked = walk(limits, MemoryBudget(MemoryProfile(baseline, budget - held_back)))
+            order = walked.builder.order
             trace = apply_order(self.annotated, order, provenance="thunder_overlap: memory_aware schedule")
             memory = estimate_memory(trace, layouts=self.annotated.layouts, after=self.memory_after)
             peak = memory.peak_bytes
@@ -162,8 +170,21 @@ class OverlapScheduler:
                 self.summary.peak_bytes = peak
                 self.checked_trace, self.checked_memory = trace, memory
                 return order
-            logger.debug("attempt %d: predicted peak %d B over the budget of %d B; holding back the overshoot", attempt, peak, budget)
-            held_back += peak - budget
+            # [Note: pool growth]: what the bucket pool grew by is held back from the all-gathers
+            # in flight, the rest from the memory profile.
+            overshoot = peak - budget
+            from_pool = min(overshoot, max(memory.pool.nbytes - baseline_memory.pool.nbytes, 0))
+            if from_pool:
+                cap = walked.allgathers.in_flight.peak_bytes - from_pool
+                limits = replace(limits, max_allgather_bytes=min(cap, limits.max_allgather_bytes or cap))
+            logger.debug(
+                "attempt %d: predicted peak %d B over the budget of %d B; holding back the overshoot (%d B of it the pool's)",
+                attempt,
+                peak,
+                budget,
+                from_pool,
+            )
+            held_back += overshoot - from_pool
         self.summary.fell_back_to_just_in_time = True
         self.summary.peak_bytes = baseline_peak
         return just_in_time_order(self.annotated, self.issue_order)
