@@ -13,6 +13,7 @@ from thunder_overlap import OverlapConfig, OverlapScheduleTransform
 from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.memory_estimate import estimate_memory
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.report._policies import compare_policies
 from thunder_overlap.testing.memory_check import measure_step
 
 MODEL = TinyGPTConfig(n_layer=4, n_embd=64)
@@ -51,14 +52,21 @@ def test_buckets_the_pool_cannot_grow_for_are_held_back_not_the_whole_prefetch(f
     distance sends several buckets ahead and the pool grows by each, past a budget of one and a
     half buckets over the just-in-time peak: the retry takes the growth off the all-gathers in
     flight ([Note: pool growth]), so the forward still prefetches, within the budget, instead of
-    falling back to the just-in-time order."""
+    falling back to the just-in-time order; and the backward spends what the forward left of it."""
     model = TinyGPT(MODEL)
     block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     slow_link = CostModel.named("cpu", "custom:100:0.01")
     config = OverlapConfig(memory_slack_bytes=int(1.5 * block_bytes), memory_slack_ratio=0.0, cost_model=slow_link)
     jm = thunder_overlap.fsdp(model, device="cpu", sharding_strategy="zero3", bucketing_strategy="block", config=config)
-    jm(torch.randint(0, MODEL.vocab_size, (4, 32)))
+    jm(torch.randint(0, MODEL.vocab_size, (4, 32))).sum().backward()
     forward = OverlapScheduleTransform.of(jm).summaries.forward
     assert forward.attempts >= 2 and not forward.fell_back_to_just_in_time, forward.describe()
     assert forward.peak_bytes <= forward.budget_bytes
     assert forward.peak_bytes > forward.baseline_peak_bytes, "nothing was prefetched: the pool did not grow at all"
+    # The pool the forward grew stays grown in the backward: the step's peak, in either pass,
+    # stays within one slack over the just-in-time step's, not one per pass.
+    comparison = compare_policies(jm, cost_model=slow_link, config=config, policies=("memory_aware",))
+    slack = config.memory_slack_bytes
+    for pass_name in ("forward", "backward"):
+        scheduled, just_in_time = (comparison.result(policy, pass_name).report.peak_bytes for policy in ("memory_aware", "just_in_time"))
+        assert scheduled <= just_in_time + slack, (pass_name, scheduled, just_in_time, slack)

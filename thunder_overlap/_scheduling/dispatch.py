@@ -42,6 +42,9 @@ class ScheduledTrace:
     # ``trace``'s memory estimate where the memory budget was checked (else None): a backward's
     # schedule counts its inputs with its forward's (``memory_after``).
     memory: MemoryEstimate | None = None
+    # The just-in-time order's estimate the budget was relative to (else None): a backward's
+    # budget is relative to its forward's (``budget_after``).
+    budget_basis: MemoryEstimate | None = None
 
 
 def schedule_trace(
@@ -53,6 +56,7 @@ def schedule_trace(
     issue_order: IssueOrder | None = None,
     launches: list[list[int]] | None = None,
     memory_after: MemoryEstimate | None = None,
+    budget_after: MemoryEstimate | None = None,
     caps_pool_reduce_scatters: bool = True,
 ) -> ScheduledTrace:
     """Schedules ``trace`` by ``config.policy``; limits are resolved from ``largest_block_bytes``
@@ -62,7 +66,9 @@ def schedule_trace(
     agreed between ranks; otherwise, where ``config.coalesces``, the cost model decides.
     ``memory_after``: the memory estimate of the trace that produced this one's inputs (for a
     backward, its forward's :attr:`ScheduledTrace.memory`), so that the budget counts persistent
-    and shared inputs as the report does. ``caps_pool_reduce_scatters``: see :func:`resolve_limits`."""
+    and shared inputs as the report does; ``budget_after``: its forward's
+    :attr:`ScheduledTrace.budget_basis`, so that the budget is the just-in-time step's.
+    ``caps_pool_reduce_scatters``: see :func:`resolve_limits`."""
     annotated = trace if isinstance(trace, AnnotatedTrace) else classify_trace(trace)
     if not annotated.collectives:
         return ScheduledTrace(annotated.trace, annotated, stock_order(annotated), None)
@@ -77,7 +83,12 @@ def schedule_trace(
     # Prefetching stretches by time only with a given cost model; coalescing falls back to the default.
     stretches = limits.prefetch_time_margin is not None and cost_model is not None
     scheduler = OverlapScheduler(
-        annotated, limits, estimates.get() if stretches else None, issue_order=issue_order, memory_after=memory_after
+        annotated,
+        limits,
+        estimates.get() if stretches else None,
+        issue_order=issue_order,
+        memory_after=memory_after,
+        budget_after=budget_after,
     )
     order = scheduler.schedule()
     if launches is not None:
@@ -97,7 +108,7 @@ def schedule_trace(
             memory = estimate_memory(scheduled, layouts=annotated.layouts, after=memory_after)
     pass_name = "backward" if TraceTag.BACKWARD in annotated.trace.tags else "forward"
     logger.info("%s %s schedule of %d collectives: %s", pass_name, config.policy, len(annotated.collectives), scheduler.summary.describe())
-    return ScheduledTrace(scheduled, annotated, order, scheduler.summary, tuple(planned), memory)
+    return ScheduledTrace(scheduled, annotated, order, scheduler.summary, tuple(planned), memory, scheduler.budget_basis)
 
 
 def _provenance(config: OverlapConfig) -> str:

@@ -78,6 +78,7 @@ class OverlapScheduler:
         *,
         issue_order: IssueOrder | None = None,
         memory_after: MemoryEstimate | None = None,
+        budget_after: MemoryEstimate | None = None,
     ) -> None:
         if issue_order is not None:
             issue_order.check(annotated)
@@ -88,6 +89,12 @@ class OverlapScheduler:
         # The estimate of the trace that produced this one's inputs (a backward's forward): which
         # inputs are persistent and which share storage, as the report counts them.
         self.memory_after = memory_after
+        # That trace's just-in-time order's estimate (its ``budget_basis``): the budget is the
+        # just-in-time step's, so what an earlier pass added (a pool grown in the forward) is
+        # spent from the same slack, not granted again ([Note: pool growth]).
+        self.budget_after = budget_after
+        # The just-in-time order's estimate, after ``budget_after``: what the budget is relative to.
+        self.budget_basis: MemoryEstimate | None = None
         self.nodes = annotated.nodes
         self.anchors = [n.index for n in self.nodes if n.kind is NodeKind.COMPUTE]
         self.summary = ScheduleSummary()
@@ -155,9 +162,11 @@ class OverlapScheduler:
         """Walks until the estimator confirms an order within the budget, holding back each
         attempt's overshoot in the next; the just-in-time order after ``MAX_ATTEMPTS``."""
         baseline, baseline_memory = self.estimate_baseline_memory()
-        baseline_peak = baseline_memory.peak_bytes
-        budget = self.limits.memory_budget.budget(baseline_peak)
-        self.summary.baseline_peak_bytes, self.summary.budget_bytes = baseline_peak, budget
+        self.budget_basis = baseline_memory
+        if self.budget_after is not None:
+            self.budget_basis = estimate_memory(baseline_memory.trace, layouts=self.annotated.layouts, after=self.budget_after)
+        budget = self.limits.memory_budget.budget(self.budget_basis.peak_bytes)
+        self.summary.baseline_peak_bytes, self.summary.budget_bytes = self.budget_basis.peak_bytes, budget
         limits, held_back = self.limits, 0
         for attempt in range(1, MAX_ATTEMPTS + 1):
             self.summary.attempts = attempt
@@ -186,5 +195,5 @@ class OverlapScheduler:
             )
             held_back += overshoot - from_pool
         self.summary.fell_back_to_just_in_time = True
-        self.summary.peak_bytes = baseline_peak
+        self.summary.peak_bytes = baseline_memory.peak_bytes
         return just_in_time_order(self.annotated, self.issue_order)

@@ -82,9 +82,10 @@ class OverlapScheduleTransform(Transform):
         self.bucket_paths: PathChoice | None = None
         # Sizes the default prefetch limits; None until transform_module sees the model.
         self.largest_block_bytes: int | None = None
-        # The last forward's memory estimate: Thunder compiles a backward right after its
-        # forward, whose outputs are the backward's inputs.
+        # The last forward's memory estimate, and its just-in-time order's the budget was relative
+        # to: Thunder compiles a backward right after its forward, whose outputs are its inputs.
         self._forward_memory: MemoryEstimate | None = None
+        self._forward_budget_basis: MemoryEstimate | None = None
         self._settings_agreed = False
 
     @staticmethod
@@ -130,7 +131,7 @@ class OverlapScheduleTransform(Transform):
         backward = TraceTag.BACKWARD in computation_trace.tags
         if not annotated.collectives:
             if not backward:
-                self._forward_memory = None
+                self._forward_memory = self._forward_budget_basis = None
             return computation_trace
         group = self.agreement_group if self.agreement_group is not None else _process_group(annotated)
         if not self._settings_agreed:
@@ -140,7 +141,7 @@ class OverlapScheduleTransform(Transform):
         scheduled = self._schedule_pass(annotated, "backward" if backward else "forward", group)
         setattr(self.summaries, "backward" if backward else "forward", scheduled.summary)
         if not backward:
-            self._forward_memory = scheduled.memory
+            self._forward_memory, self._forward_budget_basis = scheduled.memory, scheduled.budget_basis
         return scheduled.trace
 
     def _schedule_pass(self, annotated: AnnotatedTrace, pass_name: str, group: ProcessGroup | None) -> ScheduledTrace:
@@ -190,6 +191,7 @@ class OverlapScheduleTransform(Transform):
     def _schedule(
         self, annotated: AnnotatedTrace, issue_order: list[int] | None, launches: list[list[int]] | None, *, caps: bool = True
     ) -> ScheduledTrace:
+        backward = TraceTag.BACKWARD in annotated.trace.tags
         return schedule_trace(
             annotated,
             self.config,
@@ -197,7 +199,8 @@ class OverlapScheduleTransform(Transform):
             cost_model=self._cost_model,
             issue_order=None if issue_order is None else IssueOrder.of_sequence(annotated, issue_order),
             launches=launches,
-            memory_after=self._forward_memory if TraceTag.BACKWARD in annotated.trace.tags else None,
+            memory_after=self._forward_memory if backward else None,
+            budget_after=self._forward_budget_basis if backward else None,
             caps_pool_reduce_scatters=caps,
         )
 

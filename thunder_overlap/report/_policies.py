@@ -136,6 +136,7 @@ def compare_policies(
     thunder_fsdp = thunder_fsdp if thunder_fsdp is not None else thunder_fsdp_baseline(jm)
     results = []
     forward_memory: dict[str, MemoryEstimate] = {}
+    forward_budget_basis: dict[str, MemoryEstimate | None] = {}
     baseline_passes = [("forward", thunder_fsdp.forward)] + ([("backward", thunder_fsdp.backward)] if backward else [])
     for pass_name, trace in baseline_passes:
         report = analyze_trace(trace, cost_model, order=BASELINE, after=forward_memory.get(BASELINE))
@@ -151,10 +152,11 @@ def compare_policies(
                 largest_block_bytes=block_bytes,
                 cost_model=cost_model,
                 memory_after=forward_memory.get(policy),
+                budget_after=forward_budget_basis.get(policy),
             )
             report = analyze_trace(scheduled.trace, cost_model, order=policy, after=forward_memory.get(policy), layouts=layouts)
             if pass_name == "forward":
-                forward_memory[policy] = report.memory
+                forward_memory[policy], forward_budget_basis[policy] = report.memory, scheduled.budget_basis
             results.append(PolicyResult(policy, pass_name, report, scheduled.summary))
     rows = (BASELINE, *policies)
     results.sort(key=lambda r: (r.pass_name != "forward", rows.index(r.policy)))
