@@ -193,3 +193,13 @@ def test_save_never_replaces_what_is_not_a_checkpoint(tmp_path):
     assert (tmp_path / "file").read_text() == "keep me too" and not (tmp_path / "file.saving").exists()
     (tmp_path / "empty").mkdir()
     checkpoint.save(tmp_path / "empty", _tiny())  # an empty directory is fine
+
+
+def test_an_optimizer_without_per_parameter_state_saves_and_loads(tmp_path):
+    # SGD without momentum keeps no state per parameter, so the checkpoint has none to read.
+    model = _tiny()
+    checkpoint.save(tmp_path / "ckpt", model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loaded = _tiny()
+    optimizer = torch.optim.SGD(loaded.parameters(), lr=0.5)
+    checkpoint.load(tmp_path / "ckpt", loaded, optimizer)
+    assert optimizer.param_groups[0]["lr"] == 0.1 and optimizer.state_dict()["state"] == {}

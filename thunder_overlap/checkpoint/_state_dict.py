@@ -241,6 +241,8 @@ def _positional_optimizer_state(
     current = optimizer.state_dict()
     saved_groups = {name: group for group in saved["param_groups"] for name in group["params"]}
     groups, state = [], dict(current["state"])
+    # An optimizer without per-parameter state (SGD without momentum) saves none: no "state" key.
+    saved_state = saved.get("state", {})
     index = 0
     for group, current_group in zip(optimizer.param_groups, current["param_groups"], strict=True):
         merged = dict(current_group)
@@ -248,9 +250,9 @@ def _positional_optimizer_state(
             name = _name_of(parameter, names)
             if name in saved_groups:
                 merged.update({k: v for k, v in saved_groups[name].items() if k != "params"})
-            if name in saved["state"]:
+            if name in saved_state:
                 shard = sharding.parameters.get(name) if sharding is not None else None
-                state[index] = {key: _local_state(name, key, value, shard, parameter) for key, value in saved["state"][name].items()}
+                state[index] = {key: _local_state(name, key, value, shard, parameter) for key, value in saved_state[name].items()}
             index += 1
         groups.append(merged)
     return {"state": state, "param_groups": groups}
