@@ -14,7 +14,7 @@ import torch.nn as nn
 from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 
 import thunder_overlap
-from thunder_overlap import FSDPOverlap, MixedPrecision
+from thunder_overlap import FSDPOverlap, MixedPrecision, checkpoint
 from thunder_overlap._transforms import BucketingTransform, MixedPrecisionTransform
 from thunder_overlap.options import BucketingStrategy, FSDPOptions
 
@@ -167,3 +167,30 @@ def test_no_sync_sums_bf16_gradients_in_float32_into_the_next_reduction(gloo_gro
         # The same three float32 terms, added in another order: gamma_2 (1.2e-7) times their
         # absolute sum, which stays below 10 here.
         torch.testing.assert_close(summed[name], expected, rtol=0, atol=2e-6, msg=name)
+
+
+@pytest.mark.slow  # four compiles
+def test_a_checkpoint_keeps_float32_masters_and_loads_with_or_without_the_policy(gloo_group, tmp_path):
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    trained = thunder_overlap.fsdp(_model(), bucketing_strategy="block", mixed_precision=MixedPrecision(BF16, FP32))
+    optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
+    trained(x).float().sum().backward()
+    optimizer.step()
+    checkpoint.save(tmp_path / "ckpt", trained, optimizer)
+    saved = {name: p.detach().clone() for name, p in trained.named_parameters()}
+    for policy in (MixedPrecision(BF16, FP32), None):
+        torch.manual_seed(1)  # other initial values: the load must overwrite every one
+        model = thunder_overlap.fsdp(_model(), bucketing_strategy="block", **({"mixed_precision": policy} if policy else {}))
+        checkpoint.load(tmp_path / "ckpt", model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for name, p in model.named_parameters():
+            assert p.dtype is FP32, name
+            torch.testing.assert_close(p.detach(), saved[name], rtol=0, atol=0, msg=name)
+        # With the policy the next gather casts the loaded masters: the trained model's bf16
+        # forward; without it, float32 linears on them (the same kernels: bit for bit).
+        if policy is not None:
+            expected = trained(x)
+        else:
+            hidden = nn.functional.linear(x, saved["0.weight"], saved["0.bias"])
+            expected = nn.functional.linear(hidden, saved["1.weight"], saved["1.bias"])
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
