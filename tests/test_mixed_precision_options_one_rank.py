@@ -194,3 +194,17 @@ def test_a_checkpoint_keeps_float32_masters_and_loads_with_or_without_the_policy
             hidden = nn.functional.linear(x, saved["0.weight"], saved["0.bias"])
             expected = nn.functional.linear(hidden, saved["1.weight"], saved["1.bias"])
         torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+
+
+@pytest.mark.slow  # two compiles
+def test_a_batch_of_another_shape_recompiles_under_the_policy(gloo_group):
+    # Ranks whose batches differ in shape compile traces of their own (tests/test_e2e_ranks_differ.py);
+    # under the policy each is the same bf16 computation on the bf16 cast of the float32 masters.
+    torch.manual_seed(0)
+    model = thunder_overlap.fsdp(_model(), bucketing_strategy="block", mixed_precision=MixedPrecision(BF16, FP32))
+    cast = {name: p.detach().to(BF16) for name, p in model.named_parameters()}
+    for rows in (3, 5):
+        x = torch.randn(rows, 4, generator=torch.Generator().manual_seed(rows))
+        hidden = nn.functional.linear(x.to(BF16), cast["0.weight"], cast["0.bias"])
+        expected = nn.functional.linear(hidden, cast["1.weight"], cast["1.bias"])
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0, msg=f"{rows} rows")
