@@ -29,7 +29,8 @@ class ScheduleSummary:
     # Waits emitted before their first use to get under a limit (bytes/count, or the budget).
     forced_waits: int = 0
     forced_waits_for_memory: int = 0
-    # Predicted peaks (estimate_memory) of the just-in-time order and of the chosen order.
+    # Predicted peaks (estimate_memory) of the just-in-time order the budget is relative to (for a
+    # backward, the just-in-time step's: after its forward's just-in-time order) and of the chosen order.
     baseline_peak_bytes: int | None = None
     budget_bytes: int | None = None
     peak_bytes: int | None = None
