@@ -47,9 +47,9 @@ def gloo_group(one_rank_gloo_group):
         (
             {"sharding_strategy": "zero4"},
             ValueError,
-            r"^sharding_strategy must be 'zero2' or 'zero3' \(or FSDPType\.ZERO2/ZERO3\), got 'zero4'$",
+            r"^sharding_strategy must be 'zero2', 'zero3' or 'auto' \(or FSDPType\.ZERO2/ZERO3\), got 'zero4'$",
         ),
-        ({"sharding_strategy": 3}, ValueError, r"sharding_strategy must be 'zero2' or 'zero3' .*, got 3$"),
+        ({"sharding_strategy": 3}, ValueError, r"sharding_strategy must be 'zero2', 'zero3' or 'auto' .*, got 3$"),
         (
             {"bucketing_strategy": "buckets"},
             ValueError,
@@ -79,7 +79,7 @@ def test_bad_fsdp_arguments(gloo_group, kwargs, error, message):
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"sharding_strategy": "zero1"}, ValueError, r"sharding_strategy must be 'zero2' or 'zero3' .*got 'zero1'"),
+        ({"sharding_strategy": "zero1"}, ValueError, r"sharding_strategy must be 'zero2', 'zero3' or 'auto' .*got 'zero1'"),
         ({"config": "fast"}, TypeError, r"config must be a thunder_overlap.OverlapConfig"),
         ({"move_state_dict_to_cpu": 1}, TypeError, r"move_state_dict_to_cpu must be a bool, got 1"),
     ],
@@ -242,7 +242,7 @@ def test_fsdp_transforms_accept_bucketing_strategy_strings_and_enums(gloo_group,
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"sharding_strategy": "zero4"}, ValueError, r"^sharding_strategy must be 'zero2' or 'zero3' .*got 'zero4'$"),
+        ({"sharding_strategy": "zero4"}, ValueError, r"^sharding_strategy must be 'zero2', 'zero3' or 'auto' .*got 'zero4'$"),
         ({"bucketing_strategy": "flat"}, ValueError, r"^bucketing_strategy must be 'none', 'layer', 'block' or 'auto' .*got 'flat'$"),
         ({"device": "potato"}, ValueError, r"device='potato' is not a valid torch device"),
         # fsdp_transforms used to take the cap in bytes; it now takes fsdp's bucket_cap_mb.
@@ -278,7 +278,7 @@ def test_options_must_be_resolved(gloo_group):
 
 
 def test_cli_flags_get_errors_in_cli_terms():
-    with pytest.raises(ValueError, match=r"^--sharding must be zero2 or zero3 \(got 'zero4'\)$"):
+    with pytest.raises(ValueError, match=r"^--sharding must be zero2, zero3 or auto \(got 'zero4'\)$"):
         parse_sharding_strategy("zero4", flag="--sharding")
     with pytest.raises(ValueError, match=r"^--bucketing must be none, layer, block or auto \(got 'blocks'\)$"):
         parse_bucketing_strategy("blocks", flag="--bucketing")

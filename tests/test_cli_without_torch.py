@@ -54,7 +54,7 @@ def _heavy(names: list[str]) -> list[str]:
         (["demo", "--help"], 0, ["--sharding", "--bucketing"]),
         (["reprot"], 2, ["unknown command 'reprot'; accepted: demo, report"]),
         (["report", "--network", "carrier-pigeon"], 2, ["unknown network 'carrier-pigeon'", "accepted: auto (the default)", "nvlink"]),
-        (["report", "--sharding", "zero4"], 2, ["--sharding must be zero2 or zero3 (got 'zero4')"]),
+        (["report", "--sharding", "zero4"], 2, ["--sharding must be zero2, zero3 or auto (got 'zero4')"]),
         (["report", "--bucketing", "blocks"], 2, ["--bucketing must be none, layer, block or auto (got 'blocks')"]),
         (["report", "--steps", "-1"], 2, ["--steps -1 is impossible; accepted: 0"]),
         (["report", "--device-profile", "tpu"], 2, ["unknown device profile 'tpu'; accepted: a100, cpu, h100, h200"]),

@@ -92,7 +92,7 @@ def test_cli_with_mixed_precision_gathers_half_the_bytes_and_says_so(tmp_path, c
         (["--model", "gpt-17"], "unknown model 'gpt-17'"),
         (["--world-size", "0"], "--world-size 0 is impossible"),
         (["--n-layer", "0"], "--n-layer 0 is impossible"),
-        (["--sharding", "zero4"], "--sharding must be zero2 or zero3 (got 'zero4')"),
+        (["--sharding", "zero4"], "--sharding must be zero2, zero3 or auto (got 'zero4')"),
         (["--bucketing", "blocks"], "--bucketing must be none, layer, block or auto (got 'blocks')"),
         (["--network", "carrier-pigeon"], "unknown network 'carrier-pigeon'"),
         (["--device-profile", "tpu"], "unknown device profile 'tpu'"),

@@ -29,6 +29,7 @@ from thunder_overlap._transforms import (
     Zero3Transform,
 )
 from thunder_overlap._transforms.shardable import check_shardable
+from thunder_overlap._transforms.zero3 import SelectiveUnsharding
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import (
     BucketingStrategy,
@@ -78,12 +79,8 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
     transforms += [
         MaterializationTransform(options.device, init=MaterializationTransform.init_from_original_module_init()),
     ]
-    if options.sharding is ShardingStrategy.ZERO3:
-        transforms.append(Zero3Transform())
     bucketing = None
     if options.bucketing.has_buckets:
-        # After ZeRO3, so that its backward re-gathers are bucketed too; after materialisation,
-        # which may replace the parameters the buckets hold.
         bucketing = BucketingTransform(
             options.bucketing,
             options.process_group,
@@ -93,22 +90,37 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
             replicate_group=options.replicate_group,
             mixed_precision=options.mixed_precision,
         )
+    settings = options.agreed_fields()
+    agreement_group = options.world_group if options.hybrid_mesh is not None else None
+    if options.sharding is ShardingStrategy.ZERO3:
+        transforms.append(Zero3Transform())
+    elif options.sharding is ShardingStrategy.AUTO:
+        selective = SelectiveUnsharding(
+            options.config.memory_budget_bytes,
+            block_types=options.block_types,
+            buckets=bucketing,
+            agreement_group=agreement_group,
+            settings={**options.config.agreed_fields(), **settings},
+            exchange=options.config.tuning.check_ranks_agree,
+        )
+        transforms.append(Zero3Transform(selective))
+    if bucketing is not None:
+        # After ZeRO3, so that its backward re-gathers are bucketed too; after materialisation,
+        # which may replace the parameters the buckets hold.
         transforms.append(bucketing)
     else:
         transforms.append(RefuseNoSyncTransform())
-    agreement_group = None
     if options.hybrid_mesh is not None:
         # After bucketing, so that a bucket's reduce-scatter gets one all-reduce; before
         # scheduling, which places the all-reduces like any other collective.
         transforms.append(ReplicaReduceTransform(options.hybrid_mesh))
-        agreement_group = options.world_group
     # The ranks' first exchange compares these settings, the configuration's and the bucket plans.
     transforms.append(
         OverlapScheduleTransform(
             options.config,
             block_types=options.block_types,
             buckets=bucketing,
-            settings=options.agreed_fields(),
+            settings=settings,
             agreement_group=agreement_group,
         )
     )

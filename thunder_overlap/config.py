@@ -99,6 +99,10 @@ class OverlapConfig:
     # slack_ratio x that peak) (Inductor's defaults).
     memory_slack_bytes: int = _GIB
     memory_slack_ratio: float = 0.05
+    # An absolute budget on the predicted peak of a step's traces per rank (shards, activations,
+    # gathered parameters, gradients, the bucket pool; not optimizer state): prefetching stays
+    # under it, and sharding_strategy="auto" keeps as many blocks unsharded as it allows.
+    memory_budget_bytes: int | None = None
     # Buckets reduce-scatter in place in pool buffers idle to the step's end; set False when
     # .grad is kept across steps (accumulation without no_sync), which would grow the pool.
     reduce_in_pool: bool = True
@@ -114,7 +118,13 @@ class OverlapConfig:
         _check("OverlapConfig", "max_in_flight_allgather_bytes", self.max_in_flight_allgather_bytes, int, optional=True, zero=False)
         _check("OverlapConfig", "memory_slack_bytes", self.memory_slack_bytes, int, optional=False, zero=True)
         _check("OverlapConfig", "memory_slack_ratio", self.memory_slack_ratio, float, optional=False, zero=True)
+        _check("OverlapConfig", "memory_budget_bytes", self.memory_budget_bytes, int, optional=True, zero=False)
         _check("OverlapConfig", "reduce_in_pool", self.reduce_in_pool, bool, optional=False, zero=False)
+        if self.memory_budget_bytes is not None and self.policy in ("heuristic", "greedy", "stock"):
+            raise ValueError(
+                f"OverlapConfig.memory_budget_bytes={self.memory_budget_bytes} needs a policy that reads memory "
+                f"('memory_aware' or 'just_in_time'); policy={self.policy!r} would not keep to it"
+            )
         if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
             raise TypeError(f"OverlapConfig.cost_model must be a thunder_overlap.CostModel or None, got {self.cost_model!r}")
         if not isinstance(self._tuning, Tuning):

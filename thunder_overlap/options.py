@@ -11,8 +11,8 @@ raw user input into these types here and nowhere else:
   transforms receive, built by :meth:`FSDPOptions.resolve`.
 
 Errors name the bad value and what is accepted, in the caller's terms: a Python argument
-(``sharding_strategy must be 'zero2' or 'zero3' (or FSDPType.ZERO2/ZERO3), got 'zero4'``) or,
-given ``flag=``, a command-line flag (``--sharding must be zero2 or zero3 (got 'zero4')``).
+(``sharding_strategy must be 'zero2', 'zero3' or 'auto' (or FSDPType.ZERO2/ZERO3), got 'zero4'``) or,
+given ``flag=``, a command-line flag (``--sharding must be zero2, zero3 or auto (got 'zero4')``).
 
 Importing this module imports neither torch nor Thunder (each function imports what it uses), so
 the command lines parse and check their strategy flags before any heavy import.
@@ -70,17 +70,25 @@ class _Choice(str, Enum):
 
 
 class ShardingStrategy(_Choice):
-    """What the forward keeps for backward: ZeRO2 the unsharded parameters, ZeRO3 only shards."""
+    """What the forward keeps for backward: ZeRO2 the unsharded parameters, ZeRO3 only shards,
+    AUTO the unsharded parameters of the blocks a memory budget has room for, shards of the rest
+    ([Note: selective unsharding] in docs/design.md)."""
 
     ZERO2 = "zero2"
     ZERO3 = "zero3"
+    AUTO = "auto"
+
+    @property
+    def regathers(self) -> bool:
+        """Whether the backward may re-gather parameters (ZeRO3, and AUTO's blocks not kept)."""
+        return self is not ShardingStrategy.ZERO2
 
     @property
     def thunder_type(self) -> FSDPType:
-        """Thunder's enum, for ``thunder.distributed`` APIs."""
+        """Thunder's enum, for ``thunder.distributed`` APIs (AUTO starts from Thunder's ZERO3)."""
         from thunder.distributed import FSDPType
 
-        return FSDPType[self.name]
+        return FSDPType.ZERO3 if self is ShardingStrategy.AUTO else FSDPType[self.name]
 
 
 class BucketingStrategy(_Choice):
@@ -354,19 +362,43 @@ class FSDPOptions:
         bucket_cap_bytes = _parse_bucket_cap_mb(bucket_cap_mb, bucketing)
         parsed_block_types = parse_block_types(block_types)
         process_group, hybrid_mesh = resolve_groups(process_group, device_mesh, broadcast_from)
+        device = resolve_device(device, process_group)
+        config = config if config is not None else OverlapConfig()
+        if sharding is ShardingStrategy.AUTO and config.memory_budget_bytes is None:
+            from dataclasses import replace
+
+            config = replace(config, memory_budget_bytes=_default_memory_budget(device))
         return cls(
-            device=resolve_device(device, process_group),
+            device=device,
             process_group=process_group,
             sharding=sharding,
             bucketing=bucketing,
             bucket_cap_bytes=bucket_cap_bytes,
             broadcast_from=broadcast_from,
-            config=config if config is not None else OverlapConfig(),
+            config=config,
             move_state_dict_to_cpu=move_state_dict_to_cpu,
             block_types=parsed_block_types,
             hybrid_mesh=hybrid_mesh,
             mixed_precision=MixedPrecision() if mixed_precision is None else mixed_precision,
         )
+
+
+# Sharding "auto" on CUDA without a budget: this share of the device's memory. The rest is left to
+# what the traces do not hold (optimizer state, the allocator's fragmentation, CUDA's own context).
+_DEFAULT_BUDGET_SHARE = 0.85
+
+
+def _default_memory_budget(device: torch.device) -> int:
+    """Sharding "auto"'s budget where the user gave none: a share of the CUDA device's memory."""
+    import torch
+
+    if device.type != "cuda":
+        raise ValueError(
+            f"sharding_strategy='auto' on device {str(device)!r} needs a memory budget: pass "
+            "config=OverlapConfig(memory_budget_bytes=...), the bytes a rank's step may hold "
+            "(only on CUDA does it default to a share of the device's memory)"
+        )
+    return int(torch.cuda.get_device_properties(device).total_memory * _DEFAULT_BUDGET_SHARE)
 
 
 def unknown_keywords_message(caller: str, unknown: Iterable[str], accepted: Iterable[str]) -> str:

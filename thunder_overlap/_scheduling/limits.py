@@ -41,13 +41,20 @@ __all__ = [
 
 @dataclass(frozen=True)
 class MemoryBudgetRule:
-    """Predicted peak may exceed the just-in-time order's by max(slack_bytes, slack_ratio x peak)."""
+    """Predicted peak may exceed the just-in-time order's by max(slack_bytes, slack_ratio x peak),
+    and not ``absolute_bytes`` (the user's per-rank budget) where the just-in-time order is under it."""
 
     slack_bytes: int
     slack_ratio: float
+    absolute_bytes: int | None = None
 
     def budget(self, baseline_peak_bytes: int) -> int:
-        return baseline_peak_bytes + max(self.slack_bytes, int(self.slack_ratio * baseline_peak_bytes))
+        relative = baseline_peak_bytes + max(self.slack_bytes, int(self.slack_ratio * baseline_peak_bytes))
+        if self.absolute_bytes is None:
+            return relative
+        # Over the absolute budget even without prefetching: no prefetch at all is the best there
+        # is (sharding "auto" refuses such a budget before scheduling).
+        return min(relative, max(self.absolute_bytes, baseline_peak_bytes))
 
 
 @dataclass(frozen=True)
@@ -121,7 +128,7 @@ def resolve_limits(
         limits,
         max_prefetch_compute_ops=tuning.max_prefetch_compute_ops,
         prefetch_time_margin=tuning.prefetch_time_margin,
-        memory_budget=MemoryBudgetRule(config.memory_slack_bytes, float(config.memory_slack_ratio)),
+        memory_budget=MemoryBudgetRule(config.memory_slack_bytes, float(config.memory_slack_ratio), config.memory_budget_bytes),
     )
 
 

@@ -223,6 +223,10 @@ class BucketingTransform(Transform):
             )
         return rewritten
 
+    def slot_of_parameter(self, name: str) -> tuple[int, int] | None:
+        """(index into :attr:`buckets`, slot) of parameter ``name`` (any alias); None if unbucketed."""
+        return self._slots.get(name)
+
     def _slot_of_input(self, name: str) -> tuple[int, int] | None:
         parameter = self._parameter_of_input.get(name)
         return self._slots.get(parameter) if parameter is not None else None

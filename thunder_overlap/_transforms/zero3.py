@@ -13,12 +13,19 @@ rewrites the pair of execution traces:
 
 A saved gathered parameter that cannot be replayed this way is an error naming the parameter,
 not a silent fallback to ZeRO2's memory.
+
+Sharding "auto" keeps some units' gathered parameters saved, as ZeRO2 does, and re-gathers the
+rest: which ones is chosen at the first compile, once both traces exist, from their memory
+estimate under the budget ([Note: selective unsharding]); later compiles keep that choice.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 
+import torch.distributed as dist
 from thunder.core import prims
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
@@ -27,9 +34,13 @@ from thunder.core.transform_common import Transform
 from thunder.core.transforms import dce
 from thunder.executors.passes import del_last_used
 
+from thunder_overlap._analysis.blocks import BlockTypes, find_blocks
 from thunder_overlap._analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace, parameter_names_of_inputs
+from thunder_overlap._scheduling.rank_agreement import agree_settings, agreed_subset
+from thunder_overlap._scheduling.unsharding import UnshardingChoice, agreed_prefix, choose_kept_units, just_in_time_step_peak
+from thunder_overlap._transforms.bucketing import BucketingTransform
 
-__all__ = ["Zero3Transform", "RegatherPlan", "gathered_shards", "plan_regather"]
+__all__ = ["Zero3Transform", "RegatherPlan", "SelectiveUnsharding", "gathered_shards", "plan_regather"]
 
 _PARAMETER_CHAIN = (NodeKind.COLLECTIVE, NodeKind.WAIT, NodeKind.EPILOGUE, NodeKind.PROLOGUE)
 
@@ -96,15 +107,23 @@ def gathered_shards(annotated: AnnotatedTrace, name: str) -> list[str]:
     return sorted(shards, key=lambda n: annotated.consumers.get(n, [0])[0])
 
 
-def plan_regather(annotated: AnnotatedTrace) -> RegatherPlan:
-    """Finds the saved tensors of a forward trace that a re-gather in backward can replace, and
-    the gathered parameters among them that it cannot."""
+def saved_tensors_of(annotated: AnnotatedTrace) -> tuple[TensorProxy, ...]:
+    """The tensors a forward trace saves for its backward."""
     ret = next(n for n in annotated.nodes if n.kind is NodeKind.RETURN)
-    saved_tensors, _ = ret.bsym.args[1]
+    return tuple(ret.bsym.args[1][0])
+
+
+def plan_regather(annotated: AnnotatedTrace, keep: Callable[[str], bool] | None = None) -> RegatherPlan:
+    """Finds the saved tensors of a forward trace that a re-gather in backward can replace, and
+    the gathered parameters among them that it cannot. Saved tensors ``keep`` is true of stay
+    saved (sharding "auto"'s kept units)."""
+    saved_tensors = saved_tensors_of(annotated)
     dropped: set[str] = set()
     replay: set[int] = set()
     unreplayable: list[tuple[TensorProxy, str]] = []
     for t in saved_tensors:
+        if keep is not None and keep(t.name):
+            continue
         chain, why_not = _recompute_slice(annotated, t.name)
         if chain is not None:
             dropped.add(t.name)
@@ -151,14 +170,16 @@ def _rewrite_backward(trace: TraceCtx, plan: RegatherPlan) -> TraceCtx:
     old_names = [t.name for t in plan.old_saved]
     new_trace = from_trace(trace)
     bsyms: list[BoundSymbol] = []
+    unpacked = False
     for bsym in trace.bound_symbols:
         if bsym.sym.id is prims.PrimIDs.UNPACK_SEQUENCE and [o.name for o in bsym.flat_proxy_outs] == old_names:
             collection, _ = bsym.args
             bsyms.append(bsym.from_bsym(args=(collection, len(plan.new_saved)), output=list(plan.new_saved)))
             bsyms.extend(plan.replay)
+            unpacked = True
         else:
             bsyms.append(bsym)
-    if len(bsyms) == len(trace.bound_symbols):
+    if not unpacked:
         raise RuntimeError(
             "thunder_overlap ZeRO3: the backward trace does not unpack the forward's saved tensors "
             f"({len(old_names)} tensors starting {old_names[:3]}); cannot re-gather parameters"
@@ -169,17 +190,53 @@ def _rewrite_backward(trace: TraceCtx, plan: RegatherPlan) -> TraceCtx:
     return new_trace
 
 
+@dataclass(frozen=True)
+class SelectiveUnsharding:
+    """Sharding "auto"'s settings: the per-rank budget, what forms units and whom to agree with."""
+
+    budget_bytes: int
+    block_types: BlockTypes | None = None
+    # Units are its buckets where the module has buckets (a bucket is gathered whole).
+    buckets: BucketingTransform | None = None
+    # The group whose ranks make one choice (None: the traces' process group), and the settings
+    # they compare first, as the schedule transform does ([Note: rank agreement]).
+    agreement_group: dist.ProcessGroup | None = None
+    settings: Mapping[str, object] | None = None
+    exchange: bool = True
+
+
 class Zero3Transform(Transform):
-    """Makes the forward save sharded parameters and the backward re-gather them.
+    """Makes the forward save sharded parameters and the backward re-gather them; with
+    ``selective``, only the parameters of the units the budget has no room for (sharding "auto").
 
     Raises when the forward would still save a gathered parameter that it cannot re-gather,
-    rather than quietly keeping ZeRO2's memory.
+    rather than quietly keeping ZeRO2's memory. After the first compile under ``selective``,
+    :attr:`choice` says which units were kept and why.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, selective: SelectiveUnsharding | None = None) -> None:
+        self.selective = selective
+        self.choice: UnshardingChoice | None = None
         self._pending: RegatherPlan | None = None
         # computation-trace input name -> parameter name, for errors that name parameters
         self._parameter_of_input: dict[str, str] = {}
+        # Parameter name -> the block holding it (a module prefix), from the model.
+        self._block_of_parameter: dict[str, str] = {}
+        # The first compile's forward, until its backward decides what it saves.
+        self._deferred: tuple[AnnotatedTrace, TraceCtx] | None = None
+
+    @staticmethod
+    def of(module) -> Zero3Transform | None:
+        """The ZeRO3 transform of a module ``thunder_overlap.fsdp`` returned, if any."""
+        import thunder
+
+        return next((t for t in thunder.compile_data(module).transforms if isinstance(t, Zero3Transform)), None)
+
+    def transform_module(self, model) -> None:
+        if self.selective is not None:
+            for prefix, block in find_blocks(model._model, self.selective.block_types):
+                for name, _ in block.named_parameters():
+                    self._block_of_parameter[f"{prefix}.{name}"] = prefix
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
         self._parameter_of_input.update(parameter_names_of_inputs(prologue_trace, computation_trace))
@@ -189,9 +246,17 @@ class Zero3Transform(Transform):
         if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
             # Thunder calls this hook for the forward, then for its backward, in one compilation.
             annotated = classify_trace(computation_trace)
-            plan = plan_regather(annotated)
+            plan = plan_regather(annotated, self._keeps(annotated))
             if plan.unreplayable:
                 raise RuntimeError(self._unreplayable_message(annotated, plan))
+            self._deferred = None
+            if self.selective is not None and self.choice is None:
+                # [Note: selective unsharding]: this very trace is rewritten again by the backward's
+                # hook, which Thunder calls before any later transform sees the forward.
+                forward = _rewrite_forward(computation_trace, plan)
+                self._deferred = (annotated, forward)
+                self._pending = plan
+                return forward
             if not plan.replay:  # the forward saves no gathered parameter: nothing to re-gather
                 self._pending = None
                 return computation_trace
@@ -199,8 +264,68 @@ class Zero3Transform(Transform):
             return _rewrite_forward(computation_trace, plan)
         if TraceTag.BACKWARD in computation_trace.tags and self._pending is not None:
             plan, self._pending = self._pending, None
-            return _rewrite_backward(computation_trace, plan)
+            if self._deferred is not None:
+                plan = self._choose(computation_trace)
+            return _rewrite_backward(computation_trace, plan) if plan.replay else computation_trace
         return computation_trace
+
+    # --- sharding "auto" ------------------------------------------------------------------------
+
+    def _keeps(self, annotated: AnnotatedTrace) -> Callable[[str], bool] | None:
+        """Which saved tensors stay saved: those of the kept units, once chosen."""
+        if self.choice is None:
+            return None
+        kept = set(self.choice.kept)
+        units = self._units_of_saved(annotated)
+        return lambda name: bool(units.get(name)) and units[name] <= kept
+
+    def _unit_of_input(self, name: str) -> str:
+        parameter = self._parameter_of_input.get(name, name)
+        buckets = self.selective.buckets
+        if buckets is not None and buckets.buckets:
+            located = buckets.slot_of_parameter(parameter)
+            if located is not None:
+                return buckets.buckets[located[0]].plan.label
+        return self._block_of_parameter.get(parameter, parameter)
+
+    def _units_of_saved(self, annotated: AnnotatedTrace) -> dict[str, frozenset[str]]:
+        """Saved tensor name -> the units whose gathered parameters it is computed from."""
+        units = {}
+        for tensor in saved_tensors_of(annotated):
+            if _is_gathered_parameter(annotated, tensor.name):
+                units[tensor.name] = frozenset(self._unit_of_input(s) for s in gathered_shards(annotated, tensor.name))
+        return units
+
+    def _choose(self, backward: TraceCtx) -> RegatherPlan:
+        """Chooses the kept units from both traces' estimates, agrees on them with the other
+        ranks, rewrites the deferred forward in place and returns the backward's plan."""
+        annotated, forward_out = self._deferred
+        self._deferred = None
+        units = self._units_of_saved(annotated)
+        candidates, unit_bytes = _candidates(annotated, units)
+
+        def plan_for(kept: tuple[str, ...]) -> RegatherPlan:
+            kept_set = set(kept)
+            return plan_regather(annotated, lambda name: bool(units.get(name)) and units[name] <= kept_set)
+
+        def peak_of(kept: tuple[str, ...]) -> int:
+            plan = plan_for(kept)
+            return just_in_time_step_peak(_rewrite_forward(annotated.trace, plan), _rewrite_backward(backward, plan))
+
+        selective = self.selective
+        choice = choose_kept_units(candidates, unit_bytes, peak_of, selective.budget_bytes)
+        group = selective.agreement_group or next((c.process_group for c in annotated.collectives if c.process_group), None)
+        if selective.exchange:
+            digest = selective.buckets.plan_digest() if selective.buckets is not None else None
+            agree_settings(selective.settings or {}, digest, group)
+            kept = agreed_prefix(choice.kept, agreed_subset(list(choice.kept), group))
+            if kept != choice.kept:  # another rank has less room (its own batch shape)
+                saved = sum(unit_bytes[unit] for unit in kept)
+                choice = replace(choice, kept=kept, peak_bytes=peak_of(kept), regather_bytes_saved=saved)
+        self.choice = choice
+        plan = plan_for(choice.kept)
+        forward_out.bound_symbols = _rewrite_forward(annotated.trace, plan).bound_symbols
+        return plan
 
     def _unreplayable_message(self, annotated: AnnotatedTrace, plan: RegatherPlan) -> str:
         problems = []
@@ -213,3 +338,24 @@ class Zero3Transform(Transform):
             f"them there, so they would stay unsharded between forward and backward (ZeRO2's memory): "
             f"{'; '.join(problems)}. Use sharding_strategy='zero2' for this model."
         )
+
+
+def _candidates(annotated: AnnotatedTrace, units: Mapping[str, frozenset[str]]) -> tuple[list[str], dict[str, int]]:
+    """The units in the order the backward needs them (the last used in the forward first), and
+    each one's gathered bytes: what keeping it saves re-gathering."""
+    end = len(annotated.nodes)
+    first_use: dict[str, int] = {}
+    gathers: dict[str, set[int]] = {}
+    for name, owners in units.items():
+        uses = [i for i in annotated.consumers.get(name, []) if annotated.nodes[i].kind is NodeKind.COMPUTE]
+        chain, _ = _recompute_slice(annotated, name)
+        for unit in owners:
+            first_use[unit] = min(first_use.get(unit, end), min(uses, default=end))
+            gathers.setdefault(unit, set()).update(i for i in chain or () if annotated.nodes[i].kind is NodeKind.COLLECTIVE)
+    unit_bytes = {unit: sum(_gathered_bytes(annotated.nodes[i].bsym) for i in nodes) for unit, nodes in gathers.items()}
+    return sorted(first_use, key=lambda unit: -first_use[unit]), unit_bytes
+
+
+def _gathered_bytes(start: BoundSymbol) -> int:
+    gathered = start.flat_proxy_outs[0]
+    return math.prod(int(s) for s in gathered.shape) * gathered.dtype.bytes

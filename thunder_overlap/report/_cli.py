@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 import threading
 import time
@@ -79,6 +80,12 @@ def _parser() -> argparse.ArgumentParser:
         help=f"consecutive ranks per node, for --network auto (default: {DEFAULT_GPUS_PER_NODE})",
     )
     parser.add_argument("--sharding", default="zero3", help=f"{' or '.join(ShardingStrategy.names())} (default: zero3)")
+    parser.add_argument(
+        "--memory-budget",
+        default=None,
+        help="per-rank budget on a step's predicted peak, e.g. 60GiB or 512MiB (bytes without a unit); "
+        "needed by --sharding auto, which keeps as many blocks unsharded as it allows",
+    )
     parser.add_argument("--bucketing", default="none", help=f"{', '.join(BucketingStrategy.names())} (default: none)")
     parser.add_argument("--device-profile", default="h100", help=f"one of {sorted(DEVICE_PROFILES)}")
     parser.add_argument(
@@ -126,6 +133,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     except ValueError as e:
         raise UsageError(str(e)) from None
     _check_dtypes(args)
+    args.memory_budget = _parse_bytes(args.memory_budget, "--memory-budget")
+    if args.sharding is ShardingStrategy.AUTO and args.memory_budget is None:
+        raise UsageError("--sharding auto needs --memory-budget (e.g. --memory-budget 60GiB): the budget it chooses within")
     # auto: a topology gives each process group its network; the default network (the one
     # bucket sizing and the report's header use) is the group parameters are sharded over's.
     args.topology = None
@@ -133,6 +143,20 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         args.topology = NodeTopology("nvlink", "infiniband", args.gpus_per_node)
         args.network = args.topology.network_of_ranks(range(args.shard_group_size or args.world_size)).name
     return args
+
+
+_BYTE_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def _parse_bytes(text: str | None, flag: str) -> int | None:
+    """``"60GiB"`` -> 64424509440; None stays None."""
+    if text is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or (unit and unit not in _BYTE_UNITS) or float(match.group(1)) * _BYTE_UNITS.get(unit, 1) < 1:
+        raise UsageError(f"{flag} {text!r} is not a size; accepted: a positive number of bytes, or with a unit: 60GiB, 512MiB, 80GB")
+    return int(float(match.group(1)) * _BYTE_UNITS.get(unit, 1))
 
 
 def _check_sizes(args: argparse.Namespace) -> None:
@@ -314,7 +338,7 @@ def _predict(args: argparse.Namespace, spec, seq_len: int, cost_model):
                 sharding=args.sharding,
                 bucketing=args.bucketing,
                 idx_shape=(args.batch_size, seq_len),
-                config=OverlapConfig(cost_model=cost_model),
+                config=OverlapConfig(cost_model=cost_model, memory_budget_bytes=args.memory_budget),
                 shard_group_size=args.shard_group_size,
                 mixed_precision=policy,
             )
@@ -327,7 +351,7 @@ def _predict(args: argparse.Namespace, spec, seq_len: int, cost_model):
         _progress(f"analysed in {time.perf_counter() - baseline_traced:.2f} s")
         comparison = None
         if args.compare_policies:
-            config = OverlapConfig(cost_model=cost_model)
+            config = OverlapConfig(cost_model=cost_model, memory_budget_bytes=args.memory_budget)
             comparison = compare_policies(jm, cost_model=cost_model, config=config, thunder_fsdp=thunder_fsdp)
 
     return jm, result, comparison

@@ -145,7 +145,9 @@ def compare_policies(
         results.append(PolicyResult(BASELINE, pass_name, report, None))
     for policy in policies:
         for pass_name, trace in passes:
-            policy_config = replace(config, policy=policy)
+            # A policy that reads no memory compares without the absolute budget (it refuses one).
+            reads_memory = policy in ("memory_aware", "just_in_time")
+            policy_config = replace(config, policy=policy, memory_budget_bytes=config.memory_budget_bytes if reads_memory else None)
             scheduled = schedule_trace(
                 classify_trace(trace, layouts),
                 policy_config,

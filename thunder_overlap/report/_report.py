@@ -17,7 +17,7 @@ with one :class:`CostModel` and estimates their memory:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import thunder
@@ -29,7 +29,9 @@ from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
 from thunder_overlap._analysis.memory_estimate import MemoryEstimate, estimate_memory
 from thunder_overlap._analysis.simulator import simulate
+from thunder_overlap._scheduling.unsharding import UnshardingChoice
 from thunder_overlap._transforms.bucketing import BucketingTransform
+from thunder_overlap._transforms.zero3 import Zero3Transform
 from thunder_overlap.report._orders import (
     BASELINE,
     LEGEND,
@@ -82,6 +84,8 @@ class Report:
     groups: tuple[GroupNetwork, ...] = ()
     # What thunder_overlap's collectives move, by kind: ("all_gather", ("bfloat16",)), ...
     collective_dtypes: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # Sharding "auto"'s choice of the units kept unsharded to the backward (else None).
+    unsharding: UnshardingChoice | None = None
 
     def __getitem__(self, name: str) -> PassReport:
         for p in self.passes:
@@ -117,6 +121,8 @@ class Report:
                 f"({BASELINE}: {p.baseline.hidden} of {p.baseline.hideable}, "
                 f"{UNSCHEDULED}: {p.unscheduled.hidden} of {p.unscheduled.hideable})"
             )
+        if self.unsharding is not None:
+            lines.append(f"sharding auto: {self.unsharding.describe()}")
         steps = ", ".join(f"{order} {self.step_ms(order):.3f} ms" for order in ORDERS)
         verdict = speed_change(self.step_ms(BASELINE), self.step_ms(OVERLAP))
         lines.append(f"predicted step (forward + backward): {steps}: {OVERLAP} against {BASELINE}: {verdict}")
@@ -132,6 +138,7 @@ class Report:
             "groups": [asdict(g) for g in self.groups],
             "collective_dtypes": {kind: list(names) for kind, names in self.collective_dtypes},
             "step_ms": {order: self.step_ms(order) for order in ORDERS},
+            "unsharding": asdict(self.unsharding) if self.unsharding is not None else None,
             "passes": {
                 p.name: {
                     r.order: {
@@ -295,7 +302,7 @@ def report(
         thunder_fsdp = thunder_fsdp_baseline(jm)
     if (thunder_fsdp.backward is None) != (not backward):
         raise ValueError("Thunder's FSDP traces and the module's must both have a backward, or neither")
-    return report_traces(
+    result = report_traces(
         PassTraces(thunder_fsdp.forward, unscheduled_trace(forward), forward[-1]),
         PassTraces(thunder_fsdp.backward, unscheduled_trace(backward), backward[-1]) if backward else None,
         cost_model,
@@ -303,3 +310,5 @@ def report(
         world_size=thunder_fsdp.world_size,
         layouts=module_layouts(jm),
     )
+    zero3 = Zero3Transform.of(jm)
+    return result if zero3 is None or zero3.choice is None else replace(result, unsharding=zero3.choice)

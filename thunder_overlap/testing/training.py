@@ -92,6 +92,9 @@ class RankResult:
     # prediction of it from the final traces (persistent inputs left out, as the tracker does).
     peak_step_bytes: int | None
     predicted_peak_step_bytes: int | None
+    # The inputs the step holds all along, which the tracker leaves out (parameter shards, the
+    # batch): with them, the step's peak in the units of OverlapConfig.memory_budget_bytes.
+    held_inputs_bytes: int | None
     forward_picture: str
     backward_picture: str
     forward_stats: ScheduleStats
@@ -199,8 +202,9 @@ def _sharded(setup: TrainSetup, model: TinyGPT, world_size: int):
     )
 
 
-def _measured_peaks(jm, setup: TrainSetup, world_size: int, rows: slice, bucketing, optimizer) -> tuple[int, int]:
-    """(measured, predicted) peak bytes of one more forward and backward, beyond its inputs."""
+def _measured_peaks(jm, setup: TrainSetup, world_size: int, rows: slice, bucketing, optimizer) -> tuple[int, int, int]:
+    """(measured, predicted) peak bytes of one more forward and backward, beyond its inputs, and
+    the bytes of those inputs (the parameters' shards, the batch) that the step holds all along."""
     idx, targets = global_batch(setup, world_size, setup.steps)
     optimizer.zero_grad(set_to_none=True)
     with LiveMemoryTracker() as tracker:
@@ -211,7 +215,8 @@ def _measured_peaks(jm, setup: TrainSetup, world_size: int, rows: slice, bucketi
     layouts = bucketing.layouts if bucketing is not None else NO_BUCKETS
     forward_memory = estimate_memory(thunder.last_traces(jm)[-1], layouts=layouts)
     backward_memory = estimate_memory(thunder.last_backward_traces(jm)[-1], layouts=layouts, after=forward_memory)
-    return tracker.peak_bytes, max(forward_memory.peak_beyond_inputs_bytes, backward_memory.peak_beyond_inputs_bytes)
+    predicted = max(forward_memory.peak_beyond_inputs_bytes, backward_memory.peak_beyond_inputs_bytes)
+    return tracker.peak_bytes, predicted, forward_memory.peak_bytes - forward_memory.peak_beyond_inputs_bytes
 
 
 def _shards(jm) -> dict[str, torch.Tensor]:
@@ -253,9 +258,9 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
         backward = thunder.last_backward_traces(jm)[-1]
         buckets_counted = bucket_census(jm, bucketing, census, allocations_after_first_step, unsharded_numels, backward)
 
-    peak = predicted_peak = None
+    peak = predicted_peak = held = None
     if setup.measure_memory:
-        peak, predicted_peak = _measured_peaks(jm, setup, world_size, rows, bucketing, optimizer)
+        peak, predicted_peak, held = _measured_peaks(jm, setup, world_size, rows, bucketing, optimizer)
     forward, backward = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
     layouts = bucketing.layouts if bucketing is not None else NO_BUCKETS
 
@@ -265,6 +270,7 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
         step_ms=step_ms,
         peak_step_bytes=peak,
         predicted_peak_step_bytes=predicted_peak,
+        held_inputs_bytes=held,
         forward_picture=schedule_picture(forward),
         backward_picture=schedule_picture(backward),
         forward_stats=schedule_stats(forward, layouts=layouts),

@@ -1,0 +1,123 @@
+"""Selective unsharding: which units (blocks, or buckets) keep their gathered parameters from the
+forward to the backward, within a per-rank memory budget ([Note: selective unsharding] in
+docs/design.md).
+
+A kept unit is not re-gathered in the backward (ZeRO2 for it); the others are (ZeRO3). Units are
+kept in the order the backward needs them, first needed first: its first re-gather is the one no
+compute hides, and a unit kept longer in the forward holds memory longer in the backward too.
+Keeping more units never predicts less memory, so the largest prefix of that order within the
+budget is found by bisection, each probe one estimate of the just-in-time step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from thunder.core.trace import TraceCtx
+
+from thunder_overlap._analysis.classify import classify_trace
+from thunder_overlap._analysis.memory_estimate import estimate_memory
+from thunder_overlap._scheduling.orders import apply_order
+from thunder_overlap._scheduling.scheduler import just_in_time_order
+
+__all__ = ["MemoryBudgetTooSmall", "UnshardingChoice", "choose_kept_units", "just_in_time_step_peak"]
+
+logger = logging.getLogger(__name__)
+
+_MIB = 1 << 20
+
+
+class MemoryBudgetTooSmall(ValueError):
+    """Even ZeRO3, which keeps no unit, is predicted over the memory budget."""
+
+
+@dataclass(frozen=True)
+class UnshardingChoice:
+    """What sharding "auto" chose, with the predictions behind it (bytes per rank, the
+    just-in-time step's peak as the memory estimator predicts it, before bucketing)."""
+
+    budget_bytes: int
+    # Every unit, in the order they are kept (the backward's first need first).
+    candidates: tuple[str, ...]
+    kept: tuple[str, ...]
+    peak_bytes: int  # with ``kept``
+    zero3_peak_bytes: int  # with no unit kept
+    zero2_peak_bytes: int | None  # with every unit kept (None: not estimated, ZeRO3 was the bound)
+    # Unsharded bytes each rank no longer re-gathers per backward.
+    regather_bytes_saved: int
+
+    def describe(self) -> str:
+        zero2 = f"{self.zero2_peak_bytes / _MIB:.1f}" if self.zero2_peak_bytes is not None else "-"
+        return (
+            f"kept {len(self.kept)} of {len(self.candidates)} units unsharded to the backward "
+            f"({', '.join(self.kept) or 'none'}): predicted peak {self.peak_bytes / _MIB:.1f} MiB within a budget of "
+            f"{self.budget_bytes / _MIB:.1f} MiB (ZeRO3 {self.zero3_peak_bytes / _MIB:.1f}, ZeRO2 {zero2}); "
+            f"{self.regather_bytes_saved / _MIB:.1f} MiB fewer re-gathered per step"
+        )
+
+
+def just_in_time_step_peak(forward: TraceCtx, backward: TraceCtx) -> int:
+    """Predicted peak bytes of a step that runs ``forward`` then ``backward`` with every
+    collective just in time (the least memory any schedule of them has)."""
+    peak, after = 0, None
+    for trace in (forward, backward):
+        annotated = classify_trace(trace)
+        ordered = apply_order(annotated, just_in_time_order(annotated), provenance="thunder_overlap: just-in-time baseline")
+        after = estimate_memory(ordered, after=after)
+        peak = max(peak, after.peak_bytes)
+    return peak
+
+
+def choose_kept_units(
+    candidates: Sequence[str],
+    unit_bytes: Mapping[str, int],
+    peak_of: Callable[[tuple[str, ...]], int],
+    budget_bytes: int,
+) -> UnshardingChoice:
+    """The longest prefix of ``candidates`` whose predicted step peak (``peak_of(prefix)``) is
+    within ``budget_bytes``. Raises :class:`MemoryBudgetTooSmall` where even no unit is over."""
+    candidates = tuple(candidates)
+    zero3 = peak_of(())
+    if zero3 > budget_bytes:
+        raise MemoryBudgetTooSmall(
+            f"thunder_overlap sharding 'auto': memory_budget_bytes={budget_bytes} ({budget_bytes / _MIB:.1f} MiB) is below "
+            f"the predicted peak of ZeRO3 itself, {zero3} B ({zero3 / _MIB:.1f} MiB), which keeps no block unsharded; "
+            "raise the budget, or shrink the batch, the sequence or the model per rank"
+        )
+    fits, fits_peak = 0, zero3
+    zero2 = peak_of(candidates) if candidates else zero3
+    if zero2 <= budget_bytes:
+        fits, fits_peak = len(candidates), zero2
+    else:
+        over = len(candidates)  # invariant: candidates[:fits] fit, candidates[:over] do not
+        while over - fits > 1:
+            middle = (fits + over) // 2
+            peak = peak_of(candidates[:middle])
+            logger.debug("keeping %d units: predicted peak %d B against %d B", middle, peak, budget_bytes)
+            if peak <= budget_bytes:
+                fits, fits_peak = middle, peak
+            else:
+                over = middle
+    kept = candidates[:fits]
+    return UnshardingChoice(
+        budget_bytes=budget_bytes,
+        candidates=candidates,
+        kept=kept,
+        peak_bytes=fits_peak,
+        zero3_peak_bytes=zero3,
+        zero2_peak_bytes=zero2,
+        regather_bytes_saved=sum(unit_bytes[unit] for unit in kept),
+    )
+
+
+def agreed_prefix(kept: tuple[str, ...], agreed: Sequence[str]) -> tuple[str, ...]:
+    """The longest prefix of ``kept`` whose units are all in ``agreed`` (what every rank kept)."""
+    agreed = set(agreed)
+    prefix = []
+    for unit in kept:
+        if unit not in agreed:
+            break
+        prefix.append(unit)
+    return tuple(prefix)
