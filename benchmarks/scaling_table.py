@@ -34,6 +34,12 @@ against the just-in-time order's, and whether the peak stays within the memory b
         --shard-group-sizes 8 --n-layer-70b 0 --out benchmarks/measured/hsdp/hsdp.md --json benchmarks/measured/hsdp/hsdp.json
     python benchmarks/scaling_table.py --world-sizes 64 1024 --sharding zero3 --bucketing block auto --precisions fp32 bf16/fp32 \\
         --n-layer-70b 0 --out benchmarks/measured/mixed_precision/scaling.md --json benchmarks/measured/mixed_precision/scaling.json
+    python benchmarks/scaling_table.py --world-sizes 64 1024 --sharding zero2 zero3 auto --bucketing block auto \\
+        --memory-budgets-gib 80 25 --n-layer-70b 0 --out benchmarks/measured/selective_unsharding/scaling.md \\
+        --json benchmarks/measured/selective_unsharding/scaling.json
+
+Sharding ``auto`` gets one setting per ``--memory-budgets-gib`` (its per-rank budget); its rows
+say how many units it kept unsharded to the backward.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import torch
 from thunder_overlap import CostModel, MixedPrecision, OverlapConfig
 from thunder_overlap._analysis.network import NodeTopology
 from thunder_overlap._scheduling.limits import resolve_limits
+from thunder_overlap._transforms.zero3 import Zero3Transform
 from thunder_overlap.report._models import BUILTIN_MODELS, trace_model
 from thunder_overlap.report._policies import PolicyComparison, compare_policies
 from thunder_overlap.report._report import BASELINE
@@ -92,10 +99,16 @@ class ScalingRow:
     shard_group_size: int | None = None
     # A key of PRECISIONS.
     precision: str = "bf16"
+    # Sharding "auto": its per-rank budget and the units it kept unsharded ("5/10").
+    memory_budget_bytes: int | None = None
+    kept: str | None = None
 
     @property
     def layout(self) -> str:
         """The sharding strategy, and the mesh under hybrid sharding."""
+        if self.memory_budget_bytes is not None:
+            kept = f", kept {self.kept}" if self.kept is not None else ""
+            return f"{self.sharding} {self.memory_budget_bytes / _GIB:g} GiB{kept}"
         if self.shard_group_size is None:
             return self.sharding
         return f"{self.sharding} HSDP {self.world_size // self.shard_group_size}x{self.shard_group_size}"
@@ -154,6 +167,7 @@ def measure_setting(
     bucketings: tuple[str, ...],
     shard_group_size: int | None = None,
     precision: str = "bf16",
+    memory_budget_bytes: int | None = None,
 ) -> list[ScalingRow]:
     """Every row of one model, world size, sharding (hybrid with ``shard_group_size``) and
     precision (a key of PRECISIONS): Thunder's own FSDP (full world only: it has no hybrid
@@ -165,6 +179,8 @@ def measure_setting(
     recipe = BUILTIN_MODELS[model_name](n_layer)
     networks = network if shard_group_size is None else f"{network}+{TOPOLOGY.inter_node.name}"
     setting = {"model": f"{model_name} x{n_layer}", "world_size": world_size, "network": networks, "sharding": sharding}
+    if memory_budget_bytes is not None:
+        setting["memory_budget_bytes"] = memory_budget_bytes
     dtype_name, policy_names = PRECISIONS[precision]
     dtype = getattr(torch, dtype_name)
     policy = MixedPrecision(*(getattr(torch, n) for n in policy_names)) if policy_names else None
@@ -175,12 +191,14 @@ def measure_setting(
             model = recipe.build().to(dtype)
             idx = torch.zeros((1, seq_len), dtype=torch.long)
         # Thunder's own traces do not depend on the bucketing asked for: trace them once.
-        thunder_fsdp: ThunderFSDPTraces = trace_thunder_fsdp(model, world_size=world_size, sharding=sharding, args=(idx,))
+        # Thunder's ZERO3 for "auto" (Thunder has no such strategy; its ZERO3 runs as ZERO2).
+        thunder_sharding = "zero3" if sharding == "auto" else sharding
+        thunder_fsdp: ThunderFSDPTraces = trace_thunder_fsdp(model, world_size=world_size, sharding=thunder_sharding, args=(idx,))
         for bucketing in bucketings:
             start = time.perf_counter()
             with torch.device("meta"):
                 model = recipe.build().to(dtype)
-            config = OverlapConfig(cost_model=cost_model)
+            config = OverlapConfig(cost_model=cost_model, memory_budget_bytes=memory_budget_bytes)
             jm = trace_model(
                 model,
                 world_size=world_size,
@@ -192,11 +210,20 @@ def measure_setting(
                 mixed_precision=policy,
             )
             comparison = compare_policies(jm, cost_model=cost_model, config=config, policies=ORDERS, thunder_fsdp=thunder_fsdp)
-            if bucketing == bucketings[0] and shard_group_size is None:
+            choice = Zero3Transform.of(jm).choice if Zero3Transform.of(jm) is not None else None
+            kept = {"kept": f"{len(choice.kept)}/{len(choice.candidates)}"} if choice is not None else {}
+            if bucketing == bucketings[0] and shard_group_size is None and sharding != "auto":
                 rows.append(_order_row(comparison, BASELINE, config, **setting, bucketing="-", precision=precision))
             rows += [
                 _order_row(
-                    comparison, order, config, **setting, bucketing=bucketing, shard_group_size=shard_group_size, precision=precision
+                    comparison,
+                    order,
+                    config,
+                    **setting,
+                    **kept,
+                    bucketing=bucketing,
+                    shard_group_size=shard_group_size,
+                    precision=precision,
                 )
                 for order in ORDERS
             ]
@@ -209,9 +236,11 @@ def measure_setting(
 def target_checks(rows: list[ScalingRow]) -> list[str]:
     """The issue's targets, one line each, for every model, world size and sharding."""
     lines = []
-    settings = sorted({(r.model, r.world_size, r.sharding, r.shard_group_size or 0, r.precision) for r in rows})
-    for setting in settings:
-        group = [r for r in rows if (r.model, r.world_size, r.sharding, r.shard_group_size or 0, r.precision) == setting]
+    def key(r: ScalingRow) -> tuple:
+        return r.model, r.world_size, r.sharding, r.shard_group_size or 0, r.precision, r.memory_budget_bytes or 0
+
+    for setting in sorted({key(r) for r in rows}):
+        group = [r for r in rows if key(r) == setting]
         model, world_size = setting[:2]
         auto = next((r for r in group if (r.bucketing, r.order) == ("auto", "memory_aware")), None)
         if auto is None:
@@ -228,13 +257,38 @@ def target_checks(rows: list[ScalingRow]) -> list[str]:
         verdicts = "; ".join(f"{'ok' if passed else 'MISSED'}: {what}" for passed, what in checks)
         precision = "" if auto.precision == "bf16" else f" {auto.precision}"
         lines.append(f"{model}{precision} {world_size} ranks {auto.layout}, memory_aware auto {auto.step_ms:.1f} ms: {verdicts}")
-    return lines + hsdp_checks(rows) + mixed_precision_checks(rows)
+    return lines + hsdp_checks(rows) + mixed_precision_checks(rows) + unsharding_checks(rows)
+
+
+def unsharding_checks(rows: list[ScalingRow]) -> list[str]:
+    """For every sharding "auto" memory_aware row: its step and peak against ZeRO3's and ZeRO2's
+    of the same model, world size and bucketing, and whether its peak is within its budget."""
+    lines = []
+    for auto in (r for r in rows if r.sharding == "auto" and r.order == "memory_aware"):
+        same = {
+            r.sharding: r
+            for r in rows
+            if r.order == "memory_aware"
+            and (r.model, r.world_size, r.bucketing, r.precision) == (auto.model, auto.world_size, auto.bucketing, auto.precision)
+        }
+        zero2, zero3 = same.get("zero2"), same.get("zero3")
+        if zero2 is None or zero3 is None:
+            continue
+        within = auto.peak_bytes <= auto.memory_budget_bytes
+        lines.append(
+            f"{auto.model} {auto.world_size} ranks {auto.layout} {auto.bucketing}: "
+            f"{auto.step_ms:.1f} ms, peak {auto.peak_bytes / _GIB:.2f} GiB "
+            f"({'ok' if within else 'MISSED'}: within the budget); ZeRO3 {zero3.step_ms:.1f} ms, {zero3.peak_bytes / _GIB:.2f} GiB; "
+            f"ZeRO2 {zero2.step_ms:.1f} ms, {zero2.peak_bytes / _GIB:.2f} GiB"
+        )
+    return lines
 
 
 def mixed_precision_checks(rows: list[ScalingRow]) -> list[str]:
     """For every bf16/fp32 memory_aware row: its gap to its own max(C, M) against the target, and
     its step against the fp32 row of the same setting."""
     lines = []
+
     def setting(r: ScalingRow) -> tuple:
         return r.model, r.world_size, r.sharding, r.shard_group_size, r.bucketing, r.order
 
@@ -295,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="also predict hybrid sharding with shard groups of these sizes (world sizes they divide, with replicas)",
     )
+    parser.add_argument(
+        "--memory-budgets-gib", type=float, nargs="+", default=[80.0], help="per-rank budgets of sharding auto, one setting each"
+    )
     parser.add_argument("--precisions", nargs="+", default=["bf16"], choices=list(PRECISIONS), help="model dtypes and policies")
     parser.add_argument("--device-profile", default="h100")
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
@@ -303,17 +360,18 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[ScalingRow] = []
     settings = [
-        ("llama-2-7b", args.n_layer, world_size, sharding, shard, precision)
+        ("llama-2-7b", args.n_layer, world_size, sharding, shard, precision, budget)
         for world_size in args.world_sizes
         for sharding in args.sharding
         for shard in (None, *(s for s in args.shard_group_sizes if s < world_size and world_size % s == 0))
         for precision in args.precisions
+        for budget in ([int(b * _GIB) for b in args.memory_budgets_gib] if sharding == "auto" else [None])
     ]
     if args.n_layer_70b:
-        settings.append(("llama-2-70b", args.n_layer_70b, 1024, "zero3", None, "bf16"))
-    for model_name, n_layer, world_size, sharding, shard, precision in settings:
+        settings.append(("llama-2-70b", args.n_layer_70b, 1024, "zero3", None, "bf16", None))
+    for model_name, n_layer, world_size, sharding, shard, precision, budget in settings:
         rows += measure_setting(
-            model_name, n_layer, args.seq_len, world_size, sharding, args.device_profile, args.bucketing, shard, precision
+            model_name, n_layer, args.seq_len, world_size, sharding, args.device_profile, args.bucketing, shard, precision, budget
         )
         # Written after every setting: a long run that stops keeps what it measured.
         _write(rows, args.out, args.json)

@@ -152,9 +152,12 @@ def fsdp(
             released to the meta device), or one that holds such a module, is refused.
         device: where shards live; default ``cuda:LOCAL_RANK`` for NCCL, ``cpu`` otherwise. A
             CUDA device becomes the current device (NCCL and object collectives use it).
-        sharding_strategy: ``"zero2"``/``"zero3"`` (any case), :class:`ShardingStrategy` or
-            Thunder's ``FSDPType``. ZeRO3 saves only sharded parameters for backward and
-            re-gathers them there.
+        sharding_strategy: ``"zero2"``/``"zero3"``/``"auto"`` (any case), :class:`ShardingStrategy`
+            or Thunder's ``FSDPType``. ZeRO3 saves only sharded parameters for backward and
+            re-gathers them there. ``"auto"`` keeps the gathered parameters of as many blocks as
+            ``config.memory_budget_bytes`` has room for to the backward (ZeRO2 for them) and
+            re-gathers the rest; the budget defaults to 85% of a CUDA device's memory and is
+            required on CPU. ``Zero3Transform.of(model).choice`` says which were kept.
         bucketing_strategy: ``"none"`` (one collective per parameter), ``"layer"`` (one per module
             owning parameters), ``"block"`` (one per transformer block; other parameters by
             module) or ``"auto"`` (contiguous buckets sized by the cost model for this world size

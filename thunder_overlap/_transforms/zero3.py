@@ -91,19 +91,22 @@ def _is_gathered_parameter(annotated: AnnotatedTrace, name: str) -> bool:
 
 
 def gathered_shards(annotated: AnnotatedTrace, name: str) -> list[str]:
-    """Names of the trace inputs that all-gathers ``name`` depends on gathered, in trace order."""
+    """Names of the trace inputs that all-gathers ``name`` depends on gathered (through a cast,
+    under mixed precision), in trace order."""
     shards: set[str] = set()
-    seen: set[int] = set()
-    stack = [name]
+    seen: set[tuple[int, bool]] = set()
+    stack = [(name, False)]
     while stack:
-        p = annotated.producer.get(stack.pop())
-        if p is None or p in seen:
+        name, gathered = stack.pop()
+        if gathered and annotated.is_input(name):
+            shards.add(name)
+        p = annotated.producer.get(name)
+        if p is None or (p, gathered) in seen:
             continue
-        seen.add(p)
+        seen.add((p, gathered))
         node = annotated.nodes[p]
-        if node.kind is NodeKind.COLLECTIVE and annotated.collectives[node.collective].kind is CollectiveKind.ALL_GATHER:
-            shards.update(i for i in node.inputs if annotated.is_input(i))
-        stack.extend(node.inputs)
+        is_gather = node.kind is NodeKind.COLLECTIVE and annotated.collectives[node.collective].kind is CollectiveKind.ALL_GATHER
+        stack.extend((i, gathered or is_gather) for i in node.inputs)
     return sorted(shards, key=lambda n: annotated.consumers.get(n, [0])[0])
 
 
@@ -292,7 +295,8 @@ class Zero3Transform(Transform):
         """Saved tensor name -> the units whose gathered parameters it is computed from."""
         units = {}
         for tensor in saved_tensors_of(annotated):
-            if _is_gathered_parameter(annotated, tensor.name):
+            replayable = _recompute_slice(annotated, tensor.name)[0] is not None
+            if replayable or _is_gathered_parameter(annotated, tensor.name):
                 units[tensor.name] = frozenset(self._unit_of_input(s) for s in gathered_shards(annotated, tensor.name))
         return units
 

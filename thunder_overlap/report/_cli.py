@@ -79,7 +79,9 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_GPUS_PER_NODE,
         help=f"consecutive ranks per node, for --network auto (default: {DEFAULT_GPUS_PER_NODE})",
     )
-    parser.add_argument("--sharding", default="zero3", help=f"{' or '.join(ShardingStrategy.names())} (default: zero3)")
+    parser.add_argument(
+        "--sharding", default="zero3", help=f"{', '.join(ShardingStrategy.names()[:-1])} or {ShardingStrategy.names()[-1]} (default: zero3)"
+    )
     parser.add_argument(
         "--memory-budget",
         default=None,

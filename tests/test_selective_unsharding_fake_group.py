@@ -1,0 +1,109 @@
+"""Sharding "auto" on a real model (traced on the fake process group, run on CPU): the blocks it
+keeps unsharded to the backward are those a budget has room for, the backward needs first. A budget
+above ZeRO2's peak is ZeRO2's schedule, one between ZeRO3's and ZeRO2's keeps some blocks and
+holds, one below ZeRO3's is an error. tests/test_e2e_selective_unsharding.py trains with it on two
+gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import thunder
+import torch
+
+import thunder_overlap
+from thunder_overlap import OverlapConfig, OverlapScheduleTransform
+from thunder_overlap._scheduling.unsharding import MemoryBudgetTooSmall
+from thunder_overlap._transforms.zero3 import Zero3Transform
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.report._schedule_view import schedule_stats
+from thunder_overlap.testing.memory_check import measure_step
+from thunder_overlap.testing.training import collective_sequence
+
+pytestmark = pytest.mark.slow
+
+MODEL = TinyGPTConfig(n_layer=4, n_embd=64)
+BLOCKS = [f"blocks.{i}" for i in range(MODEL.n_layer)]
+
+
+def _step(sharding: str, budget: int | None = None, **options):
+    torch.manual_seed(0)
+    config = OverlapConfig(memory_budget_bytes=budget) if budget is not None else None
+    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy=sharding, config=config, **options)
+    jm(torch.randint(0, MODEL.vocab_size, (2, 32))).sum().backward()
+    return jm
+
+
+def _collectives(jm) -> tuple[list[str], list[str]]:
+    return collective_sequence(thunder.last_traces(jm)[-1]), collective_sequence(thunder.last_backward_traces(jm)[-1])
+
+
+def _backward_all_gathers(jm) -> int:
+    return schedule_stats(thunder.last_backward_traces(jm)[-1]).allgathers
+
+
+@pytest.fixture(scope="module")
+def everything_fits(fake_group_2):
+    """Sharding "auto" under a budget no step reaches: every unit kept."""
+    return _step("auto", 1 << 40)
+
+
+def test_a_budget_above_zero2s_peak_is_zero2s_schedule(everything_fits):
+    choice = Zero3Transform.of(everything_fits).choice
+    assert choice.kept == choice.candidates
+    assert choice.peak_bytes == choice.zero2_peak_bytes > choice.zero3_peak_bytes
+    # The backward needs the last block first; norm_f and wte are units of their own.
+    blocks = [unit for unit in choice.candidates if unit.startswith("blocks.")]
+    assert blocks == BLOCKS[::-1]
+    assert _collectives(everything_fits) == _collectives(_step("zero2"))
+
+
+def test_a_budget_between_keeps_the_blocks_needed_first_and_holds(everything_fits):
+    fits = Zero3Transform.of(everything_fits).choice
+    budget = (fits.zero3_peak_bytes + fits.zero2_peak_bytes) // 2
+    jm = _step("auto", budget)
+    choice = Zero3Transform.of(jm).choice
+    assert 0 < len(choice.kept) < len(choice.candidates)
+    assert choice.kept == choice.candidates[: len(choice.kept)]
+    assert choice.zero3_peak_bytes < choice.peak_bytes <= budget
+    assert choice.regather_bytes_saved > 0
+    # The backward re-gathers fewer than ZeRO3, more than ZeRO2 (none).
+    assert 0 < _backward_all_gathers(jm) < _backward_all_gathers(_step("zero3"))
+    # The scheduler prefetched within the same budget, and the traces run within it.
+    schedule = OverlapScheduleTransform.of(jm).summaries
+    for summary in (schedule.forward, schedule.backward):
+        assert summary.peak_bytes <= summary.budget_bytes <= budget
+    measured = measure_step(thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1])
+    assert max(m.peak_bytes for m in measured) <= budget * 1.05
+
+
+def test_a_budget_below_zero3s_peak_is_an_error_with_both_figures(everything_fits):
+    zero3 = Zero3Transform.of(everything_fits).choice.zero3_peak_bytes
+    says = rf"memory_budget_bytes={zero3 - 1} .* below the predicted peak of ZeRO3 itself, {zero3} B"
+    with pytest.raises(MemoryBudgetTooSmall, match=says):
+        _step("auto", zero3 - 1)
+
+
+def test_a_batch_of_another_shape_keeps_the_first_compiles_choice(fake_group_2, everything_fits):
+    fits = Zero3Transform.of(everything_fits).choice
+    jm = _step("auto", (fits.zero3_peak_bytes + fits.zero2_peak_bytes) // 2)
+    zero3 = Zero3Transform.of(jm)
+    choice, regathers = zero3.choice, _backward_all_gathers(jm)
+    # A longer sequence needs more memory: a choice made now would keep fewer blocks, and this
+    # rank's collectives would no longer pair with its peers' ([Note: selective unsharding]).
+    jm(torch.randint(0, MODEL.vocab_size, (4, 32))).sum().backward()
+    assert len(thunder.last_backward_traces(jm)) > 0 and zero3.choice is choice
+    assert _backward_all_gathers(jm) == regathers
+
+
+def test_mixed_precision_keeps_blocks_by_their_gathered_bf16_bytes(fake_group_2, everything_fits):
+    policy = thunder_overlap.MixedPrecision(param_dtype=torch.bfloat16)
+    fits = Zero3Transform.of(_step("auto", 1 << 40, mixed_precision=policy)).choice
+    full = Zero3Transform.of(everything_fits).choice
+    # Each unit gathers in bf16: half the bytes float32 gathers, so half the re-gathers saved.
+    assert fits.regather_bytes_saved * 2 == full.regather_bytes_saved
+    budget = (fits.zero3_peak_bytes + fits.zero2_peak_bytes) // 2
+    jm = _step("auto", budget, mixed_precision=policy)
+    choice = Zero3Transform.of(jm).choice
+    assert 0 < len(choice.kept) < len(choice.candidates) and choice.peak_bytes <= budget
+    schedule = OverlapScheduleTransform.of(jm).summaries
+    assert max(schedule.forward.peak_bytes, schedule.backward.peak_bytes) <= budget
