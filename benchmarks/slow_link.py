@@ -11,7 +11,10 @@ Every round runs, one after another (A B A B ... to cancel drift), two calibrati
 each implementation, each a fresh ``benchmark_fsdp.py`` launch with the same model and data
 (``--impls thunder_overlap@none,thunder_overlap@block`` compares bucketing strategies; a ``:bf16``
 suffix runs with mixed precision, bf16 gathers and compute over fp32 parameters, fp32 reductions:
-``--impls thunder_overlap@block,thunder_overlap@block:bf16,fsdp2:bf16``):
+``--impls thunder_overlap@block,thunder_overlap@block:bf16,fsdp2:bf16``; a ``/zero2``, ``/zero3``
+or ``/auto`` part runs that sharding instead of ``--shard-mode``, ``/auto`` within
+``--memory-budget-bytes``, by default halfway between the predicted ZeRO3 and ZeRO2 peaks:
+``--impls thunder_overlap@block/zero3,thunder_overlap@block/zero2,thunder_overlap@block/auto``):
 
 - C, ``--impl compute_only``: every rank runs ``thunder.jit`` of the unsharded model on its own
   micro-batch with no communication at all, i.e. exactly an FSDP rank's forward and backward. Its
@@ -88,14 +91,19 @@ class TestbedConfig:
     timeout_s: float = 600.0
     # Summarise the runs already in `out` (e.g. with a newer simulator) instead of measuring.
     from_runs: bool = False
+    # Sharding auto's per-rank budget; None: halfway between the predicted ZeRO3 and ZeRO2 peaks.
+    memory_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         def known(label: str) -> bool:
             impl, bucketing = split_label(label)
             precision = label.partition(":")[2]
+            sharding = sharding_of(label, self.shard_mode)
             return (
                 impl in TRAINING_IMPLS
                 and bucketing in BUCKETING_MODES
+                and sharding in SHARD_MODES
+                and (sharding == self.shard_mode or impl == "thunder_overlap")
                 and precision in ("", "bf16")
                 and (impl, precision) != ("thunder", "bf16")
             )
@@ -104,8 +112,8 @@ class TestbedConfig:
         if unknown or not self.impls:
             raise ValueError(
                 f"--impls {','.join(self.impls)!r}: accepted are one or more of {', '.join(TRAINING_IMPLS)}, "
-                f"each optionally with @bucketing ({', '.join(BUCKETING_MODES)}) and :bf16 for mixed precision (not thunder), "
-                "e.g. thunder_overlap@block:bf16"
+                f"each optionally with @bucketing ({', '.join(BUCKETING_MODES)}), /sharding ({', '.join(SHARD_MODES)}; "
+                "thunder_overlap only) and :bf16 for mixed precision (not thunder), e.g. thunder_overlap@block/auto:bf16"
             )
         if self.shard_mode not in SHARD_MODES:
             raise ValueError(f"--shard-mode={self.shard_mode!r}; accepted: {', '.join(SHARD_MODES)}")
@@ -132,8 +140,9 @@ class TestbedConfig:
     def calibration_runs(self) -> tuple[str, ...]:
         return ("compute_only", *(f"{run}@{b}" for b in self.bucketings for run in ("comm_only", "compute_with_comm")))
 
-    def benchmark_args(self, label: str, json_path: Path) -> list[str]:
+    def benchmark_args(self, label: str, json_path: Path, memory_budget_bytes: int | None = None) -> list[str]:
         impl, bucketing = split_label(label)
+        sharding = sharding_of(label, self.shard_mode)
         args = {
             "impl": impl,
             "bucketing_mode": None if impl == "compute_only" else bucketing,
@@ -142,7 +151,8 @@ class TestbedConfig:
             "n_layers": self.n_layers,
             "block_size": self.block_size,
             "micro_batch_size": self.micro_batch_size,
-            "shard_mode": self.shard_mode,
+            "shard_mode": sharding,
+            "memory_budget_bytes": memory_budget_bytes if sharding == "auto" else None,
             "max_iters": self.max_iters,
             "warmup_iters": self.warmup_iters,
             "json_path": json_path,
@@ -154,9 +164,59 @@ class TestbedConfig:
 
 
 def split_label(label: str) -> tuple[str, str]:
-    """``"thunder_overlap@block:bf16"`` -> ("thunder_overlap", "block"); no ``@`` means no buckets."""
-    impl, _, bucketing = label.partition(":")[0].partition("@")
+    """``"thunder_overlap@block/auto:bf16"`` -> ("thunder_overlap", "block"); no ``@`` means no buckets."""
+    impl, _, bucketing = label.partition(":")[0].partition("/")[0].partition("@")
     return impl, bucketing or "none"
+
+
+def sharding_of(label: str, default: str) -> str:
+    """``"thunder_overlap@block/auto:bf16"`` -> "auto"; ``default`` without a ``/`` part."""
+    return label.partition(":")[0].partition("/")[2] or default
+
+
+def midway_budget(cfg: TestbedConfig, bucketing: str) -> int:
+    """Halfway between the predicted peaks of ZeRO3 and ZeRO2 for the testbed's model, batch and
+    ``bucketing`` (sharding auto's own estimates, traced on a fake group of 2 ranks)."""
+    from thunder_overlap import OverlapConfig
+    from thunder_overlap._transforms.zero3 import Zero3Transform
+    from thunder_overlap.report._models import trace_model
+
+    from fsdp_bench.bench_models import build_model
+
+    model, spec = build_model(cfg.model_name, cfg.n_layers, cfg.block_size)
+    everything = OverlapConfig(memory_budget_bytes=1 << 50)
+    jm = trace_model(
+        model, world_size=2, sharding="auto", bucketing=bucketing, idx_shape=(cfg.micro_batch_size, spec.block_size), config=everything
+    )
+    choice = Zero3Transform.of(jm).choice
+    return choice.zero3_peak_bytes + (choice.zero2_peak_bytes - choice.zero3_peak_bytes) // 2
+
+
+def unsharding_checks(summaries: list, default_sharding: str) -> list[str]:
+    """Each ``/auto`` run against the ZeRO3 and ZeRO2 runs of the same implementation and
+    bucketing: its step at most halfway between theirs."""
+    by_impl = {s.impl: s for s in summaries}
+    checks = []
+    for label, auto in by_impl.items():
+        if sharding_of(label, default_sharding) != "auto":
+            continue
+        base = label.partition(":")[0].partition("/")[0]
+        suffix = label.partition(":")[1] + label.partition(":")[2]
+        runs = {
+            sharding_of(other, default_sharding): s
+            for other, s in by_impl.items()
+            if other.partition(":")[0].partition("/")[0] == base and other.endswith(suffix)
+        }
+        if "zero2" not in runs or "zero3" not in runs:
+            continue
+        zero2, zero3 = runs["zero2"].median_ms, runs["zero3"].median_ms
+        halfway = (zero2 + zero3) / 2
+        closed = (zero3 - auto.median_ms) / (zero3 - zero2) if zero3 != zero2 else float("nan")
+        checks.append(
+            f"{'PASS' if auto.median_ms <= halfway else 'FAIL'} {label} {auto.median_ms:.1f} ms <= halfway between ZeRO3 "
+            f"{zero3:.1f} ms and ZeRO2 {zero2:.1f} ms ({halfway:.1f} ms); it closes {closed:.0%} of the difference"
+        )
+    return checks
 
 
 def is_mixed(label: str) -> bool:
@@ -202,6 +262,12 @@ def _parse_args(argv: list[str]) -> TestbedConfig:
     p.add_argument("--out", default=defaults.out)
     p.add_argument("--timeout-s", type=float, default=defaults.timeout_s)
     p.add_argument(
+        "--memory-budget-bytes",
+        type=int,
+        default=None,
+        help="/auto runs' budget (default: halfway between ZeRO3's and ZeRO2's predicted peaks)",
+    )
+    p.add_argument(
         "--from-runs", action="store_true", help="summarise the run JSONs already in --out instead of measuring (no root needed)"
     )
     args = p.parse_args(argv)
@@ -228,11 +294,19 @@ def _exit_on_signal(signum, _frame) -> None:
 def _measure(cfg: TestbedConfig, link: SlowLink, out: Path) -> dict[str, list[dict]]:
     sequence = (*cfg.calibration_runs, *cfg.impls)
     runs: dict[str, list[dict]] = {impl: [] for impl in sequence}
+    budgets = {}
+    for impl in cfg.impls:
+        if sharding_of(impl, cfg.shard_mode) == "auto":
+            bucketing = split_label(impl)[1]
+            budgets[impl] = cfg.memory_budget_bytes or midway_budget(cfg, bucketing)
+            print(f"{impl}: memory budget {budgets[impl]} B", flush=True)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    (out / "budgets.json").write_text(json.dumps(budgets, indent=1))
     for round_index in range(cfg.rounds):
         for impl in sequence:
             label = f"round{round_index}_{impl}"
             json_path = out / "runs" / f"{label}.json"
-            run_on_link(link, cfg.benchmark_args(impl, json_path), out / "logs", label, cfg.timeout_s)
+            run_on_link(link, cfg.benchmark_args(impl, json_path, budgets.get(impl)), out / "logs", label, cfg.timeout_s)
             (result,) = load_results([json_path])
             runs[impl].append(result)
             median = statistics.median(result["iter_times_ms"])
@@ -277,8 +351,9 @@ def main(argv: list[str]) -> None:
     calibration_of = {impl: calibrations["none" if split_label(impl)[0] == "thunder" else split_label(impl)[1]] for impl in runs}
     first = next(iter(runs.values()))[0]
     simulated = {
+        # Calibrated for --shard-mode's float32 runs only.
         impl: None
-        if is_mixed(impl)
+        if is_mixed(impl) or sharding_of(impl, cfg.shard_mode) != cfg.shard_mode
         else predict_testbed_step_ms(
             TestbedSetting(
                 impl=split_label(impl)[0],
@@ -303,7 +378,9 @@ def main(argv: list[str]) -> None:
     summaries = summarize(runs, calibration_of, simulated)
     print()
     print(format_table(summaries, calibrations))
-    checks = target_checks(summaries, calibrations["none"]) + mixed_precision_checks(summaries)
+    checks = (
+        target_checks(summaries, calibrations["none"]) + mixed_precision_checks(summaries) + unsharding_checks(summaries, cfg.shard_mode)
+    )
     print("\n".join(checks))
     summary = {
         "config": asdict(cfg),

@@ -14,9 +14,11 @@ import thunder_overlap
 from thunder_overlap import fsdp_transforms
 from thunder_overlap._analysis.classify import classify_trace
 from thunder_overlap._analysis.memory_estimate import estimate_memory
-from thunder_overlap._transforms import OverlapScheduleTransform, ReplicaReduceTransform
+from thunder_overlap._transforms import BucketingTransform, OverlapScheduleTransform, ReplicaReduceTransform
+from thunder_overlap._transforms.zero3 import Zero3Transform
 from thunder_overlap.options import FSDPOptions
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.report._schedule_view import schedule_stats
 
 
 def test_a_2d_mesh_shards_over_its_second_dim_and_replicates_over_its_first(fake_group_4):
@@ -97,3 +99,29 @@ def test_mixed_precision_gathers_bf16_and_reduces_and_all_reduces_float32(fake_g
     moved = {(c.kind.value, c.dtype) for t in traces for c in classify_trace(t, layouts=layouts).collectives}
     assert moved == {("all_gather", dtypes.bfloat16), ("reduce_scatter", dtypes.float32), ("all_reduce", dtypes.float32)}
     assert {p.grad.dtype for p in jm.parameters() if p.requires_grad} == {torch.float32}
+
+
+@pytest.mark.slow
+def test_sharding_auto_under_hsdp_keeps_blocks_within_the_budget_and_all_reduces_every_bucket(fake_group_4):
+    mesh = init_device_mesh("cpu", (2, 2))
+    model = TinyGPTConfig(n_layer=4, n_embd=64)
+
+    def step(budget: int):
+        torch.manual_seed(0)
+        config = thunder_overlap.OverlapConfig(memory_budget_bytes=budget)
+        jm = thunder_overlap.fsdp(
+            TinyGPT(model), device="cpu", device_mesh=mesh, sharding_strategy="auto", bucketing_strategy="block", config=config
+        )
+        jm(torch.randint(0, model.vocab_size, (2, 32))).sum().backward()
+        return jm
+
+    fits = Zero3Transform.of(step(1 << 40)).choice
+    budget = (fits.zero3_peak_bytes + fits.zero2_peak_bytes) // 2
+    jm = step(budget)
+    choice = Zero3Transform.of(jm).choice
+    assert 0 < len(choice.kept) < len(choice.candidates) and choice.peak_bytes <= budget
+    schedule = OverlapScheduleTransform.of(jm).summaries
+    assert max(schedule.forward.peak_bytes, schedule.backward.peak_bytes) <= budget
+    stats = schedule_stats(thunder.last_backward_traces(jm)[-1], layouts=BucketingTransform.of(jm).layouts)
+    assert 0 < stats.allgathers < len(choice.candidates)  # the blocks not kept are re-gathered
+    assert stats.all_reduces == stats.reduce_scatters  # each bucket's shard across the replicas

@@ -97,6 +97,7 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
     elif options.sharding is ShardingStrategy.AUTO:
         selective = SelectiveUnsharding(
             options.config.memory_budget_bytes,
+            options.config,
             block_types=options.block_types,
             buckets=bucketing,
             agreement_group=agreement_group,

@@ -45,6 +45,8 @@ OVERLAP_OPTIONS: dict[str, dict[str, object]] = {
     # (two blocks), as before they were capped at one block: what that cap costs in time.
     "thunder_overlap_two_lay_outs": {"bucket_reduce_scatter_blocks": None},
 }
+
+
 def variant_config(impl: str, cost_model: CostModel | None) -> OverlapConfig:
     """The configuration of thunder_overlap variant ``impl``: its options of OverlapConfig's own,
     the others of its tuning."""
@@ -113,6 +115,9 @@ class BenchmarkConfig:
         None, "CUDA only: where rank 0 writes what one more step had alive at its peak, by the trace line that allocated it"
     )
     seed: int = _option(1337, "seed of the token batches")
+    memory_budget_bytes: int | None = _option(
+        None, "thunder_overlap: OverlapConfig.memory_budget_bytes, the per-rank budget sharding auto chooses within"
+    )
     mixed_precision: str | None = _option(
         None,
         "bf16/fp32: fp32 parameters gathered and computed in bf16, gradients reduced in fp32 (thunder_overlap's "
@@ -132,8 +137,7 @@ class BenchmarkConfig:
         _check_positive("max_iters", self.max_iters)
         if not 0 <= self.warmup_iters < self.max_iters:
             raise ValueError(
-                f"--warmup_iters={self.warmup_iters} must be in [0, --max_iters={self.max_iters}): "
-                "at least one iteration has to be timed"
+                f"--warmup_iters={self.warmup_iters} must be in [0, --max_iters={self.max_iters}): at least one iteration has to be timed"
             )
         if self.nsys_enabled and not 0 <= self.profiler_start <= self.profiler_stop < self.max_iters:
             raise ValueError(
@@ -146,6 +150,11 @@ class BenchmarkConfig:
             _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
             if self.impl == "thunder":
                 raise ValueError("--mixed_precision: Thunder's own FSDP has no mixed precision; leave it out for --impl thunder")
+        if (self.shard_mode == "auto" or self.memory_budget_bytes is not None) and not self.impl.startswith("thunder_overlap"):
+            raise ValueError(
+                f"--shard_mode={self.shard_mode} --memory_budget_bytes={self.memory_budget_bytes}: sharding auto and its "
+                f"budget are thunder_overlap's; --impl {self.impl} takes --shard_mode zero2 or zero3 and no budget"
+            )
         if self.dump_traces and self.json_path is None:
             raise ValueError("--dump_traces writes the traces next to the result JSON; give --json_path too")
 

@@ -42,7 +42,7 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import thunder
 import torch
@@ -126,7 +126,8 @@ def overlap_config(cfg: BenchmarkConfig, device: torch.device, impl: str = "thun
     cost_model = None
     if cfg.network is not None:
         cost_model = CostModel(CostModel.for_device(device, 1).device, network_profile(cfg.network))
-    return variant_config(impl, cost_model)
+    config = variant_config(impl, cost_model)
+    return config if cfg.memory_budget_bytes is None else replace(config, memory_budget_bytes=cfg.memory_budget_bytes)
 
 
 def _thunder_overlap(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, impl: str = "thunder_overlap") -> nn.Module:
@@ -200,9 +201,7 @@ def _comm_replay(model: ThunderModule, sample: tuple[torch.Tensor, torch.Tensor]
     return CommReplay(traces, ctx.device)
 
 
-def make_step(
-    model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, sample: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[nn.Module, Step]:
+def make_step(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, sample: tuple[torch.Tensor, torch.Tensor]) -> tuple[nn.Module, Step]:
     """Shards (or jits) the meta ``model`` for ``cfg.impl``; returns it and its training step.
     ``sample`` is one batch, used by ``comm_only`` to produce the traces it replays."""
     if cfg.impl == "compute_with_comm":

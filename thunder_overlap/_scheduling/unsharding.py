@@ -6,7 +6,9 @@ A kept unit is not re-gathered in the backward (ZeRO2 for it); the others are (Z
 kept in the order the backward needs them, first needed first: its first re-gather is the one no
 compute hides, and a unit kept longer in the forward holds memory longer in the backward too.
 Keeping more units never predicts less memory, so the largest prefix of that order within the
-budget is found by bisection, each probe one estimate of the just-in-time step.
+budget is found by bisection, each probe one estimate of the just-in-time step. Room for the
+scheduler's prefetch is kept free: a kept unit saves one re-gather, while prefetching hides them
+all.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from thunder.core.trace import TraceCtx
 
 from thunder_overlap._analysis.classify import classify_trace
+from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
 from thunder_overlap._analysis.memory_estimate import estimate_memory
 from thunder_overlap._scheduling.orders import apply_order
 from thunder_overlap._scheduling.scheduler import just_in_time_order
@@ -36,12 +39,14 @@ class MemoryBudgetTooSmall(ValueError):
 @dataclass(frozen=True)
 class UnshardingChoice:
     """What sharding "auto" chose, with the predictions behind it (bytes per rank, the
-    just-in-time step's peak as the memory estimator predicts it, before bucketing)."""
+    just-in-time step's peak as the memory estimator predicts it, buckets and their pool included)."""
 
     budget_bytes: int
     # Every unit, in the order they are kept (the backward's first need first).
     candidates: tuple[str, ...]
     kept: tuple[str, ...]
+    # Left free for the all-gathers the scheduler prefetches: ``peak_bytes`` + it <= the budget.
+    prefetch_reserve_bytes: int
     peak_bytes: int  # with ``kept``
     zero3_peak_bytes: int  # with no unit kept
     zero2_peak_bytes: int | None  # with every unit kept (None: not estimated, ZeRO3 was the bound)
@@ -52,20 +57,22 @@ class UnshardingChoice:
         zero2 = f"{self.zero2_peak_bytes / _MIB:.1f}" if self.zero2_peak_bytes is not None else "-"
         return (
             f"kept {len(self.kept)} of {len(self.candidates)} units unsharded to the backward "
-            f"({', '.join(self.kept) or 'none'}): predicted peak {self.peak_bytes / _MIB:.1f} MiB within a budget of "
-            f"{self.budget_bytes / _MIB:.1f} MiB (ZeRO3 {self.zero3_peak_bytes / _MIB:.1f}, ZeRO2 {zero2}); "
+            f"({', '.join(self.kept) or 'none'}): predicted peak {self.peak_bytes / _MIB:.1f} MiB before prefetching, "
+            f"{self.prefetch_reserve_bytes / _MIB:.1f} MiB left for it, within a budget of {self.budget_bytes / _MIB:.1f} MiB "
+            f"(ZeRO3 {self.zero3_peak_bytes / _MIB:.1f}, ZeRO2 {zero2}); "
             f"{self.regather_bytes_saved / _MIB:.1f} MiB fewer re-gathered per step"
         )
 
 
-def just_in_time_step_peak(forward: TraceCtx, backward: TraceCtx) -> int:
-    """Predicted peak bytes of a step that runs ``forward`` then ``backward`` with every
-    collective just in time (the least memory any schedule of them has)."""
+def just_in_time_step_peak(forward: TraceCtx, backward: TraceCtx, layouts: BucketLayouts = NO_BUCKETS) -> int:
+    """Predicted peak bytes of a step that runs ``forward`` then ``backward`` (bucketed traces
+    with their buckets' ``layouts``) with every collective just in time: the least memory any
+    schedule of them has."""
     peak, after = 0, None
     for trace in (forward, backward):
-        annotated = classify_trace(trace)
+        annotated = classify_trace(trace, layouts)
         ordered = apply_order(annotated, just_in_time_order(annotated), provenance="thunder_overlap: just-in-time baseline")
-        after = estimate_memory(ordered, after=after)
+        after = estimate_memory(ordered, layouts=layouts, after=after)
         peak = max(peak, after.peak_bytes)
     return peak
 
@@ -75,9 +82,11 @@ def choose_kept_units(
     unit_bytes: Mapping[str, int],
     peak_of: Callable[[tuple[str, ...]], int],
     budget_bytes: int,
+    prefetch_reserve_bytes: int = 0,
 ) -> UnshardingChoice:
-    """The longest prefix of ``candidates`` whose predicted step peak (``peak_of(prefix)``) is
-    within ``budget_bytes``. Raises :class:`MemoryBudgetTooSmall` where even no unit is over."""
+    """The longest prefix of ``candidates`` whose predicted step peak (``peak_of(prefix)``) plus
+    ``prefetch_reserve_bytes`` is within ``budget_bytes``. Raises :class:`MemoryBudgetTooSmall`
+    where even no unit is over the budget itself."""
     candidates = tuple(candidates)
     zero3 = peak_of(())
     if zero3 > budget_bytes:
@@ -86,17 +95,20 @@ def choose_kept_units(
             f"the predicted peak of ZeRO3 itself, {zero3} B ({zero3 / _MIB:.1f} MiB), which keeps no block unsharded; "
             "raise the budget, or shrink the batch, the sequence or the model per rank"
         )
+    room = budget_bytes - prefetch_reserve_bytes
     fits, fits_peak = 0, zero3
     zero2 = peak_of(candidates) if candidates else zero3
-    if zero2 <= budget_bytes:
+    if zero3 > room:
+        pass  # ZeRO3 itself leaves less than the reserve: keep nothing, prefetch within what is left
+    elif zero2 <= room:
         fits, fits_peak = len(candidates), zero2
     else:
         over = len(candidates)  # invariant: candidates[:fits] fit, candidates[:over] do not
         while over - fits > 1:
             middle = (fits + over) // 2
             peak = peak_of(candidates[:middle])
-            logger.debug("keeping %d units: predicted peak %d B against %d B", middle, peak, budget_bytes)
-            if peak <= budget_bytes:
+            logger.debug("keeping %d units: predicted peak %d B against %d B", middle, peak, room)
+            if peak <= room:
                 fits, fits_peak = middle, peak
             else:
                 over = middle
@@ -105,6 +117,7 @@ def choose_kept_units(
         budget_bytes=budget_bytes,
         candidates=candidates,
         kept=kept,
+        prefetch_reserve_bytes=prefetch_reserve_bytes,
         peak_bytes=fits_peak,
         zero3_peak_bytes=zero3,
         zero2_peak_bytes=zero2,

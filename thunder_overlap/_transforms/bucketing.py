@@ -227,6 +227,14 @@ class BucketingTransform(Transform):
         """(index into :attr:`buckets`, slot) of parameter ``name`` (any alias); None if unbucketed."""
         return self._slots.get(name)
 
+    def bucketed(self, forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]:
+        """A forward and its backward with their collectives bucketed as this transform's hooks
+        bucket them (nothing recorded), for estimates made before it runs (sharding "auto")."""
+        index = BucketIndex(self.buckets, self.process_group, self._slot_of_input)
+        bucketed_forward, _ = rewrite_bucket_collectives(forward, index)
+        bucketed_backward, _ = rewrite_bucket_collectives(backward, index, forward_inputs=forward_input_names(forward))
+        return bucketed_forward, bucketed_backward
+
     def _slot_of_input(self, name: str) -> tuple[int, int] | None:
         parameter = self._parameter_of_input.get(name)
         return self._slots.get(parameter) if parameter is not None else None

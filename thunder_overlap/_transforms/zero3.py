@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 from thunder.core import prims
@@ -39,6 +39,7 @@ from thunder_overlap._analysis.classify import AnnotatedTrace, CollectiveKind, N
 from thunder_overlap._scheduling.rank_agreement import agree_settings, agreed_subset
 from thunder_overlap._scheduling.unsharding import UnshardingChoice, agreed_prefix, choose_kept_units, just_in_time_step_peak
 from thunder_overlap._transforms.bucketing import BucketingTransform
+from thunder_overlap.config import OverlapConfig
 
 __all__ = ["Zero3Transform", "RegatherPlan", "SelectiveUnsharding", "gathered_shards", "plan_regather"]
 
@@ -198,6 +199,8 @@ class SelectiveUnsharding:
     """Sharding "auto"'s settings: the per-rank budget, what forms units and whom to agree with."""
 
     budget_bytes: int
+    # What the scheduler may prefetch: room for bucket prefetch is left free ([Note: selective unsharding]).
+    config: OverlapConfig = field(default_factory=OverlapConfig)
     block_types: BlockTypes | None = None
     # Units are its buckets where the module has buckets (a bucket is gathered whole).
     buckets: BucketingTransform | None = None
@@ -276,11 +279,7 @@ class Zero3Transform(Transform):
 
     def _keeps(self, annotated: AnnotatedTrace) -> Callable[[str], bool] | None:
         """Which saved tensors stay saved: those of the kept units, once chosen."""
-        if self.choice is None:
-            return None
-        kept = set(self.choice.kept)
-        units = self._units_of_saved(annotated)
-        return lambda name: bool(units.get(name)) and units[name] <= kept
+        return None if self.choice is None else _keeping(self._units_of_saved(annotated), self.choice.kept)
 
     def _unit_of_input(self, name: str) -> str:
         parameter = self._parameter_of_input.get(name, name)
@@ -309,15 +308,20 @@ class Zero3Transform(Transform):
         candidates, unit_bytes = _candidates(annotated, units)
 
         def plan_for(kept: tuple[str, ...]) -> RegatherPlan:
-            kept_set = set(kept)
-            return plan_regather(annotated, lambda name: bool(units.get(name)) and units[name] <= kept_set)
+            return plan_regather(annotated, _keeping(units, kept))
+
+        selective = self.selective
 
         def peak_of(kept: tuple[str, ...]) -> int:
             plan = plan_for(kept)
-            return just_in_time_step_peak(_rewrite_forward(annotated.trace, plan), _rewrite_backward(backward, plan))
+            forward, backward_trace = _rewrite_forward(annotated.trace, plan), _rewrite_backward(backward, plan)
+            if selective.buckets is None:
+                return just_in_time_step_peak(forward, backward_trace)
+            # As the bucketing transform will run them: the pool counts too.
+            return just_in_time_step_peak(*selective.buckets.bucketed(forward, backward_trace), selective.buckets.layouts)
 
-        selective = self.selective
-        choice = choose_kept_units(candidates, unit_bytes, peak_of, selective.budget_bytes)
+        reserve = _prefetch_reserve(selective.config, max(unit_bytes.values(), default=0), selective.buckets is not None)
+        choice = choose_kept_units(candidates, unit_bytes, peak_of, selective.budget_bytes, reserve)
         group = selective.agreement_group or next((c.process_group for c in annotated.collectives if c.process_group), None)
         if selective.exchange:
             digest = selective.buckets.plan_digest() if selective.buckets is not None else None
@@ -344,6 +348,12 @@ class Zero3Transform(Transform):
         )
 
 
+def _keeping(units: Mapping[str, frozenset[str]], kept: tuple[str, ...]) -> Callable[[str], bool]:
+    """Whether a saved tensor stays saved: it is computed from gathered parameters of kept units only."""
+    kept_set = set(kept)
+    return lambda name: bool(units.get(name)) and units[name] <= kept_set
+
+
 def _candidates(annotated: AnnotatedTrace, units: Mapping[str, frozenset[str]]) -> tuple[list[str], dict[str, int]]:
     """The units in the order the backward needs them (the last used in the forward first), and
     each one's gathered bytes: what keeping it saves re-gathering."""
@@ -363,3 +373,15 @@ def _candidates(annotated: AnnotatedTrace, units: Mapping[str, frozenset[str]]) 
 def _gathered_bytes(start: BoundSymbol) -> int:
     gathered = start.flat_proxy_outs[0]
     return math.prod(int(s) for s in gathered.shape) * gathered.dtype.bytes
+
+
+def _prefetch_reserve(config: OverlapConfig, largest_unit_bytes: int, bucketed: bool) -> int:
+    """Bytes left free for the scheduler's prefetch: with buckets, the buffers the pool grows by
+    for the buckets gathered ahead, held all step ([Note: pool growth]); none without buckets,
+    whose prefetched parameters the memory-aware scheduler fits around the peak."""
+    if not bucketed or config.policy == "just_in_time":
+        return 0
+    ahead = config.tuning.bucket_eager_prefetch_blocks or config.prefetch_blocks
+    reserve = int(ahead * largest_unit_bytes)
+    cap = config.max_in_flight_allgather_bytes
+    return reserve if cap is None else min(reserve, cap)
