@@ -91,7 +91,7 @@ class TestbedConfig:
     timeout_s: float = 600.0
     # Summarise the runs already in `out` (e.g. with a newer simulator) instead of measuring.
     from_runs: bool = False
-    # Sharding auto's per-rank budget; None: halfway between the predicted ZeRO3 and ZeRO2 peaks.
+    # Sharding auto's per-rank budget; None: halfway between ZeRO3's and ZeRO2's predicted peaks.
     memory_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
@@ -169,6 +169,11 @@ def split_label(label: str) -> tuple[str, str]:
     return impl, bucketing or "none"
 
 
+def file_label(label: str) -> str:
+    """``label`` as a file name: ``"thunder_overlap@block/auto"`` -> ``"thunder_overlap@block_auto"``."""
+    return label.replace("/", "_")
+
+
 def sharding_of(label: str, default: str) -> str:
     """``"thunder_overlap@block/auto:bf16"`` -> "auto"; ``default`` without a ``/`` part."""
     return label.partition(":")[0].partition("/")[2] or default
@@ -176,18 +181,26 @@ def sharding_of(label: str, default: str) -> str:
 
 def midway_budget(cfg: TestbedConfig, bucketing: str) -> int:
     """Halfway between the predicted peaks of ZeRO3 and ZeRO2 for the testbed's model, batch and
-    ``bucketing`` (sharding auto's own estimates, traced on a fake group of 2 ranks)."""
-    from thunder_overlap import OverlapConfig
-    from thunder_overlap._transforms.zero3 import Zero3Transform
-    from thunder_overlap.report._models import trace_model
+    ``bucketing``: sharding auto's own estimates (the just-in-time step), traced on a fake group
+    of 2 ranks with the buckets' gloo paths, whose copies the testbed's runs hold."""
+    import thunder
+    import torch
+
+    from thunder_overlap import BucketingTransform, OverlapConfig, Zero3Transform, fsdp
+    from thunder_overlap._backends import GLOO
+    from thunder_overlap.report._thunder_baseline import _math_attention, fake_process_group
 
     from fsdp_bench.bench_models import build_model
 
     model, spec = build_model(cfg.model_name, cfg.n_layers, cfg.block_size)
     everything = OverlapConfig(memory_budget_bytes=1 << 50)
-    jm = trace_model(
-        model, world_size=2, sharding="auto", bucketing=bucketing, idx_shape=(cfg.micro_batch_size, spec.block_size), config=everything
-    )
+    with fake_process_group(SlowLink.WORLD_SIZE), _math_attention():
+        jm = fsdp(model, device="meta", sharding_strategy="auto", bucketing_strategy=bucketing, config=everything)
+        buckets = BucketingTransform.of(jm)
+        if buckets is not None:
+            buckets.set_layouts({bucket: layout.as_on(GLOO) for bucket, layout in buckets.layouts.items()})
+        idx = torch.zeros((cfg.micro_batch_size, spec.block_size), dtype=torch.long, device="meta")
+        thunder.compile_data(jm).get_computation_and_inputs(idx)
     choice = Zero3Transform.of(jm).choice
     return choice.zero3_peak_bytes + (choice.zero2_peak_bytes - choice.zero3_peak_bytes) // 2
 
@@ -304,7 +317,7 @@ def _measure(cfg: TestbedConfig, link: SlowLink, out: Path) -> dict[str, list[di
     (out / "budgets.json").write_text(json.dumps(budgets, indent=1))
     for round_index in range(cfg.rounds):
         for impl in sequence:
-            label = f"round{round_index}_{impl}"
+            label = f"round{round_index}_{file_label(impl)}"
             json_path = out / "runs" / f"{label}.json"
             run_on_link(link, cfg.benchmark_args(impl, json_path, budgets.get(impl)), out / "logs", label, cfg.timeout_s)
             (result,) = load_results([json_path])
@@ -319,7 +332,7 @@ def _load_runs(cfg: TestbedConfig, out: Path) -> dict[str, list[dict]]:
     from before the concurrent calibration existed have none: it is then not measured)."""
     runs = {}
     for impl in (*cfg.calibration_runs, *cfg.impls):
-        paths = [out / "runs" / f"round{r}_{impl}.json" for r in range(cfg.rounds)]
+        paths = [out / "runs" / f"round{r}_{file_label(impl)}.json" for r in range(cfg.rounds)]
         missing = [str(p) for p in paths if not p.exists()]
         if missing and impl.startswith("compute_with_comm@") and len(missing) == len(paths):
             continue
@@ -368,7 +381,7 @@ def main(argv: list[str]) -> None:
                 network=cfg.network,
                 compute_ms=calibration_of[impl].compute_ms,
                 comm_ms=calibration_of[impl].comm_ms,
-                result_json=str(out / "runs" / f"round0_{impl}.json"),
+                result_json=str(out / "runs" / f"round0_{file_label(impl)}.json"),
                 comm_ms_by_bucketing=comm_ms_by_bucketing,
                 concurrent_ms=calibration_of[impl].concurrent_ms,
             )

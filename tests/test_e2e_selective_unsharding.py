@@ -1,13 +1,14 @@
 """Sharding "auto" on two gloo ranks, 8 blocks: with a budget halfway between ZeRO3's and ZeRO2's
 measured peaks, the backward re-gathers some blocks and not others, the step's measured peak stays
-within the budget, and training matches the float64 single-process reference step by step."""
+within the budget, and training matches the float64 single-process reference step by step. Ranks
+whose first batches differ in shape keep what both have room for."""
 
 from __future__ import annotations
 
 import pytest
 
-from thunder_overlap import OverlapConfig
-from thunder_overlap.report._builtin_models import TinyGPTConfig
+from thunder_overlap import OverlapConfig, Zero3Transform
+from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.testing.training import TrainSetup, check_against_reference, train_rank
 
 pytestmark = pytest.mark.ranks
@@ -40,3 +41,46 @@ def test_a_budget_between_zero3_and_zero2_is_kept_and_trains_like_the_reference(
     check = check_against_reference(setup, 2, ranks)
     check.assert_mean_losses([r.losses for r in ranks])
     check.mismatches.assert_none()
+
+
+SMALL = TinyGPTConfig(n_layer=4, n_embd=64)
+
+
+def _ranks_with_other_first_shapes(rank: int, world_size: int) -> tuple[tuple[str, ...], tuple[str, ...] | None, list[str]]:
+    """Both ranks price ZeRO2 at 8 tokens and take its peak as their budget; then rank 0 starts
+    at 8 tokens (room for every block) and rank 1 at 16 (room for fewer), and each then retraces
+    alone for the other's shape. Returns the kept units, what this rank would have kept alone,
+    and the last backward's collectives in issue order."""
+    import thunder
+    import torch
+
+    import thunder_overlap
+    from thunder_overlap.testing.training import collective_sequence
+
+    def model(budget: int):
+        torch.manual_seed(0)
+        config = OverlapConfig(memory_budget_bytes=budget)
+        return thunder_overlap.fsdp(TinyGPT(SMALL), device="cpu", sharding_strategy="auto", config=config)
+
+    def step(jm, seq_len: int) -> None:
+        jm(torch.randint(0, SMALL.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(seq_len))).sum().backward()
+
+    probe = model(1 << 40)
+    step(probe, 8)
+    budget = Zero3Transform.of(probe).choice.zero2_peak_bytes
+    jm = model(budget)
+    for seq_len in (8, 16) if rank == 0 else (16, 8):
+        step(jm, seq_len)
+    choice = Zero3Transform.of(jm).choice
+    # The collectives in issue order (waits may sit elsewhere: compute follows each rank's shapes).
+    issued = [entry for entry in collective_sequence(thunder.last_backward_traces(jm)[-1]) if "wait" not in entry.split("(")[0]]
+    return choice.kept, choice.kept_alone, issued
+
+
+def test_ranks_whose_first_batches_differ_keep_what_both_have_room_for(local_ranks):
+    (kept_0, alone_0, backward_0), (kept_1, alone_1, backward_1) = local_ranks(_ranks_with_other_first_shapes, 2, ())
+    # Rank 0 alone would keep more (the precondition: else this test checks nothing).
+    assert alone_1 is None and alone_0 is not None and len(alone_0) > len(kept_1) > 0
+    # Both keep rank 1's choice, a prefix of rank 0's, and retraced the other's shape with it.
+    assert kept_0 == kept_1 == alone_0[: len(kept_1)]
+    assert backward_0 == backward_1

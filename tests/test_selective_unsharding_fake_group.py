@@ -107,3 +107,9 @@ def test_mixed_precision_keeps_blocks_by_their_gathered_bf16_bytes(fake_group_2,
     assert 0 < len(choice.kept) < len(choice.candidates) and choice.peak_bytes <= budget
     schedule = OverlapScheduleTransform.of(jm).summaries
     assert max(schedule.forward.peak_bytes, schedule.backward.peak_bytes) <= budget
+
+
+def test_zero3_under_a_budget_below_its_just_in_time_peak_says_so(fake_group_2):
+    says = r"the forward needs \d+ B even with every collective just in time, over .*memory_budget_bytes=4096"
+    with pytest.warns(UserWarning, match=says):
+        _step("zero3", 4096)

@@ -25,7 +25,7 @@ import inspect
 import math
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING, TypeVar
 
@@ -77,11 +77,6 @@ class ShardingStrategy(_Choice):
     ZERO2 = "zero2"
     ZERO3 = "zero3"
     AUTO = "auto"
-
-    @property
-    def regathers(self) -> bool:
-        """Whether the backward may re-gather parameters (ZeRO3, and AUTO's blocks not kept)."""
-        return self is not ShardingStrategy.ZERO2
 
     @property
     def thunder_type(self) -> FSDPType:
@@ -365,8 +360,6 @@ class FSDPOptions:
         device = resolve_device(device, process_group)
         config = config if config is not None else OverlapConfig()
         if sharding is ShardingStrategy.AUTO and config.memory_budget_bytes is None:
-            from dataclasses import replace
-
             config = replace(config, memory_budget_bytes=_default_memory_budget(device))
         return cls(
             device=device,

@@ -5,10 +5,11 @@ docs/design.md).
 A kept unit is not re-gathered in the backward (ZeRO2 for it); the others are (ZeRO3). Units are
 kept in the order the backward needs them, first needed first: its first re-gather is the one no
 compute hides, and a unit kept longer in the forward holds memory longer in the backward too.
-Keeping more units never predicts less memory, so the largest prefix of that order within the
-budget is found by bisection, each probe one estimate of the just-in-time step. Room for the
-scheduler's prefetch is kept free: a kept unit saves one re-gather, while prefetching hides them
-all.
+The predicted peak mostly grows with the units kept (not always: a kept unit also spares its
+re-gather), so a prefix of that order within the budget is found by bisection, each probe one
+estimate of the just-in-time step; the prefix returned is one that was priced within it. Room
+for the scheduler's prefetch can be kept free: a kept unit saves one re-gather, while
+prefetching hides them all.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class UnshardingChoice:
     zero2_peak_bytes: int | None  # with every unit kept (None: not estimated, ZeRO3 was the bound)
     # Unsharded bytes each rank no longer re-gathers per backward.
     regather_bytes_saved: int
+    # What this rank would have kept alone, where another rank had less room (else None).
+    kept_alone: tuple[str, ...] | None = None
 
     def describe(self) -> str:
         zero2 = f"{self.zero2_peak_bytes / _MIB:.1f}" if self.zero2_peak_bytes is not None else "-"
@@ -61,6 +64,7 @@ class UnshardingChoice:
             f"{self.prefetch_reserve_bytes / _MIB:.1f} MiB left for it, within a budget of {self.budget_bytes / _MIB:.1f} MiB "
             f"(ZeRO3 {self.zero3_peak_bytes / _MIB:.1f}, ZeRO2 {zero2}); "
             f"{self.regather_bytes_saved / _MIB:.1f} MiB fewer re-gathered per step"
+            + (f"; {len(self.kept_alone)} alone, fewer to agree with the other ranks" if self.kept_alone is not None else "")
         )
 
 
@@ -84,9 +88,9 @@ def choose_kept_units(
     budget_bytes: int,
     prefetch_reserve_bytes: int = 0,
 ) -> UnshardingChoice:
-    """The longest prefix of ``candidates`` whose predicted step peak (``peak_of(prefix)``) plus
-    ``prefetch_reserve_bytes`` is within ``budget_bytes``. Raises :class:`MemoryBudgetTooSmall`
-    where even no unit is over the budget itself."""
+    """A prefix of ``candidates`` (the longest, where the peak grows with it) whose predicted step
+    peak (``peak_of(prefix)``) plus ``prefetch_reserve_bytes`` is within ``budget_bytes``. Raises
+    :class:`MemoryBudgetTooSmall` where even no unit is over the budget itself."""
     candidates = tuple(candidates)
     zero3 = peak_of(())
     if zero3 > budget_bytes:

@@ -140,9 +140,23 @@ class OverlapScheduleTransform(Transform):
             self._settings_agreed = True
         scheduled = self._schedule_pass(annotated, "backward" if backward else "forward", group)
         setattr(self.summaries, "backward" if backward else "forward", scheduled.summary)
+        self._warn_if_over_budget("backward" if backward else "forward", scheduled.summary)
         if not backward:
             self._forward_memory, self._forward_budget_basis = scheduled.memory, scheduled.budget_basis
         return scheduled.trace
+
+    def _warn_if_over_budget(self, pass_name: str, summary: ScheduleSummary | None) -> None:
+        """Says so where even no prefetch at all is over ``memory_budget_bytes``: the pass then
+        runs just in time, over the budget (sharding "auto" refuses such a budget up front)."""
+        budget = self.config.memory_budget_bytes
+        if budget is None or summary is None or summary.baseline_peak_bytes is None or summary.baseline_peak_bytes <= budget:
+            return
+        warnings.warn(
+            f"thunder_overlap: the {pass_name} needs {summary.baseline_peak_bytes} B even with every collective just in time, "
+            f"over OverlapConfig.memory_budget_bytes={budget}; it prefetches nothing and runs over the budget. Raise the "
+            "budget, or shrink the batch or the model per rank",
+            stacklevel=3,
+        )
 
     def _schedule_pass(self, annotated: AnnotatedTrace, pass_name: str, group: ProcessGroup | None) -> ScheduledTrace:
         """Schedules once, in the agreed order where this pass compiled before; at its first

@@ -329,7 +329,7 @@ class Zero3Transform(Transform):
             kept = agreed_prefix(choice.kept, agreed_subset(list(choice.kept), group))
             if kept != choice.kept:  # another rank has less room (its own batch shape)
                 saved = sum(unit_bytes[unit] for unit in kept)
-                choice = replace(choice, kept=kept, peak_bytes=peak_of(kept), regather_bytes_saved=saved)
+                choice = replace(choice, kept=kept, peak_bytes=peak_of(kept), regather_bytes_saved=saved, kept_alone=choice.kept)
         self.choice = choice
         plan = plan_for(choice.kept)
         forward_out.bound_symbols = _rewrite_forward(annotated.trace, plan).bound_symbols
