@@ -46,31 +46,41 @@ def test_a_budget_between_zero3_and_zero2_is_kept_and_trains_like_the_reference(
 SMALL = TinyGPTConfig(n_layer=4, n_embd=64)
 
 
-def _ranks_with_other_first_shapes(rank: int, world_size: int) -> tuple[tuple[str, ...], tuple[str, ...] | None, list[str]]:
-    """Both ranks price ZeRO2 at 8 tokens and take its peak as their budget; then rank 0 starts
-    at 8 tokens (room for every block) and rank 1 at 16 (room for fewer), and each then retraces
-    alone for the other's shape. Returns the kept units, what this rank would have kept alone,
-    and the last backward's collectives in issue order."""
-    import thunder
+def _small(budget: int):
     import torch
 
     import thunder_overlap
+
+    torch.manual_seed(0)
+    config = OverlapConfig(memory_budget_bytes=budget)
+    return thunder_overlap.fsdp(TinyGPT(SMALL), device="cpu", sharding_strategy="auto", config=config)
+
+
+def _step(jm, seq_len: int) -> None:
+    import torch
+
+    jm(torch.randint(0, SMALL.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(seq_len))).sum().backward()
+
+
+def _priced_at_8_tokens():
+    """What sharding "auto" predicts at 8 tokens, every block kept (the same on both ranks)."""
+    probe = _small(1 << 40)
+    _step(probe, 8)
+    return Zero3Transform.of(probe).choice
+
+
+def _ranks_with_other_first_shapes(rank: int, world_size: int) -> tuple[tuple[str, ...], tuple[str, ...] | None, list[str]]:
+    """Both ranks take ZeRO2's peak at 8 tokens as their budget; then rank 0 starts at 8 tokens
+    (room for every block) and rank 1 at 16 (room for fewer), and each then retraces alone for
+    the other's shape. Returns the kept units, what this rank would have kept alone, and the last
+    backward's collectives in issue order."""
+    import thunder
+
     from thunder_overlap.testing.training import collective_sequence
 
-    def model(budget: int):
-        torch.manual_seed(0)
-        config = OverlapConfig(memory_budget_bytes=budget)
-        return thunder_overlap.fsdp(TinyGPT(SMALL), device="cpu", sharding_strategy="auto", config=config)
-
-    def step(jm, seq_len: int) -> None:
-        jm(torch.randint(0, SMALL.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(seq_len))).sum().backward()
-
-    probe = model(1 << 40)
-    step(probe, 8)
-    budget = Zero3Transform.of(probe).choice.zero2_peak_bytes
-    jm = model(budget)
+    jm = _small(_priced_at_8_tokens().zero2_peak_bytes)
     for seq_len in (8, 16) if rank == 0 else (16, 8):
-        step(jm, seq_len)
+        _step(jm, seq_len)
     choice = Zero3Transform.of(jm).choice
     # The collectives in issue order (waits may sit elsewhere: compute follows each rank's shapes).
     issued = [entry for entry in collective_sequence(thunder.last_backward_traces(jm)[-1]) if "wait" not in entry.split("(")[0]]
@@ -84,3 +94,22 @@ def test_ranks_whose_first_batches_differ_keep_what_both_have_room_for(local_ran
     # Both keep rank 1's choice, a prefix of rank 0's, and retraced the other's shape with it.
     assert kept_0 == kept_1 == alone_0[: len(kept_1)]
     assert backward_0 == backward_1
+
+
+def _one_rank_without_room(rank: int, world_size: int) -> str | None:
+    """ZeRO3's peak at 8 tokens as the budget: rank 1's first batch has 16, more than fits."""
+    from thunder_overlap import MemoryBudgetTooSmall
+
+    jm = _small(_priced_at_8_tokens().zero3_peak_bytes)
+    try:
+        _step(jm, 8 if rank == 0 else 16)
+    except MemoryBudgetTooSmall as e:
+        return str(e)
+    return None
+
+
+def test_a_rank_without_room_for_zero3_stops_every_rank(local_ranks):
+    says_0, says_1 = local_ranks(_one_rank_without_room, 2, ())
+    assert says_1 is not None and "is below the predicted peak of ZeRO3 itself" in says_1
+    # Rank 0 had room, and stops rather than wait for rank 1 at its next collective.
+    assert says_0 is not None and "ranks [1] have no room for ZeRO3 itself" in says_0

@@ -66,6 +66,19 @@ def test_cli_with_auto_buckets_prints_the_plan(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_cli_with_sharding_auto_prints_and_writes_the_choice(tmp_path, capsys):
+    argv = ["--model", "tiny-gpt", "--n-layer", "2", "--world-size", "8", "--bucketing", "block", "--out", str(tmp_path)]
+    assert main([*argv, "--sharding", "auto", "--memory-budget", "1TiB"]) == 0
+    out = capsys.readouterr().out
+    choice = json.loads((tmp_path / "report.json").read_text())["unsharding"]
+    # A budget no step reaches keeps every unit: ZeRO2's schedule, and its peak is the choice's.
+    assert choice["budget_bytes"] == 1 << 40 and choice["kept"] == choice["candidates"] and len(choice["kept"]) > 2
+    assert choice["peak_bytes"] == choice["zero2_peak_bytes"] > choice["zero3_peak_bytes"]
+    kept = len(choice["kept"])
+    assert re.search(rf"^sharding auto: kept {kept} of {kept} units unsharded to the backward", out, re.M), out
+
+
+@pytest.mark.slow
 def test_cli_with_mixed_precision_gathers_half_the_bytes_and_says_so(tmp_path, capsys):
     def run(*precision: str) -> tuple[str, dict]:
         out_dir = tmp_path / "-".join(precision)

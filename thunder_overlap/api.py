@@ -96,13 +96,11 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
         transforms.append(Zero3Transform())
     elif options.sharding is ShardingStrategy.AUTO:
         selective = SelectiveUnsharding(
-            options.config.memory_budget_bytes,
             options.config,
             block_types=options.block_types,
             buckets=bucketing,
             agreement_group=agreement_group,
             settings={**options.config.agreed_fields(), **settings},
-            exchange=options.config.tuning.check_ranks_agree,
         )
         transforms.append(Zero3Transform(selective))
     if bucketing is not None:

@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from thunder_overlap._analysis.classify import AnnotatedTrace
 
-__all__ = ["CollectiveKey", "IssueOrderAgreement", "agree_settings", "agreed_subset", "collective_keys"]
+__all__ = ["CollectiveKey", "IssueOrderAgreement", "agree_settings", "agreed_prefix", "agreed_subset", "collective_keys"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,23 @@ def agreed_subset(mine: list[str], group: dist.ProcessGroup | None) -> list[str]
     dist.all_gather_object(gathered, list(mine), group=group)
     common = set.intersection(*(set(choices) for choices in gathered))
     return [choice for choice in mine if choice in common]
+
+
+def agreed_prefix(mine: Sequence[str] | None, group: dist.ProcessGroup | None) -> tuple[tuple[str, ...], list[int]]:
+    """The longest prefix of ``mine`` that every rank of ``group`` chose too, and the ranks that
+    could not choose (their ``mine`` is None), in one object all-gather (``mine`` unchanged where
+    there is nobody to agree with). Every rank takes part even when it could not choose, so that
+    its peers stop with it instead of waiting for it."""
+    if not _exchange_is_possible(group):
+        return tuple(mine or ()), []
+    gathered: list[list[str] | None] = [None] * group.size()
+    dist.all_gather_object(gathered, None if mine is None else list(mine), group=group)
+    failed = [rank for rank, theirs in enumerate(gathered) if theirs is None]
+    chosen = [theirs for theirs in gathered if theirs is not None]
+    common = 0
+    while chosen and all(len(theirs) > common and theirs[common] == chosen[0][common] for theirs in chosen):
+        common += 1
+    return tuple(chosen[0][:common]) if chosen else (), failed
 
 
 def agree_settings(settings: Mapping[str, object], plan_digest: str | None, group: dist.ProcessGroup | None) -> None:

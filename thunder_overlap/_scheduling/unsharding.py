@@ -22,9 +22,8 @@ from thunder.core.trace import TraceCtx
 
 from thunder_overlap._analysis.classify import classify_trace
 from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
-from thunder_overlap._analysis.memory_estimate import estimate_memory
-from thunder_overlap._scheduling.orders import apply_order
-from thunder_overlap._scheduling.scheduler import just_in_time_order
+from thunder_overlap._scheduling.limits import JUST_IN_TIME_LIMITS
+from thunder_overlap._scheduling.scheduler import OverlapScheduler
 
 __all__ = ["MemoryBudgetTooSmall", "UnshardingChoice", "choose_kept_units", "just_in_time_step_peak"]
 
@@ -71,12 +70,11 @@ class UnshardingChoice:
 def just_in_time_step_peak(forward: TraceCtx, backward: TraceCtx, layouts: BucketLayouts = NO_BUCKETS) -> int:
     """Predicted peak bytes of a step that runs ``forward`` then ``backward`` (bucketed traces
     with their buckets' ``layouts``) with every collective just in time: the least memory any
-    schedule of them has."""
+    schedule of them has, the scheduler's own baseline."""
     peak, after = 0, None
     for trace in (forward, backward):
-        annotated = classify_trace(trace, layouts)
-        ordered = apply_order(annotated, just_in_time_order(annotated), provenance="thunder_overlap: just-in-time baseline")
-        after = estimate_memory(ordered, layouts=layouts, after=after)
+        scheduler = OverlapScheduler(classify_trace(trace, layouts), JUST_IN_TIME_LIMITS, memory_after=after)
+        _, after = scheduler.estimate_baseline_memory()
         peak = max(peak, after.peak_bytes)
     return peak
 
@@ -128,13 +126,3 @@ def choose_kept_units(
         regather_bytes_saved=sum(unit_bytes[unit] for unit in kept),
     )
 
-
-def agreed_prefix(kept: tuple[str, ...], agreed: Sequence[str]) -> tuple[str, ...]:
-    """The longest prefix of ``kept`` whose units are all in ``agreed`` (what every rank kept)."""
-    agreed = set(agreed)
-    prefix = []
-    for unit in kept:
-        if unit not in agreed:
-            break
-        prefix.append(unit)
-    return tuple(prefix)

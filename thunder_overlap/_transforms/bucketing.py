@@ -51,6 +51,7 @@ from thunder_overlap._bucketing.module_plan import ModuleBuckets, block_names, m
 from thunder_overlap._bucketing.plan import BucketPlan, BucketPlanSummary, bucket_owner
 from thunder_overlap._bucketing.pool import BufferPool
 from thunder_overlap._bucketing.trace_rewrite import BucketIndex, BucketingSummary, forward_input_names, rewrite_bucket_collectives
+from thunder_overlap._transforms._lookup import transform_of
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import BucketingStrategy, MixedPrecision, parse_bucketing_strategy
 
@@ -127,7 +128,7 @@ class BucketingTransform(Transform):
     @staticmethod
     def of(module) -> BucketingTransform | None:
         """The bucketing transform of a module ``thunder_overlap.fsdp`` returned, if any."""
-        return next((t for t in thunder.compile_data(module).transforms if isinstance(t, BucketingTransform)), None)
+        return transform_of(module, BucketingTransform)
 
     # --- the buckets' state ---------------------------------------------------------------------
 

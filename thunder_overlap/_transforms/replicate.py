@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from thunder_overlap import _ops as ops
 from thunder_overlap._analysis.classify import CollectiveKind, classify_trace
+from thunder_overlap._transforms._lookup import transform_of
 
 __all__ = ["ReplicaReduceTransform"]
 
@@ -53,9 +54,7 @@ class ReplicaReduceTransform(Transform):
     @staticmethod
     def of(module) -> ReplicaReduceTransform | None:
         """The transform of a module ``thunder_overlap.fsdp`` returned with a 2-D mesh, if any."""
-        from thunder import compile_data
-
-        return next((t for t in compile_data(module).transforms if isinstance(t, ReplicaReduceTransform)), None)
+        return transform_of(module, ReplicaReduceTransform)
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         if TraceTag.BACKWARD not in computation_trace.tags:

@@ -14,7 +14,6 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import thunder
 from thunder.core.devices import to_torch_device
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, TraceTag
@@ -32,6 +31,7 @@ from thunder_overlap._scheduling.dispatch import ScheduledTrace, schedule_trace
 from thunder_overlap._scheduling.issue_order import IssueOrder, issue_order_of
 from thunder_overlap._scheduling.rank_agreement import IssueOrderAgreement, agree_settings, agreed_subset, collective_keys
 from thunder_overlap._scheduling.summary import ScheduleSummary
+from thunder_overlap._transforms._lookup import transform_of
 from thunder_overlap._transforms.bucketing import BucketingTransform
 from thunder_overlap.config import OverlapConfig
 
@@ -91,7 +91,7 @@ class OverlapScheduleTransform(Transform):
     @staticmethod
     def of(module) -> OverlapScheduleTransform | None:
         """The schedule transform of a module ``thunder_overlap.fsdp`` returned, if any."""
-        return next((t for t in thunder.compile_data(module).transforms if isinstance(t, OverlapScheduleTransform)), None)
+        return transform_of(module, OverlapScheduleTransform)
 
     @property
     def prefetch_unit_bytes(self) -> int | None:

@@ -21,9 +21,8 @@ estimate under the budget ([Note: selective unsharding]); later compiles keep th
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 from thunder.core import prims
@@ -36,8 +35,9 @@ from thunder.executors.passes import del_last_used
 
 from thunder_overlap._analysis.blocks import BlockTypes, find_blocks
 from thunder_overlap._analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace, parameter_names_of_inputs
-from thunder_overlap._scheduling.rank_agreement import agree_settings, agreed_subset
-from thunder_overlap._scheduling.unsharding import UnshardingChoice, agreed_prefix, choose_kept_units, just_in_time_step_peak
+from thunder_overlap._scheduling.rank_agreement import agree_settings, agreed_prefix
+from thunder_overlap._scheduling.unsharding import MemoryBudgetTooSmall, UnshardingChoice, choose_kept_units, just_in_time_step_peak
+from thunder_overlap._transforms._lookup import transform_of
 from thunder_overlap._transforms.bucketing import BucketingTransform
 from thunder_overlap.config import OverlapConfig
 
@@ -196,11 +196,10 @@ def _rewrite_backward(trace: TraceCtx, plan: RegatherPlan) -> TraceCtx:
 
 @dataclass(frozen=True)
 class SelectiveUnsharding:
-    """Sharding "auto"'s settings: the per-rank budget, what forms units and whom to agree with."""
+    """Sharding "auto"'s settings: the configuration (its budget, and the prefetch room is left
+    for), what forms units and whom to agree with."""
 
-    budget_bytes: int
-    # What the scheduler may prefetch: room for bucket prefetch is left free ([Note: selective unsharding]).
-    config: OverlapConfig = field(default_factory=OverlapConfig)
+    config: OverlapConfig
     block_types: BlockTypes | None = None
     # Units are its buckets where the module has buckets (a bucket is gathered whole).
     buckets: BucketingTransform | None = None
@@ -208,7 +207,10 @@ class SelectiveUnsharding:
     # they compare first, as the schedule transform does ([Note: rank agreement]).
     agreement_group: dist.ProcessGroup | None = None
     settings: Mapping[str, object] | None = None
-    exchange: bool = True
+
+    def __post_init__(self) -> None:
+        if self.config.memory_budget_bytes is None:
+            raise ValueError("sharding 'auto' needs OverlapConfig.memory_budget_bytes")
 
 
 class Zero3Transform(Transform):
@@ -234,9 +236,7 @@ class Zero3Transform(Transform):
     @staticmethod
     def of(module) -> Zero3Transform | None:
         """The ZeRO3 transform of a module ``thunder_overlap.fsdp`` returned, if any."""
-        import thunder
-
-        return next((t for t in thunder.compile_data(module).transforms if isinstance(t, Zero3Transform)), None)
+        return transform_of(module, Zero3Transform)
 
     def transform_module(self, model) -> None:
         if self.selective is not None:
@@ -320,13 +320,29 @@ class Zero3Transform(Transform):
             # As the bucketing transform will run them: the pool counts too.
             return just_in_time_step_peak(*selective.buckets.bucketed(forward, backward_trace), selective.buckets.layouts)
 
-        reserve = _prefetch_reserve(selective.config, max(unit_bytes.values(), default=0), selective.buckets is not None)
-        choice = choose_kept_units(candidates, unit_bytes, peak_of, selective.budget_bytes, reserve)
-        group = selective.agreement_group or next((c.process_group for c in annotated.collectives if c.process_group), None)
-        if selective.exchange:
+        config = selective.config
+        reserve = _prefetch_reserve(config, max(unit_bytes.values(), default=0), selective.buckets is not None)
+        exchange = config.tuning.check_ranks_agree
+        group = selective.agreement_group
+        if group is None:
+            group = next((c.process_group for c in annotated.collectives if c.process_group is not None), None)
+        if exchange:
             digest = selective.buckets.plan_digest() if selective.buckets is not None else None
             agree_settings(selective.settings or {}, digest, group)
-            kept = agreed_prefix(choice.kept, agreed_subset(list(choice.kept), group))
+        try:
+            choice = choose_kept_units(candidates, unit_bytes, peak_of, config.memory_budget_bytes, reserve)
+        except MemoryBudgetTooSmall:
+            if exchange:
+                agreed_prefix(None, group)  # so that the other ranks stop too
+            raise
+        if exchange:
+            kept, failed = agreed_prefix(choice.kept, group)
+            if failed:
+                raise MemoryBudgetTooSmall(
+                    f"thunder_overlap sharding 'auto': ranks {failed} have no room for ZeRO3 itself under "
+                    f"memory_budget_bytes={config.memory_budget_bytes} (their own error names their predicted peak); "
+                    "every rank stops"
+                )
             if kept != choice.kept:  # another rank has less room (its own batch shape)
                 saved = sum(unit_bytes[unit] for unit in kept)
                 choice = replace(choice, kept=kept, peak_bytes=peak_of(kept), regather_bytes_saved=saved, kept_alone=choice.kept)
@@ -366,13 +382,9 @@ def _candidates(annotated: AnnotatedTrace, units: Mapping[str, frozenset[str]]) 
         for unit in owners:
             first_use[unit] = min(first_use.get(unit, end), min(uses, default=end))
             gathers.setdefault(unit, set()).update(i for i in chain or () if annotated.nodes[i].kind is NodeKind.COLLECTIVE)
-    unit_bytes = {unit: sum(_gathered_bytes(annotated.nodes[i].bsym) for i in nodes) for unit, nodes in gathers.items()}
+    collectives = annotated.collectives
+    unit_bytes = {unit: sum(collectives[annotated.nodes[i].collective].unsharded_bytes for i in nodes) for unit, nodes in gathers.items()}
     return sorted(first_use, key=lambda unit: -first_use[unit]), unit_bytes
-
-
-def _gathered_bytes(start: BoundSymbol) -> int:
-    gathered = start.flat_proxy_outs[0]
-    return math.prod(int(s) for s in gathered.shape) * gathered.dtype.bytes
 
 
 def _prefetch_reserve(config: OverlapConfig, largest_unit_bytes: int, bucketed: bool) -> int:
