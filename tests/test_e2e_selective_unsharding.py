@@ -89,12 +89,14 @@ def _ranks_with_other_first_shapes(rank: int, world_size: int) -> tuple[tuple[st
 
 def test_ranks_whose_first_batches_differ_keep_what_both_have_room_for(local_ranks):
     (kept_0, alone_0, backward_0), (kept_1, alone_1, backward_1) = local_ranks(_ranks_with_other_first_shapes, 2, ())
-    # Rank 0 alone would keep more (the precondition: else this test checks nothing).
-    assert alone_1 is None and alone_0 is not None and len(alone_0) > len(kept_1) > 0
-    # Both keep rank 1's choice, a prefix of rank 0's, and retraced the other's shape with it.
-    assert kept_0 == kept_1 == alone_0[: len(kept_1)]
+    own_0, own_1 = alone_0 or kept_0, alone_1 or kept_1
+    # Alone, the ranks would choose differently (the precondition: else this test checks nothing).
+    assert own_0 != own_1, (own_0, own_1)
+    # Both keep what both chose, the other's shape retraced with it.
+    common = own_0[: len(own_1)] if own_0[: len(own_1)] == own_1 else own_1[: len(own_0)]
+    assert common in (own_0, own_1) and len(common) > 0, (own_0, own_1)
+    assert kept_0 == kept_1 == common
     assert backward_0 == backward_1
-
 
 def _one_rank_without_room(rank: int, world_size: int) -> str | None:
     """ZeRO3's peak at 8 tokens as the budget: rank 1's first batch has 16, more than fits."""

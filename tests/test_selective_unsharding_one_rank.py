@@ -40,8 +40,7 @@ def halfway_budget(one_rank_gloo_group) -> int:
     jm = _model("auto", 1 << 40)
     jm(_batch(0)).sum().backward()
     choice = Zero3Transform.of(jm).choice
-    # Buckets leave room for one bucket's prefetch ([Note: selective unsharding]).
-    return (choice.zero3_peak_bytes + choice.zero2_peak_bytes) // 2 + choice.prefetch_reserve_bytes
+    return (choice.zero3_peak_bytes + choice.zero2_peak_bytes) // 2
 
 
 def test_accumulation_under_no_sync_keeps_the_choice_and_zero3s_gradients(halfway_budget):

@@ -90,19 +90,19 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
             replicate_group=options.replicate_group,
             mixed_precision=options.mixed_precision,
         )
-    settings = options.agreed_fields()
     agreement_group = options.world_group if options.hybrid_mesh is not None else None
+    # The ranks' first exchange compares these settings, the configuration's and the bucket plans.
+    schedule = OverlapScheduleTransform(
+        options.config,
+        block_types=options.block_types,
+        buckets=bucketing,
+        settings=options.agreed_fields(),
+        agreement_group=agreement_group,
+    )
     if options.sharding is ShardingStrategy.ZERO3:
         transforms.append(Zero3Transform())
     elif options.sharding is ShardingStrategy.AUTO:
-        selective = SelectiveUnsharding(
-            options.config,
-            block_types=options.block_types,
-            buckets=bucketing,
-            agreement_group=agreement_group,
-            settings={**options.config.agreed_fields(), **settings},
-        )
-        transforms.append(Zero3Transform(selective))
+        transforms.append(Zero3Transform(SelectiveUnsharding(schedule, block_types=options.block_types, buckets=bucketing)))
     if bucketing is not None:
         # After ZeRO3, so that its backward re-gathers are bucketed too; after materialisation,
         # which may replace the parameters the buckets hold.
@@ -113,16 +113,7 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
         # After bucketing, so that a bucket's reduce-scatter gets one all-reduce; before
         # scheduling, which places the all-reduces like any other collective.
         transforms.append(ReplicaReduceTransform(options.hybrid_mesh))
-    # The ranks' first exchange compares these settings, the configuration's and the bucket plans.
-    transforms.append(
-        OverlapScheduleTransform(
-            options.config,
-            block_types=options.block_types,
-            buckets=bucketing,
-            settings=settings,
-            agreement_group=agreement_group,
-        )
-    )
+    transforms.append(schedule)
     return transforms
 
 
@@ -153,8 +144,9 @@ def fsdp(
             CUDA device becomes the current device (NCCL and object collectives use it).
         sharding_strategy: ``"zero2"``/``"zero3"``/``"auto"`` (any case), :class:`ShardingStrategy`
             or Thunder's ``FSDPType``. ZeRO3 saves only sharded parameters for backward and
-            re-gathers them there. ``"auto"`` keeps the gathered parameters of as many blocks as
-            ``config.memory_budget_bytes`` has room for to the backward (ZeRO2 for them) and
+            re-gathers them there. ``"auto"`` keeps the gathered parameters of the blocks the
+            backward needs first to the backward (ZeRO2 for them), as many as
+            ``config.memory_budget_bytes`` has room for and the predicted step gains from, and
             re-gathers the rest; the budget defaults to 85% of a CUDA device's memory and is
             required on CPU. ``Zero3Transform.of(model).choice`` says which were kept.
         bucketing_strategy: ``"none"`` (one collective per parameter), ``"layer"`` (one per module

@@ -25,12 +25,14 @@ from thunder_overlap._analysis.blocks import BlockTypes, largest_block_bytes
 from thunder_overlap._analysis.classify import AnnotatedTrace, classify_trace, find_swallowed_collectives
 from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
-from thunder_overlap._analysis.memory_estimate import MemoryEstimate
+from thunder_overlap._analysis.memory_estimate import MemoryEstimate, estimate_memory
+from thunder_overlap._analysis.simulator import simulate
 from thunder_overlap._bucketing.path_choice import PathChoice, choose_bucket_paths
 from thunder_overlap._scheduling.dispatch import ScheduledTrace, schedule_trace
 from thunder_overlap._scheduling.issue_order import IssueOrder, issue_order_of
 from thunder_overlap._scheduling.rank_agreement import IssueOrderAgreement, agree_settings, agreed_subset, collective_keys
 from thunder_overlap._scheduling.summary import ScheduleSummary
+from thunder_overlap._scheduling.unsharding import StepPrediction
 from thunder_overlap._transforms._lookup import transform_of
 from thunder_overlap._transforms.bucketing import BucketingTransform
 from thunder_overlap.config import OverlapConfig
@@ -196,6 +198,32 @@ class OverlapScheduleTransform(Transform):
         self.buckets.set_layouts(self.bucket_paths.layouts)
         self._forward_memory = self.bucket_paths.forward_memory
         return self.bucket_paths.backward
+
+    def predict_step(self, forward: TraceCtx, backward: TraceCtx, layouts: BucketLayouts = NO_BUCKETS) -> StepPrediction:
+        """``forward`` then ``backward`` (bucketed with ``layouts``) scheduled as this transform
+        schedules a first compile, less what needs the other ranks (the agreed order, the bucket
+        paths): the predicted peak and the simulated step (sharding "auto" compares choices by them)."""
+        peak_bytes, step_ms, held_by_memory = 0, 0.0, 0
+        memory_after = budget_after = None
+        for trace in (forward, backward):
+            annotated = classify_trace(trace, layouts)
+            if not annotated.collectives:
+                continue
+            scheduled = schedule_trace(
+                annotated,
+                self.config,
+                largest_block_bytes=self.prefetch_unit_bytes,
+                cost_model=self._cost_model,
+                memory_after=memory_after,
+                budget_after=budget_after,
+            )
+            memory = scheduled.memory or estimate_memory(scheduled.trace, layouts=layouts, after=memory_after)
+            final = classify_trace(scheduled.trace, layouts)  # coalesced launches are one collective each
+            step_ms += simulate(final, list(range(len(final.nodes))), self._cost_model(annotated)).step_ms
+            peak_bytes = max(peak_bytes, memory.peak_bytes)
+            held_by_memory += scheduled.summary.held_by_memory if scheduled.summary is not None else 0
+            memory_after, budget_after = memory, scheduled.budget_basis
+        return StepPrediction(peak_bytes, step_ms, held_by_memory)
 
     def _chooses_paths(self, annotated: AnnotatedTrace) -> bool:
         """Once, at the first backward that reduce-scatters buckets (not under no_sync)."""

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import cache
 
-import torch.distributed as dist
 from thunder.core import prims
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
@@ -35,11 +35,18 @@ from thunder.executors.passes import del_last_used
 
 from thunder_overlap._analysis.blocks import BlockTypes, find_blocks
 from thunder_overlap._analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace, parameter_names_of_inputs
+from thunder_overlap._analysis.layout import NO_BUCKETS
 from thunder_overlap._scheduling.rank_agreement import agree_settings, agreed_prefix
-from thunder_overlap._scheduling.unsharding import MemoryBudgetTooSmall, UnshardingChoice, choose_kept_units, just_in_time_step_peak
+from thunder_overlap._scheduling.unsharding import (
+    MemoryBudgetTooSmall,
+    StepPrediction,
+    UnshardingChoice,
+    choose_kept_units,
+    just_in_time_step_peak,
+)
 from thunder_overlap._transforms._lookup import transform_of
 from thunder_overlap._transforms.bucketing import BucketingTransform
-from thunder_overlap.config import OverlapConfig
+from thunder_overlap._transforms.schedule import OverlapScheduleTransform
 
 __all__ = ["Zero3Transform", "RegatherPlan", "SelectiveUnsharding", "gathered_shards", "plan_regather"]
 
@@ -196,20 +203,17 @@ def _rewrite_backward(trace: TraceCtx, plan: RegatherPlan) -> TraceCtx:
 
 @dataclass(frozen=True)
 class SelectiveUnsharding:
-    """Sharding "auto"'s settings: the configuration (its budget, and the prefetch room is left
-    for), what forms units and whom to agree with."""
+    """Sharding "auto"'s collaborators: the model's blocks and buckets, which form units, and the
+    schedule transform, whose configuration holds the budget and whose schedule prices a choice
+    (it also says whom to agree with, after comparing which settings: [Note: rank agreement])."""
 
-    config: OverlapConfig
+    schedule: OverlapScheduleTransform
     block_types: BlockTypes | None = None
     # Units are its buckets where the module has buckets (a bucket is gathered whole).
     buckets: BucketingTransform | None = None
-    # The group whose ranks make one choice (None: the traces' process group), and the settings
-    # they compare first, as the schedule transform does ([Note: rank agreement]).
-    agreement_group: dist.ProcessGroup | None = None
-    settings: Mapping[str, object] | None = None
 
     def __post_init__(self) -> None:
-        if self.config.memory_budget_bytes is None:
+        if self.schedule.config.memory_budget_bytes is None:
             raise ValueError("sharding 'auto' needs OverlapConfig.memory_budget_bytes")
 
 
@@ -304,33 +308,39 @@ class Zero3Transform(Transform):
         ranks, rewrites the deferred forward in place and returns the backward's plan."""
         annotated, forward_out = self._deferred
         self._deferred = None
+        selective = self.selective
+        schedule, buckets = selective.schedule, selective.buckets
         units = self._units_of_saved(annotated)
-        candidates, unit_bytes = _candidates(annotated, units)
+        candidates, unit_bytes = _candidates(annotated, classify_trace(backward), units)
+        layouts = buckets.layouts if buckets is not None else NO_BUCKETS
 
         def plan_for(kept: tuple[str, ...]) -> RegatherPlan:
             return plan_regather(annotated, _keeping(units, kept))
 
-        selective = self.selective
+        @cache
+        def step_for(kept: tuple[str, ...]) -> tuple[TraceCtx, TraceCtx]:
+            """The step's traces with ``kept`` as the bucketing transform will run them (the pool counts)."""
+            plan = plan_for(kept)
+            step = _rewrite_forward(annotated.trace, plan), _rewrite_backward(backward, plan)
+            for trace in step:  # names pricing makes (coalesced launches) stay out of the traces that run
+                trace.names = set(trace.names)
+            return buckets.bucketed(*step) if buckets is not None else step
 
         def peak_of(kept: tuple[str, ...]) -> int:
-            plan = plan_for(kept)
-            forward, backward_trace = _rewrite_forward(annotated.trace, plan), _rewrite_backward(backward, plan)
-            if selective.buckets is None:
-                return just_in_time_step_peak(forward, backward_trace)
-            # As the bucketing transform will run them: the pool counts too.
-            return just_in_time_step_peak(*selective.buckets.bucketed(forward, backward_trace), selective.buckets.layouts)
+            return just_in_time_step_peak(*step_for(kept), layouts)
 
-        config = selective.config
-        reserve = _prefetch_reserve(config, max(unit_bytes.values(), default=0), selective.buckets is not None)
-        exchange = config.tuning.check_ranks_agree
-        group = selective.agreement_group
+        def predict(kept: tuple[str, ...]) -> StepPrediction:
+            return schedule.predict_step(*step_for(kept), layouts)
+
+        budget = schedule.config.memory_budget_bytes
+        exchange = schedule.config.tuning.check_ranks_agree
+        group = schedule.agreement_group
         if group is None:
             group = next((c.process_group for c in annotated.collectives if c.process_group is not None), None)
         if exchange:
-            digest = selective.buckets.plan_digest() if selective.buckets is not None else None
-            agree_settings(selective.settings or {}, digest, group)
+            agree_settings(schedule.settings, buckets.plan_digest() if buckets is not None else None, group)
         try:
-            choice = choose_kept_units(candidates, unit_bytes, peak_of, config.memory_budget_bytes, reserve)
+            choice = choose_kept_units(candidates, unit_bytes, peak_of, budget, predict)
         except MemoryBudgetTooSmall:
             if exchange:
                 agreed_prefix(None, group)  # so that the other ranks stop too
@@ -340,12 +350,17 @@ class Zero3Transform(Transform):
             if failed:
                 raise MemoryBudgetTooSmall(
                     f"thunder_overlap sharding 'auto': ranks {failed} have no room for ZeRO3 itself under "
-                    f"memory_budget_bytes={config.memory_budget_bytes} (their own error names their predicted peak); "
-                    "every rank stops"
+                    f"memory_budget_bytes={budget} (their own error names their predicted peak); every rank stops"
                 )
             if kept != choice.kept:  # another rank has less room (its own batch shape)
-                saved = sum(unit_bytes[unit] for unit in kept)
-                choice = replace(choice, kept=kept, peak_bytes=peak_of(kept), regather_bytes_saved=saved, kept_alone=choice.kept)
+                choice = replace(
+                    choice,
+                    kept=kept,
+                    peak_bytes=peak_of(kept),
+                    scheduled=predict(kept) if choice.scheduled is not None else None,
+                    regather_bytes_saved=sum(unit_bytes[unit] for unit in kept),
+                    kept_alone=choice.kept,
+                )
         self.choice = choice
         plan = plan_for(choice.kept)
         forward_out.bound_symbols = _rewrite_forward(annotated.trace, plan).bound_symbols
@@ -370,30 +385,21 @@ def _keeping(units: Mapping[str, frozenset[str]], kept: tuple[str, ...]) -> Call
     return lambda name: bool(units.get(name)) and units[name] <= kept_set
 
 
-def _candidates(annotated: AnnotatedTrace, units: Mapping[str, frozenset[str]]) -> tuple[list[str], dict[str, int]]:
-    """The units in the order the backward needs them (the last used in the forward first), and
-    each one's gathered bytes: what keeping it saves re-gathering."""
-    end = len(annotated.nodes)
-    first_use: dict[str, int] = {}
+def _candidates(
+    forward: AnnotatedTrace, backward: AnnotatedTrace, units: Mapping[str, frozenset[str]]
+) -> tuple[list[str], dict[str, int]]:
+    """The units in the order the backward first computes with them (a tied embedding, which the
+    output head's gradient needs, before the last block), and each one's gathered bytes: what
+    keeping it saves re-gathering."""
+    end = len(backward.nodes)
+    needed_at: dict[str, int] = {}
     gathers: dict[str, set[int]] = {}
     for name, owners in units.items():
-        uses = [i for i in annotated.consumers.get(name, []) if annotated.nodes[i].kind is NodeKind.COMPUTE]
-        chain, _ = _recompute_slice(annotated, name)
+        uses = [i for i in backward.consumers.get(name, []) if backward.nodes[i].kind is NodeKind.COMPUTE]
+        chain, _ = _recompute_slice(forward, name)
         for unit in owners:
-            first_use[unit] = min(first_use.get(unit, end), min(uses, default=end))
-            gathers.setdefault(unit, set()).update(i for i in chain or () if annotated.nodes[i].kind is NodeKind.COLLECTIVE)
-    collectives = annotated.collectives
-    unit_bytes = {unit: sum(collectives[annotated.nodes[i].collective].unsharded_bytes for i in nodes) for unit, nodes in gathers.items()}
-    return sorted(first_use, key=lambda unit: -first_use[unit]), unit_bytes
-
-
-def _prefetch_reserve(config: OverlapConfig, largest_unit_bytes: int, bucketed: bool) -> int:
-    """Bytes left free for the scheduler's prefetch: with buckets, the buffers the pool grows by
-    for the buckets gathered ahead, held all step ([Note: pool growth]); none without buckets,
-    whose prefetched parameters the memory-aware scheduler fits around the peak."""
-    if not bucketed or config.policy == "just_in_time":
-        return 0
-    ahead = config.tuning.bucket_eager_prefetch_blocks or config.prefetch_blocks
-    reserve = int(ahead * largest_unit_bytes)
-    cap = config.max_in_flight_allgather_bytes
-    return reserve if cap is None else min(reserve, cap)
+            needed_at[unit] = min(needed_at.get(unit, end), min(uses, default=end))
+            gathers.setdefault(unit, set()).update(i for i in chain or () if forward.nodes[i].kind is NodeKind.COLLECTIVE)
+    collectives = forward.collectives
+    unit_bytes = {unit: sum(collectives[forward.nodes[i].collective].unsharded_bytes for i in nodes) for unit, nodes in gathers.items()}
+    return sorted(needed_at, key=needed_at.__getitem__), unit_bytes

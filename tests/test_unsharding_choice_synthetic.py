@@ -1,0 +1,107 @@
+"""Sharding "auto"'s search (choose_kept_units) on peaks and step times given as functions of the
+number of units kept: the longest prefix within the budget, or, where the budget holds back its
+prefetching, the fastest prefix as scheduled, never one ZeRO3 beats."""
+
+from __future__ import annotations
+
+import pytest
+
+from thunder_overlap._scheduling.unsharding import MemoryBudgetTooSmall, StepPrediction, choose_kept_units
+
+MIB = 1 << 20
+
+
+def _units(count: int) -> list[str]:
+    return [f"blocks.{i}" for i in range(count)]
+
+
+class _Step:
+    """Peaks and step times by number of units kept; records what was priced."""
+
+    def __init__(self, peaks: list[int], step_ms: list[float] | None = None, held: list[int] | None = None) -> None:
+        self.peaks, self.step_ms = peaks, step_ms
+        self.held = held if held is not None else [1] * len(peaks)
+        self.peaked: list[int] = []
+        self.predicted: list[int] = []
+
+    def peak_of(self, kept: tuple[str, ...]) -> int:
+        self.peaked.append(len(kept))
+        return self.peaks[len(kept)]
+
+    def predict(self, kept: tuple[str, ...]) -> StepPrediction:
+        self.predicted.append(len(kept))
+        return StepPrediction(self.peaks[len(kept)], self.step_ms[len(kept)], self.held[len(kept)])
+
+    def choose(self, budget: int, units: list[str]):
+        predict = self.predict if self.step_ms is not None else None
+        return choose_kept_units(units, dict.fromkeys(units, MIB), self.peak_of, budget, predict)
+
+
+def test_without_predictions_the_longest_prefix_within_the_budget_is_kept():
+    units = _units(8)
+    step = _Step([100 + 10 * k for k in range(9)])
+    choice = step.choose(155, units)
+    assert choice.kept == tuple(units[:5]) and choice.peak_bytes == 150
+    assert (choice.zero3_peak_bytes, choice.zero2_peak_bytes) == (100, 180)
+    assert choice.regather_bytes_saved == 5 * MIB and choice.scheduled is None
+    # Bisection: ZeRO3, ZeRO2, then log2(8) probes, each prefix priced once.
+    assert len(step.peaked) == len(set(step.peaked)) <= 2 + 3
+
+
+def test_a_peak_that_falls_with_the_first_units_kept_still_gives_a_prefix_priced_within_the_budget():
+    # Keeping the blocks the backward needs first spares their re-gathers at its peak.
+    units = _units(6)
+    step = _Step([262, 262, 260, 261, 265, 269, 269])
+    choice = step.choose(266, units)
+    assert choice.kept == tuple(units[:4]) and choice.peak_bytes == 265 <= 266
+
+
+def test_where_prefetching_is_not_held_back_the_longest_prefix_is_kept_whatever_the_times():
+    units = _units(6)
+    # Times that would favour fewer units: the model's noise, not a trade the budget forces.
+    step = _Step([100 + 10 * k for k in range(7)], step_ms=[50, 40, 41, 42, 43, 44, 45], held=[0] * 7)
+    choice = step.choose(1000, units)
+    assert choice.kept == tuple(units)
+    assert sorted(set(step.predicted)) == [0, 6]  # the choice and ZeRO3, for the report
+    assert choice.scheduled == StepPrediction(160, 45, 0) and choice.zero3_scheduled == StepPrediction(100, 50, 0)
+
+
+def test_where_the_budget_holds_prefetching_back_the_fastest_prefix_is_kept():
+    units = _units(6)
+    # Not unimodal: a walk back from the longest prefix would stop at 4.
+    step_ms = [100, 95, 90, 97, 96, 99, 80]
+    step = _Step([100 + 10 * k for k in range(7)], step_ms)
+    choice = step.choose(155, units)  # the longest within the budget keeps 5
+    assert choice.kept == tuple(units[:2])
+    assert choice.scheduled.step_ms == 90 and choice.zero3_scheduled.step_ms == 100
+    assert 6 not in step.predicted  # over the budget: never scheduled
+
+
+def test_zero3_is_kept_where_it_is_predicted_fastest():
+    units = _units(4)
+    step = _Step([100, 110, 120, 130, 140], step_ms=[90, 95, 96, 97, 98])
+    assert step.choose(135, units).kept == ()
+
+
+def test_equal_times_keep_more_units():
+    units = _units(4)
+    step = _Step([100, 110, 120, 130, 140], step_ms=[90, 90, 90, 90, 80])
+    assert step.choose(135, units).kept == tuple(units[:3])
+
+
+def test_many_units_are_searched_from_at_most_sixteen_probes_then_neighbours():
+    units = _units(80)
+    best = 37  # between probes (a stride of 5 from 0)
+    step_ms = [100 + abs(k - best) for k in range(81)]
+    step = _Step([100 + k for k in range(81)], step_ms)
+    choice = step.choose(100 + 79, units)
+    assert choice.kept == tuple(units[:best])
+    probes = set(range(0, 79, 5)) | {79}
+    assert set(step.predicted) - probes <= {34, 36, 37, 38, 39, 41}  # walked from the best probe, 35 or 40
+    assert len(set(step.predicted)) <= len(probes) + 5
+
+
+def test_a_budget_below_zero3s_own_peak_is_an_error_naming_both():
+    step = _Step([300, 310])
+    with pytest.raises(MemoryBudgetTooSmall, match=r"memory_budget_bytes=299 .* ZeRO3 itself, 300 B"):
+        step.choose(299, _units(1))
