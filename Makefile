@@ -37,8 +37,9 @@ lint: $(INSTALLED_TEST)
 # One pytest worker per core (pytest-xdist); tests/conftest.py groups the tests so the shared rank
 # sessions and each module's fixtures are set up once.
 XDIST := -n auto --dist loadgroup
+# --durations: the slowest tests, where keeping the suite short starts.
 test: lint
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 # Lint, then the synthetic, fake-group and one-rank tests that take under a second or so: those
 # marked neither `ranks` (starts rank processes) nor `slow` (takes seconds); see pyproject.toml.

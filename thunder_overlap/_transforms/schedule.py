@@ -207,7 +207,7 @@ class OverlapScheduleTransform(Transform):
         memory_after = budget_after = None
         for trace in (forward, backward):
             annotated = classify_trace(trace, layouts)
-            if not annotated.collectives:
+            if not annotated.collectives:  # the same in every choice, and no collective to find its device by
                 continue
             scheduled = schedule_trace(
                 annotated,
