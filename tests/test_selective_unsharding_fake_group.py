@@ -51,9 +51,9 @@ def test_a_budget_above_zero2s_peak_is_zero2s_schedule(everything_fits):
     choice = Zero3Transform.of(everything_fits).choice
     assert choice.kept == choice.candidates
     assert choice.peak_bytes == choice.zero2_peak_bytes > choice.zero3_peak_bytes
-    # The backward needs the last block first; norm_f and wte are units of their own.
-    blocks = [unit for unit in choice.candidates if unit.startswith("blocks.")]
-    assert blocks == BLOCKS[::-1]
+    # The backward needs the tied embedding first (the output head's gradient), then norm_f's
+    # weight, then the blocks last to first; parameters outside blocks are units of their own.
+    assert choice.candidates == ("wte.weight", "norm_f.weight", *BLOCKS[::-1])
     assert _collectives(everything_fits) == _collectives(_step("zero2"))
 
 

@@ -135,17 +135,26 @@ class OverlapScheduleTransform(Transform):
             if not backward:
                 self._forward_memory = self._forward_budget_basis = None
             return computation_trace
-        group = self.agreement_group if self.agreement_group is not None else _process_group(annotated)
-        if not self._settings_agreed:
-            # Before any other exchange: settings that differ would make ranks exchange differently.
-            agree_settings(self.settings, self.buckets.plan_digest() if self.buckets is not None else None, group)
-            self._settings_agreed = True
+        group = self.agreement_group_of(annotated)
+        self.agree_settings_once(group)
         scheduled = self._schedule_pass(annotated, "backward" if backward else "forward", group)
         setattr(self.summaries, "backward" if backward else "forward", scheduled.summary)
         self._warn_if_over_budget("backward" if backward else "forward", scheduled.summary)
         if not backward:
             self._forward_memory, self._forward_budget_basis = scheduled.memory, scheduled.budget_basis
         return scheduled.trace
+
+    def agreement_group_of(self, annotated: AnnotatedTrace) -> ProcessGroup | None:
+        """The group ranks agree over: the one given, else that of ``annotated``'s collectives."""
+        return self.agreement_group if self.agreement_group is not None else _process_group(annotated)
+
+    def agree_settings_once(self, group: ProcessGroup | None) -> None:
+        """Compares the settings and bucket plans with the other ranks', once, before any other
+        exchange (settings that differ would make ranks exchange differently); sharding "auto"
+        calls it first, at its choice."""
+        if not self._settings_agreed:
+            agree_settings(self.settings, self.buckets.plan_digest() if self.buckets is not None else None, group)
+            self._settings_agreed = True
 
     def _warn_if_over_budget(self, pass_name: str, summary: ScheduleSummary | None) -> None:
         """Says so where even no prefetch at all is over ``memory_budget_bytes``: the pass then

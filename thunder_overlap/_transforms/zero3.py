@@ -36,7 +36,7 @@ from thunder.executors.passes import del_last_used
 from thunder_overlap._analysis.blocks import BlockTypes, find_blocks
 from thunder_overlap._analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace, parameter_names_of_inputs
 from thunder_overlap._analysis.layout import NO_BUCKETS
-from thunder_overlap._scheduling.rank_agreement import agree_settings, agreed_prefix
+from thunder_overlap._scheduling.rank_agreement import agreed_prefix
 from thunder_overlap._scheduling.unsharding import (
     MemoryBudgetTooSmall,
     StepPrediction,
@@ -334,11 +334,8 @@ class Zero3Transform(Transform):
 
         budget = schedule.config.memory_budget_bytes
         exchange = schedule.config.tuning.check_ranks_agree
-        group = schedule.agreement_group
-        if group is None:
-            group = next((c.process_group for c in annotated.collectives if c.process_group is not None), None)
-        if exchange:
-            agree_settings(schedule.settings, buckets.plan_digest() if buckets is not None else None, group)
+        group = schedule.agreement_group_of(annotated)
+        schedule.agree_settings_once(group)
         try:
             choice = choose_kept_units(candidates, unit_bytes, peak_of, budget, predict)
         except MemoryBudgetTooSmall:
