@@ -11,7 +11,7 @@ if TYPE_CHECKING:  # imported where used: the command line's help reads options.
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["resolve_device", "resolve_groups"]
+__all__ = ["real_rows", "resolve_device", "resolve_groups"]
 
 
 # The device types each backend communicates. "undefined" is what init_process_group() without
@@ -74,6 +74,13 @@ def resolve_device(device: torch.device | str | None, process_group: dist.Proces
         # current device; left at cuda:0, every rank would use the first GPU.
         torch.cuda.set_device(device)
     return device
+
+
+def real_rows(full_rows: int, rows_per_rank: int, shard_rank: int) -> int:
+    """Rows of a parameter of ``full_rows`` rows in ``shard_rank``'s dim-0 shard of ``rows_per_rank``
+    rows. Thunder's FSDP pads dim 0 to a multiple of the shard group's size: the shard's other rows
+    are padding (all of them on a rank past the last real row)."""
+    return max(0, min(rows_per_rank, full_rows - shard_rank * rows_per_rank))
 
 
 def resolve_groups(

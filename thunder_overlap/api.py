@@ -30,6 +30,7 @@ from thunder_overlap._transforms import (
 )
 from thunder_overlap._transforms.shardable import check_shardable
 from thunder_overlap._transforms.zero3 import SelectiveUnsharding
+from thunder_overlap.clip_grad import ClipGradNormMethod
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import (
     BucketingStrategy,
@@ -48,7 +49,7 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
     of a model FSDP cannot shard (or already sharded), Thunder's sharding, mixed precision's casts
     (a ``mixed_precision`` that sets a dtype only), materialisation, then ZeRO3 re-gathering (ZeRO3
     only), bucketing (layer, block or auto only), the all-reduce across replicas (hybrid sharding
-    only), then scheduling.
+    only), then scheduling, and the module's ``clip_grad_norm_`` method.
 
     Pass resolved ``options``, or the keywords of :meth:`FSDPOptions.resolve` (``device``,
     ``process_group``, ``sharding_strategy``, ``bucketing_strategy``, ``bucket_cap_mb``,
@@ -113,7 +114,7 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
         # After bucketing, so that a bucket's reduce-scatter gets one all-reduce; before
         # scheduling, which places the all-reduces like any other collective.
         transforms.append(ReplicaReduceTransform(options.hybrid_mesh))
-    transforms.append(schedule)
+    transforms += [schedule, ClipGradNormMethod()]
     return transforms
 
 

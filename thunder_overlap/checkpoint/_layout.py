@@ -24,6 +24,7 @@ from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from thunder_overlap._process_groups import real_rows as _real_rows
 from thunder_overlap._transforms.replicate import ReplicaReduceTransform
 
 __all__ = ["ParameterShard", "ModelSharding", "model_sharding", "process_group_of"]
@@ -52,7 +53,7 @@ class ParameterShard:
     @property
     def real_rows(self) -> int:
         """Rows of the original parameter in this rank's shard; the rest is padding."""
-        return max(0, min(self.rows_per_rank, self.full_shape[0] - self.first_row))
+        return _real_rows(self.full_shape[0], self.rows_per_rank, self.rank)
 
     @property
     def padded_shape(self) -> tuple[int, ...]:
