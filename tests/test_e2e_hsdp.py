@@ -1,9 +1,11 @@
 """Hybrid sharding (HSDP) on four gloo ranks, a (2 replicate x 2 shard) device mesh.
 
 ZeRO2 without buckets and ZeRO3 with block buckets train three AdamW steps in one spawn of the
-four ranks; every step of every run is checked against a float64 single-process reference over
-the whole batch (thunder_overlap.testing.parity: the bounds come from float32's rounding, not from
-one machine's last digits), and its final traces are read: all-gathers within the shard group,
+four ranks, the second clipping every step's gradient by the whole model's norm (reduced over the
+shard dimension only: the replicas hold the same gradients); every step of every run, its norm
+included, is checked against a float64 single-process reference over the whole batch
+(thunder_overlap.testing.parity: the bounds come from float32's rounding, not from one machine's
+last digits), and its final traces are read: all-gathers within the shard group,
 one all-reduce across the replicate group per reduce-scatter, issued beside compute.
 """
 
@@ -26,8 +28,11 @@ REPLICAS = 2
 MODEL = TinyGPTConfig(n_layer=2)
 # Each sharding and each bucketing once (the crossed pairs run without replicas in
 # test_e2e_bucketing): what HSDP adds, the all-reduce across replicas, comes after a parameter's
-# reduce-scatter in the first and a bucket's in the second.
+# reduce-scatter in the first and a bucket's in the second. The second clips every step.
 RUNS = [("zero2", "none"), ("zero3", "block")]
+CLIPPED_RUN = ("zero3", "block")
+# Below every step's 2-norm (about 1 on this model and batch), so every step clips.
+MAX_NORM = 0.5
 
 
 def _setup(sharding: str, bucketing: str) -> TrainSetup:
@@ -36,7 +41,10 @@ def _setup(sharding: str, bucketing: str) -> TrainSetup:
     # parameters would have to allow. check_against_reference compares each step from the ranks'
     # own parameters instead: gradients against float64, each update against a float64 replay on
     # the rank's own gradient, so no rounding is amplified into the allowance.
-    return TrainSetup(sharding=sharding, bucketing=bucketing, model=MODEL, steps=3, replicas=REPLICAS, optimizer="adamw", lr=1e-3)
+    max_norm = MAX_NORM if (sharding, bucketing) == CLIPPED_RUN else None
+    return TrainSetup(
+        sharding=sharding, bucketing=bucketing, model=MODEL, steps=3, replicas=REPLICAS, optimizer="adamw", lr=1e-3, max_norm=max_norm
+    )
 
 
 def _hsdp(seed: int, sharding: str, bucketing: str):
@@ -149,6 +157,17 @@ def test_losses_and_parameters_match_the_single_process_reference(runs, checks, 
     # Every step, rank, parameter and element: gradients, the parameters each step starts from,
     # and each optimizer update (thunder_overlap.testing.parity).
     check.mismatches.assert_none()
+
+
+def test_clipping_uses_the_whole_worlds_norm_the_same_on_every_rank(runs, checks):
+    _, results = runs[CLIPPED_RUN]
+    norms = results[0].grad_norms
+    assert len(norms) == 3 and all(n > MAX_NORM for n in norms), norms
+    assert all(r.grad_norms == norms for r in results)
+    # Each rank's norm against torch.nn.utils.clip_grad_norm_ on the float64 model, 1e-5 relative:
+    # a norm reduced over the whole world would count every element twice (sqrt(2) too large).
+    assert not [m for m in checks[CLIPPED_RUN].mismatches.found if "total gradient norm" in m.what]
+    assert not checks[CLIPPED_RUN].mismatches.problems
 
 
 @pytest.mark.parametrize("run", RUNS, ids=["-".join(r) for r in RUNS])

@@ -6,13 +6,14 @@ both values and the allowed error; and the optimizer bounds hold for torch's own
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 import torch.nn as nn
 
 from thunder_overlap.testing.float_error import OptimizerReplay, adamw_step_spread, gamma, gradient_bound, rounding_count
-from thunder_overlap.testing.parity import RankSteps, check_steps, real_rows
+from thunder_overlap.testing.parity import Clipping, RankSteps, check_steps, real_rows
 
 WORLD_SIZE, STEPS, LR = 2, 3, 1e-2
 
@@ -36,8 +37,9 @@ def _shard(full: torch.Tensor, rank: int) -> torch.Tensor:
     return padded
 
 
-def _simulated_run(optimizer: str = "adamw") -> tuple[nn.Module, list[RankSteps]]:
-    """float32, one process: each step averages the two ranks' gradients, as the reduce-scatter does."""
+def _simulated_run(optimizer: str = "adamw", clip: Clipping | None = None) -> tuple[nn.Module, list[RankSteps]]:
+    """float32, one process: each step averages the two ranks' gradients, as the reduce-scatter does,
+    and clips them by their norm with ``clip``."""
     model = _model()
     initial = copy.deepcopy(model)
     params = dict(model.named_parameters())
@@ -49,6 +51,10 @@ def _simulated_run(optimizer: str = "adamw") -> tuple[nn.Module, list[RankSteps]
         shares = [torch.autograd.grad(term, list(params.values())) for term in _loss_terms(model, step)]
         for p, *rank_grads in zip(params.values(), *shares, strict=True):
             p.grad = sum(g / WORLD_SIZE for g in rank_grads)
+        if clip is not None:
+            total = torch.nn.utils.clip_grad_norm_(params.values(), clip.max_norm, clip.norm_type)
+            for r in ranks:
+                r.grad_norms.append(total.item())
         for r in ranks:
             r.grads.append({name: _shard(p.grad, r.rank) for name, p in params.items()})
         opt.step()
@@ -57,9 +63,9 @@ def _simulated_run(optimizer: str = "adamw") -> tuple[nn.Module, list[RankSteps]
     return initial, ranks
 
 
-def _check(initial: nn.Module, ranks: list[RankSteps], optimizer: str = "adamw", shards: int | None = None):
+def _check(initial: nn.Module, ranks: list[RankSteps], optimizer: str = "adamw", shards: int | None = None, clip: Clipping | None = None):
     roundings = rounding_count(initial.parameters(), tokens=5, seq_len=1, world_size=WORLD_SIZE)
-    return check_steps(ranks, initial, _loss_terms, lambda: OptimizerReplay(optimizer, LR), roundings, shards=shards)
+    return check_steps(ranks, initial, _loss_terms, lambda: OptimizerReplay(optimizer, LR), roundings, shards=shards, clip=clip)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
@@ -71,6 +77,26 @@ def test_a_float32_run_passes_every_check(optimizer):
     # the starting parameters, the gradients and the updates.
     assert check.mismatches.compared == 3 * STEPS * sum(p.numel() for p in initial.parameters())
     assert len(check.losses) == STEPS
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_a_clipped_run_passes_and_one_clipped_by_each_ranks_own_norm_is_caught(norm_type):
+    clip = Clipping(max_norm=0.05, norm_type=norm_type)
+    initial, ranks = _simulated_run(clip=clip)
+    assert all(n > clip.max_norm for n in ranks[0].grad_norms)  # every step clipped
+    _check(initial, ranks, clip=clip).mismatches.assert_none()
+    # Each rank's norm of its own shards instead, and its gradients scaled by what that gives.
+    for r in ranks:
+        for step, grads in enumerate(r.grads):
+            unclipped = {name: g / clip.coefficient(r.grad_norms[step]) for name, g in grads.items()}
+            local = torch.nn.utils.get_total_norm(list(unclipped.values()), norm_type).item()
+            r.grad_norms[step] = local
+            r.grads[step] = {name: g * clip.coefficient(local) for name, g in unclipped.items()}
+    caught = {(m.what, m.rank) for m in _check(initial, ranks, clip=clip).mismatches.found if "norm" in m.what}
+    if norm_type == 2.0:
+        assert caught == {(f"step {step} total gradient norm", rank) for step in (1, 2, 3) for rank in (0, 1)}
+    else:  # the rank whose shard holds the largest element has the right maximum
+        assert {what for what, _ in caught} == {f"step {step} total gradient norm" for step in (1, 2, 3)}
 
 
 def test_a_wrong_gradient_share_is_named_with_rank_element_values_and_allowance():

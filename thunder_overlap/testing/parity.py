@@ -7,7 +7,10 @@ every element:
 - the parameters the step starts from are the ones the ranks of the first shard group hold
   together (replicas hold the same), and at step 0 the model's initial ones, exactly;
 - each rank's gradient shard is the float64 gradient of the mean of the ranks' losses at those
-  parameters, within ``float_error.gradient_bound``;
+  parameters, within ``float_error.gradient_bound``; where the run clipped its gradients
+  (``Clipping``), each rank's total norm is ``torch.nn.utils.clip_grad_norm_``'s on the float64
+  model within ``Clipping.norm_rtol``, and its gradient shard is the float64 gradient scaled by
+  the coefficient that norm gives;
 - each rank's optimizer step is the float64 replay of it on that rank's own gradient, within
   ``float_error.OptimizerReplay``'s bound on float32's rounding of one step.
 
@@ -31,6 +34,7 @@ import torch.nn as nn
 from thunder_overlap.testing.float_error import OptimizerReplay, gradient_bound
 
 __all__ = [
+    "Clipping",
     "Mismatch",
     "Mismatches",
     "RankSteps",
@@ -106,11 +110,31 @@ class Mismatches:
 @dataclass
 class RankSteps:
     """What one rank recorded: its parameter shards (dim-0 chunks, padded as Thunder pads) before each
-    step and after the last, its gradient shards of each step (a frozen parameter has none)."""
+    step and after the last, its gradient shards of each step (a frozen parameter has none), and
+    where it clipped them, the total norm ``clip_grad_norm_`` returned at each step."""
 
     rank: int
     params: list[dict[str, torch.Tensor]]
     grads: list[dict[str, torch.Tensor]]
+    grad_norms: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Clipping:
+    """Each step clipped the gradient: ``clip_grad_norm_(max_norm, norm_type)`` before the
+    optimizer stepped."""
+
+    max_norm: float
+    norm_type: float = 2.0
+    # How far (relative) a rank's total norm may be from one process's on the float64 model.
+    # Its rounding is the gradient's carried into a sum of squares (float32's, some 1e-7 relative
+    # on these models), far below this; a norm of one rank's shard alone, or of the padding, is
+    # off by tens of percent.
+    norm_rtol: float = 1e-5
+
+    def coefficient(self, total_norm: float) -> float:
+        """What torch.nn.utils.clip_grad_norm_ multiplies the gradients by, given the total norm."""
+        return min(1.0, self.max_norm / (total_norm + 1e-6))
 
 
 @dataclass
@@ -180,6 +204,7 @@ def check_steps(
     roundings: int,
     *,
     shards: int | None = None,
+    clip: Clipping | None = None,
 ) -> StepCheck:
     """Checks every recorded step of ``ranks`` (see the module docstring).
 
@@ -210,9 +235,33 @@ def check_steps(
         losses.append(torch.stack([t.detach() for t in terms]).mean().item())
         shares = reference_gradients(model, terms)
         for r in ranks:
-            _check_gradients(mismatches, r, step, shares, shards, roundings)
+            rank_shares, rank_roundings = shares, roundings
+            if clip is not None:
+                rank_shares = _clipped_shares(mismatches, model, r, step, shares, clip)
+                # The coefficient's division and the scaling round the gradient three times more.
+                rank_roundings = roundings + 3
+            _check_gradients(mismatches, r, step, rank_shares, shards, rank_roundings)
             _check_update(mismatches, r, step, replays[r.rank], shapes, shards)
     return StepCheck(mismatches, losses)
+
+
+def _clipped_shares(
+    mismatches: Mismatches, model: nn.Module, r: RankSteps, step: int, shares: dict[str, list[torch.Tensor]], clip: Clipping
+) -> dict[str, list[torch.Tensor]]:
+    """Compares the rank's total norm with ``torch.nn.utils.clip_grad_norm_`` on the float64
+    ``model`` holding the averaged gradient; returns ``shares`` scaled by the coefficient the rank's
+    own norm gives, so that its gradient is checked against what it should have scaled by."""
+    if len(r.grad_norms) <= step:
+        mismatches.problem(f"step {step + 1} total gradient norm on rank {r.rank}: not recorded, but the run clipped")
+        return shares
+    for name, p in model.named_parameters():
+        p.grad = torch.stack(shares[name]).mean(0) if name in shares else None
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), clip.max_norm, clip.norm_type)
+    model.zero_grad(set_to_none=True)
+    actual = torch.tensor(r.grad_norms[step], dtype=torch.float64)
+    mismatches.compare(f"step {step + 1} total gradient norm", r.rank, actual, expected, clip.norm_rtol * expected)
+    coefficient = clip.coefficient(r.grad_norms[step])
+    return {name: [share * coefficient for share in terms] for name, terms in shares.items()}
 
 
 def _check_held(mismatches: Mismatches, ranks: Sequence[RankSteps], step: int, full: dict[str, torch.Tensor], shards: int) -> None:

@@ -24,7 +24,13 @@ from thunder_overlap._backends import NCCL
 from thunder_overlap._transforms import BucketingTransform
 from thunder_overlap.api import fsdp as overlap_fsdp
 from thunder_overlap.config import OverlapConfig
-from thunder_overlap.options import BucketingStrategy, ShardingStrategy, parse_bucketing_strategy, parse_sharding_strategy
+from thunder_overlap.options import (
+    BucketingStrategy,
+    MixedPrecision,
+    ShardingStrategy,
+    parse_bucketing_strategy,
+    parse_sharding_strategy,
+)
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.report._schedule_view import ScheduleStats, schedule_picture, schedule_stats
 from thunder_overlap.testing.bucket_census import BucketCensus, bucket_census
@@ -70,6 +76,10 @@ class TrainSetup:
     # gathered in place and unpadded gradients reduce-scattered where they are, each a coalesced
     # launch (over gloo this runs those paths for real, one collective after another).
     buckets_as_on_nccl: bool = False
+    # Each step clips the gradient before the optimizer: model.clip_grad_norm_(max_norm, norm_type).
+    max_norm: float | None = None
+    norm_type: float = 2.0
+    mixed_precision: MixedPrecision | None = None
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLEMENTATIONS:
@@ -78,6 +88,8 @@ class TrainSetup:
         object.__setattr__(self, "bucketing", parse_bucketing_strategy(self.bucketing))
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.impl != "thunder_overlap" and (self.max_norm is not None or self.mixed_precision is not None):
+            raise ValueError(f"max_norm and mixed_precision need impl='thunder_overlap', got {self.impl!r}")
         if self.seq_len > self.model.block_size:
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's block_size={self.model.block_size}")
 
@@ -114,6 +126,10 @@ class RankResult:
     # parity.check_steps compares with a float64 reference step by step.
     step_shards: list[dict[str, torch.Tensor]] = field(default_factory=list)
     step_grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    # With TrainSetup.max_norm: each step's total norm (clip_grad_norm_'s result) and its gradient
+    # shards before clipping (step_grads are after: what the optimizer used).
+    grad_norms: list[float] = field(default_factory=list)
+    step_unclipped_grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
@@ -198,7 +214,13 @@ def _sharded(setup: TrainSetup, model: TinyGPT, world_size: int):
 
         mesh = init_device_mesh("cpu", (setup.replicas, world_size // setup.replicas))
     return overlap_fsdp(
-        model, device=device, sharding_strategy=setup.sharding, bucketing_strategy=setup.bucketing, config=setup.config, device_mesh=mesh
+        model,
+        device=device,
+        sharding_strategy=setup.sharding,
+        bucketing_strategy=setup.bucketing,
+        config=setup.config,
+        device_mesh=mesh,
+        mixed_precision=setup.mixed_precision,
     )
 
 
@@ -223,6 +245,10 @@ def _shards(jm) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in jm.named_parameters()}
 
 
+def _grads(jm) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in jm.named_parameters() if p.grad is not None}
+
+
 def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
     """Trains on this rank's slice of each global batch; call inside an initialised process group."""
     model = _build_model(setup)
@@ -235,7 +261,7 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
     if setup.buckets_as_on_nccl and bucketing is not None:
         bucketing.set_layouts({bucket: layout.as_on(NCCL) for bucket, layout in bucketing.layouts.items()})
     census, allocations_after_first_step = OpCensus(), None
-    losses, step_ms, step_grads = [], [], []
+    losses, step_ms, step_grads, grad_norms, unclipped = [], [], [], [], []
     step_shards = [_shards(jm)]
     for step in range(setup.steps):
         idx, targets = global_batch(setup, world_size, step)
@@ -245,11 +271,14 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
             optimizer.zero_grad(set_to_none=True)
             loss = _loss(jm(idx[rows]), targets[rows])
             loss.backward()
+            if setup.max_norm is not None:
+                unclipped.append(_grads(jm))
+                grad_norms.append(jm.clip_grad_norm_(setup.max_norm, setup.norm_type).item())
             optimizer.step()
         step_ms.append((time.perf_counter() - start) * 1e3)
         losses.append(loss.item())
         # Outside the census: the optimizer left .grad as it used it.
-        step_grads.append({n: p.grad.clone() for n, p in jm.named_parameters() if p.grad is not None})
+        step_grads.append(_grads(jm))
         step_shards.append(_shards(jm))
         if bucketing is not None and step == 0:
             allocations_after_first_step = bucketing.allocations
@@ -281,6 +310,8 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
         bucket_census=buckets_counted,
         step_shards=step_shards,
         step_grads=step_grads,
+        grad_norms=grad_norms,
+        step_unclipped_grads=unclipped,
         forward_groups=collective_groups(forward),
         backward_groups=collective_groups(backward),
     )
@@ -290,7 +321,7 @@ def check_against_reference(setup: TrainSetup, world_size: int, results: list[Ra
     """Every step of ``results`` against a float64 single-process reference of the same steps:
     parity.check_steps, whose mismatches say which tensor, rank and element differ by how much."""
     from thunder_overlap.testing.float_error import OptimizerReplay, rounding_count
-    from thunder_overlap.testing.parity import RankSteps, check_steps
+    from thunder_overlap.testing.parity import Clipping, RankSteps, check_steps
 
     def loss_terms(model, step: int) -> list[torch.Tensor]:
         idx, targets = global_batch(setup, world_size, step)
@@ -300,12 +331,13 @@ def check_against_reference(setup: TrainSetup, world_size: int, results: list[Ra
     model = _build_model(setup)
     tokens = setup.micro_batch * setup.seq_len
     roundings = rounding_count(model.parameters(), tokens=tokens, seq_len=setup.seq_len, world_size=world_size)
-    ranks = [RankSteps(r.rank, r.step_shards, r.step_grads) for r in results]
+    ranks = [RankSteps(r.rank, r.step_shards, r.step_grads, r.grad_norms) for r in results]
+    clip = Clipping(setup.max_norm, setup.norm_type) if setup.max_norm is not None else None
 
     def replay() -> OptimizerReplay:
         return OptimizerReplay(setup.optimizer, setup.lr, eps=setup.adamw_eps)
 
-    return check_steps(ranks, model, loss_terms, replay, roundings, shards=world_size // setup.replicas)
+    return check_steps(ranks, model, loss_terms, replay, roundings, shards=world_size // setup.replicas, clip=clip)
 
 
 def shard_of(full: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, int]:
