@@ -41,6 +41,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step over all ranks (divisible by the world size)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--max-norm", type=float, default=1.0,
+                   help="clip the gradient to this global norm each step, as litgpt does (inf: only report the norm)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--save-dir", type=Path, default=None, help="save a checkpoint there after the last step")
     p.add_argument("--resume", type=Path, default=None, help="load this checkpoint (any world size) and continue")
@@ -48,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     for flag, value in (("--steps", args.steps), ("--global-batch", args.global_batch), ("--seq-len", args.seq_len)):
         if value < 1:
             p.error(f"{flag} {value} is not allowed; it must be at least 1")
+    if not args.max_norm > 0:
+        p.error(f"--max-norm {args.max_norm} is not allowed; it must be positive (inf reports the norm without clipping)")
     return args
 
 
@@ -123,6 +127,9 @@ def main() -> None:
         logits = logits_of(model, idx)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
         loss.backward()  # gradients are averaged over the ranks: the global batch's mean
+        # The whole model's norm, the same on every rank (torch.nn.utils.clip_grad_norm_ on the
+        # shards would take each rank's own).
+        grad_norm = model.clip_grad_norm_(args.max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         mean_loss = loss.detach().clone()
@@ -131,7 +138,8 @@ def main() -> None:
         seconds = time.perf_counter() - start
         if rank == 0:
             compiled = "  (includes compilation)" if step == first_step else ""
-            print(f"step {step}/{args.steps}  loss {mean_loss:.6f}  {tokens_per_step / seconds:,.0f} tokens/s{compiled}", flush=True)
+            print(f"step {step}/{args.steps}  loss {mean_loss:.6f}  grad norm {grad_norm.item():.6f}  "
+                  f"{tokens_per_step / seconds:,.0f} tokens/s{compiled}", flush=True)
 
     if args.save_dir is not None:
         path = checkpoint.save(args.save_dir, model, optimizer)  # every rank writes its shards

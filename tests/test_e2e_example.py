@@ -40,19 +40,20 @@ RUN_TIMEOUT_S = 300
 # smaller than eps), so over 4 steps the losses stay well within 1e-4 relative of each other;
 # a real error (a missing or doubled gradient share, another batch) moves them by 1e-2 or more.
 LOSS_RTOL = 1e-4
-STEP_LINE = re.compile(r"^step (\d+)/(\d+)  loss (\d+\.\d+)  [\d,]+ tokens/s", re.M)
+STEP_LINE = re.compile(r"^step (\d+)/(\d+)  loss (\d+\.\d+)  grad norm (\d+\.\d+)  [\d,]+ tokens/s", re.M)
 
 
-def _train(command: str, cwd: Path) -> tuple[dict[int, float], str]:
+def _train(command: str, cwd: Path) -> tuple[dict[int, tuple[float, float]], str]:
     """Runs ``command`` in ``cwd`` (where ``examples/`` is the repository's); torchrun is the
-    module of this interpreter's torch. Returns rank 0's losses by step and its output."""
+    module of this interpreter's torch. Returns rank 0's (loss, gradient norm) by step and its
+    output."""
     words = shlex.split(command)
     assert words[0] == "torchrun"
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", *words[1:]], capture_output=True, text=True, cwd=cwd, timeout=RUN_TIMEOUT_S
     )
     assert done.returncode == 0, f"`{command}` failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-    return {int(m[1]): float(m[3]) for m in STEP_LINE.finditer(done.stdout)}, done.stdout
+    return {int(m[1]): (float(m[3]), float(m[4])) for m in STEP_LINE.finditer(done.stdout)}, done.stdout
 
 
 @pytest.fixture(scope="module")
@@ -64,15 +65,19 @@ def scratch(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one_rank_losses(scratch) -> dict[int, float]:
+def one_rank_losses(scratch) -> dict[int, tuple[float, float]]:
     losses, _ = _train(ONE_RANK, scratch)
     assert sorted(losses) == [1, 2, 3, 4]
     return losses
 
 
-def _assert_match(losses: dict[int, float], reference: dict[int, float]) -> None:
-    for step, loss in losses.items():
-        assert math.isclose(loss, reference[step], rel_tol=LOSS_RTOL), f"step {step}: {loss} against one rank's {reference[step]}"
+def _assert_match(losses: dict[int, tuple[float, float]], reference: dict[int, tuple[float, float]]) -> None:
+    """Losses, and the gradient norms each step clips by (the whole model's: a rank's own shards'
+    would be about 1/sqrt(2) of it), as one rank's."""
+    for step, (loss, norm) in losses.items():
+        expected_loss, expected_norm = reference[step]
+        assert math.isclose(loss, expected_loss, rel_tol=LOSS_RTOL), f"step {step}: loss {loss} against one rank's {expected_loss}"
+        assert math.isclose(norm, expected_norm, rel_tol=LOSS_RTOL), f"step {step}: grad norm {norm} against one rank's {expected_norm}"
 
 
 def test_two_ranks_match_one_rank_then_resume_from_their_checkpoint(scratch, one_rank_losses):
@@ -81,7 +86,7 @@ def test_two_ranks_match_one_rank_then_resume_from_their_checkpoint(scratch, one
     assert sorted(losses) == [1, 2], out
     _assert_match(losses, one_rank_losses)
     # The model learns the synthetic pattern: the loss falls.
-    assert one_rank_losses[4] < one_rank_losses[1]
+    assert one_rank_losses[4][0] < one_rank_losses[1][0]
     assert f"saved {ckpt} after step 2" in out
     assert json.loads((scratch / ckpt / "trainer.json").read_text()) == {"step": 2}
 
