@@ -11,7 +11,9 @@ Every round runs, one after another (A B A B ... to cancel drift), two calibrati
 each implementation, each a fresh ``benchmark_fsdp.py`` launch with the same model and data
 (``--impls thunder_overlap@none,thunder_overlap@block`` compares bucketing strategies; a ``:bf16``
 suffix runs with mixed precision, bf16 gathers and compute over fp32 parameters, fp32 reductions:
-``--impls thunder_overlap@block,thunder_overlap@block:bf16,fsdp2:bf16``; a ``/zero2``, ``/zero3``
+``--impls thunder_overlap@block,thunder_overlap@block:bf16,fsdp2:bf16``; a ``:clip`` suffix clips
+the gradient by its global norm each step, ``--max_norm 1.0``:
+``--impls thunder_overlap@block,thunder_overlap@block:clip``; a ``/zero2``, ``/zero3``
 or ``/auto`` part runs that sharding instead of ``--shard-mode``, ``/auto`` within
 ``--memory-budget-bytes``, by default halfway between the predicted ZeRO3 and ZeRO2 peaks:
 ``--impls thunder_overlap@block/zero3,thunder_overlap@block/zero2,thunder_overlap@block/auto``):
@@ -32,7 +34,9 @@ or ``/auto`` part runs that sharding instead of ``--shard-mode``, ``/auto`` with
 
 The calibration runs are float32's: a ``:bf16`` implementation is placed between float32's bounds
 and gets no simulator prediction (its compute is not calibrated), only the mixed-precision
-targets (against float32 thunder_overlap and against FSDP2 with the same policy).
+targets (against float32 thunder_overlap and against FSDP2 with the same policy). A ``:clip`` run
+gets no prediction either (the simulator reads the traces, and clipping runs after them), only
+its time against its unclipped run, and the rounds' spread that puts it in or out of the noise.
 
 It prints, per implementation, the median step time (median over rounds of each run's median),
 its ratio to Thunder's own FSDP, where it lands between the serial bound C + M (gap closed 0%) and
@@ -63,6 +67,8 @@ from fsdp_bench.results import load_results
 from fsdp_bench.testbed_summary import calibrate, format_table, summarize, target_checks
 
 _REQUIRED_TOOLS = ("ip", "tc", "taskset")
+# A ``:clip`` run's --max_norm: litgpt's default.
+CLIP_MAX_NORM = 1.0
 
 
 @dataclass(frozen=True)
@@ -97,15 +103,15 @@ class TestbedConfig:
     def __post_init__(self) -> None:
         def known(label: str) -> bool:
             impl, bucketing = split_label(label)
-            precision = label.partition(":")[2]
+            suffix = label.partition(":")[2]
             sharding = sharding_of(label, self.shard_mode)
             return (
                 impl in TRAINING_IMPLS
                 and bucketing in BUCKETING_MODES
                 and sharding in SHARD_MODES
                 and (sharding == self.shard_mode or impl == "thunder_overlap")
-                and precision in ("", "bf16")
-                and (impl, precision) != ("thunder", "bf16")
+                and suffix in ("", "bf16", "clip")
+                and (impl != "thunder" or not suffix)
             )
 
         unknown = [i for i in self.impls if not known(i)]
@@ -113,7 +119,8 @@ class TestbedConfig:
             raise ValueError(
                 f"--impls {','.join(self.impls)!r}: accepted are one or more of {', '.join(TRAINING_IMPLS)}, "
                 f"each optionally with @bucketing ({', '.join(BUCKETING_MODES)}), /sharding ({', '.join(SHARD_MODES)}; "
-                "thunder_overlap only) and :bf16 for mixed precision (not thunder), e.g. thunder_overlap@block/auto:bf16"
+                "thunder_overlap only) and :bf16 for mixed precision or :clip for clipping by the global norm (not thunder), "
+                "e.g. thunder_overlap@block/auto:bf16"
             )
         if self.shard_mode not in SHARD_MODES:
             raise ValueError(f"--shard-mode={self.shard_mode!r}; accepted: {', '.join(SHARD_MODES)}")
@@ -157,6 +164,7 @@ class TestbedConfig:
             "warmup_iters": self.warmup_iters,
             "json_path": json_path,
             "mixed_precision": "bf16/fp32" if is_mixed(label) else None,
+            "max_norm": CLIP_MAX_NORM if is_clipped(label) else None,
             # Runs that trace thunder_overlap (the calibration replays included) schedule for the link.
             "network": self.network if impl.startswith("thunder_overlap") or impl in ("comm_only", "compute_with_comm") else None,
         }
@@ -235,6 +243,33 @@ def unsharding_checks(summaries: list, default_sharding: str) -> list[str]:
 def is_mixed(label: str) -> bool:
     """Whether ``label`` runs with mixed precision (a ``:bf16`` suffix)."""
     return label.endswith(":bf16")
+
+
+def is_clipped(label: str) -> bool:
+    """Whether ``label`` clips the gradient by its global norm each step (a ``:clip`` suffix)."""
+    return label.endswith(":clip")
+
+
+def clipping_checks(runs: dict[str, list[dict]]) -> list[str]:
+    """Each ``:clip`` run against its unclipped run, round by round (they ran back to back): the
+    median of the rounds' differences in median step time, and whether it is within the noise,
+    the spread of the unclipped run's round medians."""
+    lines = []
+    for label, clipped_runs in runs.items():
+        unclipped_runs = runs.get(label.removesuffix(":clip")) if is_clipped(label) else None
+        if unclipped_runs is None:
+            continue
+        clipped = [statistics.median(r["iter_times_ms"]) for r in clipped_runs]
+        unclipped = [statistics.median(r["iter_times_ms"]) for r in unclipped_runs]
+        added = statistics.median(c - u for c, u in zip(clipped, unclipped, strict=True))
+        noise = max(unclipped) - min(unclipped)
+        base = statistics.median(unclipped)
+        lines.append(
+            f"{'PASS' if added <= noise else 'FAIL'} {label} adds {added:+.1f} ms ({added / base:+.1%}) to {base:.1f} ms "
+            f"(median of {len(clipped)} rounds' differences), within the noise: the unclipped run's round medians spread "
+            f"{noise:.1f} ms"
+        )
+    return lines
 
 
 def mixed_precision_checks(summaries: list) -> list[str]:
@@ -366,7 +401,7 @@ def main(argv: list[str]) -> None:
     simulated = {
         # Calibrated for --shard-mode's float32 runs only.
         impl: None
-        if is_mixed(impl) or sharding_of(impl, cfg.shard_mode) != cfg.shard_mode
+        if is_mixed(impl) or is_clipped(impl) or sharding_of(impl, cfg.shard_mode) != cfg.shard_mode
         else predict_testbed_step_ms(
             TestbedSetting(
                 impl=split_label(impl)[0],
@@ -392,7 +427,10 @@ def main(argv: list[str]) -> None:
     print()
     print(format_table(summaries, calibrations))
     checks = (
-        target_checks(summaries, calibrations["none"]) + mixed_precision_checks(summaries) + unsharding_checks(summaries, cfg.shard_mode)
+        target_checks(summaries, calibrations["none"])
+        + mixed_precision_checks(summaries)
+        + unsharding_checks(summaries, cfg.shard_mode)
+        + clipping_checks(runs)
     )
     print("\n".join(checks))
     summary = {

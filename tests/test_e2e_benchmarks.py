@@ -29,14 +29,14 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 RUN_TIMEOUT_S = 180
 
 
-def _run_benchmark(tmp_path: Path, impl: str, shard_mode: str, bucketing_mode: str = "none") -> dict:
+def _run_benchmark(tmp_path: Path, impl: str, shard_mode: str, bucketing_mode: str = "none", *extra: str) -> dict:
     json_path = tmp_path / f"{impl}.json"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         str(BENCHMARKS / "benchmark_fsdp.py"),
         "--device", "cpu", "--model_name", "tiny-gpt", "--impl", impl, "--shard_mode", shard_mode,
         "--bucketing_mode", bucketing_mode,
-        "--max_iters", "2", "--warmup_iters", "1", "--json_path", str(json_path), "--dump_traces",
+        "--max_iters", "2", "--warmup_iters", "1", "--json_path", str(json_path), "--dump_traces", *extra,
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -48,8 +48,12 @@ def _run_benchmark(tmp_path: Path, impl: str, shard_mode: str, bucketing_mode: s
 @pytest.mark.parametrize("impl", ["thunder_overlap", "fsdp2", "compute_with_comm"])
 def test_benchmark_writes_sane_json(tmp_path, impl):
     bucketing_mode = "block" if impl == "thunder_overlap" else "none"
-    result = _run_benchmark(tmp_path, impl, "zero3", bucketing_mode)
+    # The training runs clip by the global norm, each its own way (thunder_overlap's over shards,
+    # FSDP2's over DTensors).
+    clip = () if impl == "compute_with_comm" else ("--max_norm", "1.0")
+    result = _run_benchmark(tmp_path, impl, "zero3", bucketing_mode, *clip)
     assert (result["impl"], result["world_size"], result["device"], result["shard_mode"]) == (impl, 2, "cpu", "zero3")
+    assert result["max_norm"] == (1.0 if clip else None)
     assert len(result["iter_times_ms"]) == 1 and 0 < result["median_iter_time_ms"] < RUN_TIMEOUT_S * 1e3
     tokens = 2 * result["micro_batch_size"] * result["block_size"]
     assert result["tokens_per_sec"] == pytest.approx(tokens / (result["average_iter_time_ms"] / 1e3))
@@ -142,8 +146,35 @@ def test_mixed_precision_runs_are_named_and_refused_where_they_cannot_run():
     assert split_label("thunder_overlap@block:bf16") == ("thunder_overlap", "block")
     assert testbed.bucketings == ("none", "block")
     for label in ("thunder:bf16", "fsdp2:fp8"):
-        with pytest.raises(ValueError, match=r":bf16 for mixed precision \(not thunder\)"):
+        with pytest.raises(ValueError, match=r":bf16 for mixed precision or :clip for clipping by the global norm \(not thunder\)"):
             TestbedConfig(impls=(label,))
+
+
+def test_clipped_runs_are_named_refused_where_they_cannot_run_and_compared_with_their_unclipped_run():
+    from slow_link import CLIP_MAX_NORM, TestbedConfig, clipping_checks
+
+    for impl in ("thunder", "comm_only"):
+        with pytest.raises(ValueError, match=rf"--max_norm: --impl {impl} has no gradient to clip by its global norm"):
+            BenchmarkConfig(impl=impl, max_norm=1.0)
+    with pytest.raises(ValueError, match=r"--max_norm must be a positive number, got 0\.0"):
+        BenchmarkConfig(max_norm=0.0)
+    assert parse_args(["--max_norm", "0.5"]).max_norm == 0.5
+    testbed = TestbedConfig(impls=("thunder_overlap@block", "thunder_overlap@block:clip", "fsdp2:clip"))
+    args = [testbed.benchmark_args(label, Path("run.json")) for label in testbed.impls]
+    assert [a[a.index("--max_norm") + 1] if "--max_norm" in a else None for a in args] == [None, str(CLIP_MAX_NORM), str(CLIP_MAX_NORM)]
+    with pytest.raises(ValueError, match=r":clip for clipping by the global norm \(not thunder\)"):
+        TestbedConfig(impls=("thunder:clip",))
+
+    def rounds(*medians: float) -> list[dict]:
+        return [{"iter_times_ms": [m - 1, m, m + 5]} for m in medians]
+
+    # Round by round: +1 and +2 ms against round medians 100 and 110 (10 ms apart).
+    within = clipping_checks({"a": rounds(100, 110), "a:clip": rounds(101, 112), "b": rounds(100, 101)})
+    assert within == [
+        "PASS a:clip adds +1.5 ms (+1.4%) to 105.0 ms (median of 2 rounds' differences), within the noise: "
+        "the unclipped run's round medians spread 10.0 ms"
+    ]
+    assert clipping_checks({"a": rounds(100, 101), "a:clip": rounds(120, 121)})[0].startswith("FAIL a:clip adds +20.0 ms")
 
 
 def test_cuda_peak_names_what_was_alive_at_the_step_peak():

@@ -123,6 +123,11 @@ class BenchmarkConfig:
         "bf16/fp32: fp32 parameters gathered and computed in bf16, gradients reduced in fp32 (thunder_overlap's "
         "MixedPrecision, fsdp2's MixedPrecisionPolicy; compute_only computes a bf16 copy); Thunder's FSDP has none",
     )
+    max_norm: float | None = _option(
+        None,
+        "clip the gradient to this global norm before each optimizer step (thunder_overlap.clip_grad_norm_; fsdp2 and "
+        "compute_only: torch.nn.utils.clip_grad_norm_); Thunder's FSDP has none",
+    )
 
     def __post_init__(self) -> None:
         _check_choice("impl", self.impl, IMPLS)
@@ -150,6 +155,11 @@ class BenchmarkConfig:
             _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
             if self.impl == "thunder":
                 raise ValueError("--mixed_precision: Thunder's own FSDP has no mixed precision; leave it out for --impl thunder")
+        if self.max_norm is not None:
+            if not self.max_norm > 0:
+                raise ValueError(f"--max_norm must be a positive number, got {self.max_norm!r}")
+            if self.impl in ("thunder", "comm_only"):
+                raise ValueError(f"--max_norm: --impl {self.impl} has no gradient to clip by its global norm; leave it out")
         if (self.shard_mode == "auto" or self.memory_budget_bytes is not None) and not self.impl.startswith("thunder_overlap"):
             raise ValueError(
                 f"--shard_mode={self.shard_mode} --memory_budget_bytes={self.memory_budget_bytes}: sharding auto and its "
@@ -169,7 +179,7 @@ def _build_parser() -> argparse.ArgumentParser:
         if f.default is False:
             parser.add_argument(f"--{f.name}", action="store_true", help=f.metadata["help"])
             continue
-        kind = int if f.type in ("int", "int | None") else str
+        kind = int if f.type in ("int", "int | None") else float if f.type == "float | None" else str
         parser.add_argument(f"--{f.name}", type=kind, default=f.default, choices=choices.get(f.name), help=f.metadata["help"])
     return parser
 

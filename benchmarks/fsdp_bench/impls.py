@@ -81,12 +81,17 @@ class ModelStep:
     optimizer: torch.optim.Optimizer
     nvtx: bool = False
     optimizer_ms: list[float] = field(default_factory=list)
+    # Clips the gradient by its global norm between backward and optimizer (--max_norm).
+    clip: Callable[[], object] | None = None
 
     def __call__(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with nvtx_range("forward", self.nvtx):
             loss = loss_fn(self.model(idx), targets)
         with nvtx_range("backward", self.nvtx):
             loss.backward()
+        if self.clip is not None:
+            with nvtx_range("clip", self.nvtx):
+                self.clip()
         with nvtx_range("optimizer", self.nvtx):
             start = time.perf_counter()
             self.optimizer.step()
@@ -112,6 +117,17 @@ class ConcurrentStep:
         loss = self.compute(idx, targets)
         replay.result()
         return loss
+
+
+def _clip(model: nn.Module, cfg: BenchmarkConfig) -> Callable[[], object] | None:
+    """Clipping by the global norm for ``--max_norm``: thunder_overlap's over its shards; FSDP2's
+    parameters are DTensors, whose norm torch.nn.utils.clip_grad_norm_ reduces over the mesh, and
+    compute_only's are whole."""
+    if cfg.max_norm is None:
+        return None
+    if isinstance(model, ThunderModule) and cfg.impl.startswith("thunder_overlap"):
+        return lambda: thunder_overlap.clip_grad_norm_(model, cfg.max_norm)
+    return lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
 
 
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -207,8 +223,8 @@ def make_step(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, sample: t
     if cfg.impl == "compute_with_comm":
         replay = _comm_replay(_thunder_overlap(copy.deepcopy(model), cfg, ctx), sample, ctx)
         compute = _compute_only(model, cfg, ctx)
-        return compute, ConcurrentStep(ModelStep(compute, _optimizer(compute), nvtx=ctx.is_cuda), replay)
+        return compute, ConcurrentStep(ModelStep(compute, _optimizer(compute), nvtx=ctx.is_cuda, clip=_clip(compute, cfg)), replay)
     sharded = _SHARDERS[cfg.impl](model, cfg, ctx)
     if cfg.impl == "comm_only":
         return sharded, _comm_replay(sharded, sample, ctx)
-    return sharded, ModelStep(sharded, _optimizer(sharded), nvtx=ctx.is_cuda)
+    return sharded, ModelStep(sharded, _optimizer(sharded), nvtx=ctx.is_cuda, clip=_clip(sharded, cfg))

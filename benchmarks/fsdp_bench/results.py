@@ -43,6 +43,8 @@ class BenchmarkResult:
     bucket_pool_plan_bytes: list[int]
     # --mixed_precision ("bf16/fp32"), or None.
     mixed_precision: str | None = None
+    # --max_norm: each step clipped the gradient to this global norm; None: no clipping.
+    max_norm: float | None = None
 
     @property
     def median_iter_time_ms(self) -> float:
