@@ -58,6 +58,16 @@ def test_masking_lets_only_measured_numbers_differ():
     assert masked("a 1.5\n", None) == "a 1.5\n"
 
 
+def test_a_failed_commands_error_shows_a_crashed_ranks_stacks_and_the_end():
+    # A rank that dies in native code writes glibc's message and faulthandler's stacks at once;
+    # its peer's "Connection reset by peer" and the command's error come thousands of lines later.
+    crash = "malloc(): unaligned tcache chunk detected\nFatal Python error: Aborted\n\nThread 0x7f (most recent call first):\n"
+    stderr = "compiling\n" * 2000 + crash + "  File x.py, line 1\n" * 3000 + "RuntimeError: rank 0 failed"
+    shown = readme_excerpts.failure_output(stderr)
+    assert crash in shown and shown.endswith("RuntimeError: rank 0 failed") and len(shown) < 9000
+    assert readme_excerpts.failure_output("short error") == "short error"
+
+
 def test_replace_block_round_trips_and_rejects_bad_markers():
     readme = "before\n<!-- x:start -->\n```text\nold\n```\n<!-- x:end -->\nafter\n"
     updated = replace_block(readme, "x", "new line\n")

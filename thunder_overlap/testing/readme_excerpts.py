@@ -22,7 +22,7 @@ from pathlib import Path
 
 from thunder_overlap._console import KNOWN_WARNINGS, without_known_output
 
-__all__ = ["EXCERPTS", "Excerpt", "check", "masked", "read_block", "render", "replace_block"]
+__all__ = ["EXCERPTS", "Excerpt", "check", "failure_output", "masked", "read_block", "render", "replace_block"]
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -77,7 +77,7 @@ def render(excerpt: Excerpt, *, python: str = sys.executable) -> str:
         timeout=COMMAND_TIMEOUT_S,
     )
     if done.returncode != 0:
-        raise RuntimeError(f"`{excerpt.command}` exited with {done.returncode}:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"`{excerpt.command}` exited with {done.returncode}:\n{failure_output(done.stderr)}")
     printed = done.stdout + done.stderr
     chatter = [w.message_start for w in KNOWN_WARNINGS if w.message_start in printed]
     if without_known_output(printed) != printed or "[Gloo]" in printed:
@@ -85,6 +85,17 @@ def render(excerpt: Excerpt, *, python: str = sys.executable) -> str:
     if chatter:
         raise RuntimeError(f"`{excerpt.command}` printed third-party chatter it should filter: {chatter[:3]}")
     return done.stdout
+
+
+def failure_output(stderr: str, limit: int = 4000) -> str:
+    """The end of a failed command's standard error and, where a rank crashed in native code,
+    what it wrote first (glibc's message, faulthandler's "Fatal Python error" and every thread's
+    stack), which comes long before the error its peer raises at the end."""
+    crash = stderr.find("Fatal Python error")
+    if crash < 0 or crash >= len(stderr) - limit:
+        return stderr[-limit:]
+    start = stderr.rfind("\n", 0, max(0, crash - 500)) + 1
+    return f"{stderr[start : crash + limit]}\n...\n{stderr[-limit:]}"
 
 
 def read_block(readme: str, name: str) -> str:
