@@ -372,3 +372,24 @@ def test_no_sync_without_buckets_is_refused_instead_of_dropping_gradients(gloo_g
     # Outside it the model trains as usual.
     model(torch.randn(3, 4)).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("bucketing", ["none", "block"])
+def test_freezing_or_unfreezing_after_fsdp_is_refused_naming_the_parameter(gloo_group, bucketing):
+    model = thunder_overlap.fsdp(_model(), bucketing_strategy=bucketing)
+    model.get_parameter("0.weight").requires_grad_(False)  # before the first call
+    with pytest.raises(RuntimeError, match=r"^thunder_overlap: requires_grad changed after fsdp\(\) for '0\.weight' \(True -> False\)\. "):
+        model(torch.randn(3, 4))
+    model.get_parameter("0.weight").requires_grad_(True)
+    model(torch.randn(3, 4)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    # After a step too, and the other way round; the message says what to do.
+    model.get_parameter("1.bias").requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"for '1\.bias' \(True -> False\)\. .*set requires_grad before thunder_overlap\.fsdp\(\)"):
+        model(torch.randn(3, 4))
+    frozen = _model()
+    frozen[1].bias.requires_grad_(False)
+    model = thunder_overlap.fsdp(frozen, bucketing_strategy=bucketing)
+    model.get_parameter("1.bias").requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"for '1\.bias' \(False -> True\)"):
+        model(torch.randn(3, 4))

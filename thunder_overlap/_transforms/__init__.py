@@ -1,8 +1,10 @@
 """Trace transforms, one per file: mixed precision's casts, ZeRO3 re-gathering, bucketing, hybrid sharding's all-reduce
 across replicas, overlap scheduling, the refusal of no_sync where there are no buckets to
-accumulate in, and of models FSDP cannot shard (or already sharded)."""
+accumulate in, of models FSDP cannot shard (or already sharded), and of parameters frozen or
+unfrozen after sharding."""
 
 from thunder_overlap._transforms.bucketing import BucketingTransform
+from thunder_overlap._transforms.frozen import RefuseRequiresGradChangeTransform
 from thunder_overlap._transforms.mixed_precision import MixedPrecisionTransform
 from thunder_overlap._transforms.no_sync import RefuseNoSyncTransform
 from thunder_overlap._transforms.replicate import ReplicaReduceTransform
@@ -15,6 +17,7 @@ __all__ = [
     "MixedPrecisionTransform",
     "OverlapScheduleTransform",
     "RefuseNoSyncTransform",
+    "RefuseRequiresGradChangeTransform",
     "RefuseUnshardableTransform",
     "ReplicaReduceTransform",
     "Zero3Transform",
