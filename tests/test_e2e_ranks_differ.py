@@ -292,3 +292,45 @@ def test_ranks_with_the_same_settings_but_other_bucket_plans_raise_on_every_rank
     for message in messages:
         assert message is not None and "ranks [1] of the process group planned other buckets than rank 0" in message, messages
         assert "summaries['plan']" in message, message
+
+
+def _ranks_built_under_other_seeds(rank: int, world_size: int) -> dict[str, str | None]:
+    """fsdp() of a model each rank built under its own seed, on the CPU and on the meta device, then
+    with broadcast_from=0; and of the same model with the same seed."""
+    import thunder_overlap
+
+    def error_of(seed: int, **options) -> str | None:
+        torch.manual_seed(seed)
+        try:
+            thunder_overlap.fsdp(TinyGPT(ONE_BLOCK), **options)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    def error_on_meta(seed: int) -> str | None:
+        torch.manual_seed(seed)
+        with torch.device("meta"):
+            model = TinyGPT(ONE_BLOCK)
+        try:
+            thunder_overlap.fsdp(model, device="cpu")
+        except ValueError as error:
+            return str(error)
+        return None
+
+    return {
+        "seeds": error_of(rank),
+        "meta": error_on_meta(rank),
+        "broadcast": error_of(rank, broadcast_from=0),
+        "same seed": error_of(0),
+    }
+
+
+def test_ranks_whose_initial_weights_differ_raise_on_every_rank_naming_the_first_parameter(local_ranks):
+    for errors in local_ranks(_ranks_built_under_other_seeds, WORLD_SIZE, (), timeout_s=120):
+        assert errors["seeds"] is not None and errors["seeds"].startswith(
+            "thunder_overlap.fsdp: ranks [1] differ from rank 0 in parameter 'wte.weight' before sharding"
+        ), errors
+        assert "broadcast_from=0" in errors["seeds"] and "torch.manual_seed" in errors["seeds"]
+        # On the meta device the weights do not exist yet: their generator is compared.
+        assert errors["meta"] is not None and "ranks [1] differ from rank 0 in the random generator's state" in errors["meta"], errors
+        assert errors["broadcast"] is None and errors["same seed"] is None, errors

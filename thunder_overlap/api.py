@@ -23,6 +23,7 @@ from thunder_overlap._transforms import (
     BucketingTransform,
     MixedPrecisionTransform,
     OverlapScheduleTransform,
+    RefuseDifferentInitTransform,
     RefuseNoSyncTransform,
     RefuseRequiresGradChangeTransform,
     RefuseUnshardableTransform,
@@ -47,8 +48,8 @@ __all__ = ["fsdp", "fsdp_transforms"]
 
 def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any) -> list[Transform]:
     """The transforms ``fsdp`` applies, for ``thunder.jit(model, transforms=...)``: the refusal
-    of a model FSDP cannot shard (or already sharded) and of ``requires_grad`` changed after
-    sharding, Thunder's sharding, mixed precision's casts
+    of a model FSDP cannot shard (or already sharded), of ranks whose initial weights differ
+    (without ``broadcast_from``) and of ``requires_grad`` changed after sharding, Thunder's sharding, mixed precision's casts
     (a ``mixed_precision`` that sets a dtype only), materialisation, then ZeRO3 re-gathering (ZeRO3
     only), bucketing (layer, block or auto only), the all-reduce across replicas (hybrid sharding
     only), then scheduling, and the module's ``clip_grad_norm_`` method.
@@ -60,9 +61,10 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
     model when it is transformed).
     """
     options = options_from(options, option_kwargs, "fsdp_transforms")
-    transforms: list[Transform] = [
-        RefuseUnshardableTransform(),
-        RefuseRequiresGradChangeTransform(),
+    transforms: list[Transform] = [RefuseUnshardableTransform(), RefuseRequiresGradChangeTransform()]
+    if options.broadcast_from is None:  # else every rank gets rank broadcast_from's weights
+        transforms.append(RefuseDifferentInitTransform(options.world_group, options.device))
+    transforms += [
         FSDPTransform(
             device=options.device,
             broadcast_from=options.broadcast_from,

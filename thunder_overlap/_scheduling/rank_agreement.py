@@ -40,7 +40,16 @@ import torch.distributed as dist
 
 from thunder_overlap._analysis.classify import AnnotatedTrace
 
-__all__ = ["CollectiveKey", "IssueOrderAgreement", "agree_settings", "agreed_prefix", "agreed_subset", "collective_keys"]
+__all__ = [
+    "CollectiveKey",
+    "IssueOrderAgreement",
+    "agree_settings",
+    "agreed_prefix",
+    "agreed_subset",
+    "collective_keys",
+    "exchange_is_possible",
+    "first_differing_value",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +80,9 @@ def collective_keys(annotated: AnnotatedTrace) -> list[CollectiveKey]:
     return keys
 
 
-def _exchange_is_possible(group: dist.ProcessGroup | None) -> bool:
+def exchange_is_possible(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` has other ranks to exchange with (the fake backend, which traces at any
+    world size in one process, has none)."""
     return group is not None and group.size() > 1 and dist.get_backend(group) != "fake"
 
 
@@ -79,7 +90,7 @@ def agreed_subset(mine: list[str], group: dist.ProcessGroup | None) -> list[str]
     """The choices of ``mine`` that every rank of ``group`` made too (one object all-gather;
     ``mine`` unchanged where there is nobody to agree with), in ``mine``'s order. For choices
     that change which collectives a rank launches, where any subset is safe to take."""
-    if not _exchange_is_possible(group):
+    if not exchange_is_possible(group):
         return list(mine)
     gathered: list[list[str] | None] = [None] * group.size()
     dist.all_gather_object(gathered, list(mine), group=group)
@@ -92,7 +103,7 @@ def agreed_prefix(mine: Sequence[str] | None, group: dist.ProcessGroup | None) -
     could not choose (their ``mine`` is None), in one object all-gather (``mine`` unchanged where
     there is nobody to agree with). Every rank takes part even when it could not choose, so that
     its peers stop with it instead of waiting for it."""
-    if not _exchange_is_possible(group):
+    if not exchange_is_possible(group):
         return tuple(mine or ()), []
     gathered: list[list[str] | None] = [None] * group.size()
     dist.all_gather_object(gathered, None if mine is None else list(mine), group=group)
@@ -104,11 +115,27 @@ def agreed_prefix(mine: Sequence[str] | None, group: dist.ProcessGroup | None) -
     return tuple(chosen[0][:common]) if chosen else (), failed
 
 
+def first_differing_value(values: Mapping[str, object], group: dist.ProcessGroup | None) -> tuple[str, list[int]] | None:
+    """The first key (in the first rank's order) whose value some rank of ``group`` does not share
+    with the first rank, and those ranks; None where every rank holds the same (one object
+    all-gather; nothing where there is nobody to compare with). The same answer on every rank."""
+    if not exchange_is_possible(group):
+        return None
+    gathered: list[dict | None] = [None] * group.size()
+    dist.all_gather_object(gathered, dict(values), group=group)
+    reference = gathered[0]
+    for key in [*reference, *(k for theirs in gathered for k in theirs if k not in reference)]:
+        ranks = [rank for rank, theirs in enumerate(gathered) if theirs.get(key) != reference.get(key)]
+        if ranks:
+            return key, ranks
+    return None
+
+
 def agree_settings(settings: Mapping[str, object], plan_digest: str | None, group: dist.ProcessGroup | None) -> None:
     """Raises on every rank of ``group`` when some rank's settings or bucket plan differ from the
     first rank's, naming the fields and each rank's value (one object all-gather; nothing where
     there is nobody to agree with)."""
-    if not _exchange_is_possible(group):
+    if not exchange_is_possible(group):
         return
     mine = {name: repr(value) for name, value in settings.items()}
     gathered: list[tuple | None] = [None] * group.size()
@@ -191,7 +218,7 @@ class IssueOrderAgreement:
         mine = [keys[c] for c in issue_order]
         my_launches = [[keys[c] for c in launch] for launch in launches]
         agreed, agreed_launches = mine, my_launches
-        if self.exchange and _exchange_is_possible(group):
+        if self.exchange and exchange_is_possible(group):
             agreed, agreed_launches = self._exchange(mine, my_launches, group)
         self._agreed[self._entry(pass_name, keys)] = agreed
         self._launches[self._entry(pass_name, keys)] = agreed_launches

@@ -1,13 +1,14 @@
 """Trace transforms, one per file: mixed precision's casts, ZeRO3 re-gathering, bucketing, hybrid sharding's all-reduce
 across replicas, overlap scheduling, the refusal of no_sync where there are no buckets to
-accumulate in, of models FSDP cannot shard (or already sharded), and of parameters frozen or
-unfrozen after sharding."""
+accumulate in, of models FSDP cannot shard (or already sharded), of ranks whose initial weights
+differ, and of parameters frozen or unfrozen after sharding."""
 
 from thunder_overlap._transforms.bucketing import BucketingTransform
 from thunder_overlap._transforms.frozen import RefuseRequiresGradChangeTransform
 from thunder_overlap._transforms.mixed_precision import MixedPrecisionTransform
 from thunder_overlap._transforms.no_sync import RefuseNoSyncTransform
 from thunder_overlap._transforms.replicate import ReplicaReduceTransform
+from thunder_overlap._transforms.same_init import RefuseDifferentInitTransform
 from thunder_overlap._transforms.schedule import OverlapScheduleTransform
 from thunder_overlap._transforms.shardable import RefuseUnshardableTransform
 from thunder_overlap._transforms.zero3 import Zero3Transform
@@ -16,6 +17,7 @@ __all__ = [
     "BucketingTransform",
     "MixedPrecisionTransform",
     "OverlapScheduleTransform",
+    "RefuseDifferentInitTransform",
     "RefuseNoSyncTransform",
     "RefuseRequiresGradChangeTransform",
     "RefuseUnshardableTransform",
