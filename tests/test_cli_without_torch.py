@@ -8,6 +8,7 @@ the process imported on stderr; none may be torch or Thunder (importing them tak
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -141,15 +142,18 @@ print("ok")
 
 
 @pytest.mark.slow
-def test_the_plugin_compiles_by_name_after_import(one_rank_gloo_group):
+def test_the_readmes_plugin_line_compiles_by_name_after_import(one_rank_gloo_group):
     import thunder
     from thunder.recipes import BaseRecipe
 
     from thunder_overlap._transforms import OverlapScheduleTransform
 
-    # The default recipe needs nvFuser; on CPU the torch.compile fuser stands in.
+    # As the README writes it: the default recipe needs nvFuser; on CPU the torch.compile fuser stands in.
+    readme = (ROOT / "README.md").read_text()
+    (line,) = re.findall(r"`(thunder\.compile\(model, [^`]*\))`", readme)
+    assert 'plugins="fsdp-overlap"' in line and "BaseRecipe" in line, line
     model = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(2)))
-    jm = thunder.compile(model, recipe=BaseRecipe(fuser="torch.compile"), plugins="fsdp-overlap")
+    jm = eval(line, {"thunder": thunder, "BaseRecipe": BaseRecipe, "model": model})
     x = torch.randn(3, 4)
     out = jm(x)
     assert OverlapScheduleTransform.of(jm) is not None  # thunder_overlap's transforms ran
