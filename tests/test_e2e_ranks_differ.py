@@ -334,3 +334,27 @@ def test_ranks_whose_initial_weights_differ_raise_on_every_rank_naming_the_first
         # On the meta device the weights do not exist yet: their generator is compared.
         assert errors["meta"] is not None and "ranks [1] differ from rank 0 in the random generator's state" in errors["meta"], errors
         assert errors["broadcast"] is None and errors["same seed"] is None, errors
+
+
+def _agree_on_prefixes(rank: int, world_size: int) -> list:
+    from thunder_overlap._scheduling.rank_agreement import agreed_prefix, ranks_where
+
+    group = torch.distributed.group.WORLD
+    return [
+        agreed_prefix(["a", "b", "c"][: 3 - rank], group),  # rank 1 has room for less
+        agreed_prefix(["a", "b"], group),
+        agreed_prefix(None if rank == 1 else ["a"], group),
+        ranks_where(rank == 1, group),
+    ]
+
+
+def test_ranks_agree_on_the_prefix_all_chose_and_say_whether_they_all_chose_it(local_ranks):
+    from thunder_overlap._scheduling.rank_agreement import PrefixAgreement
+
+    for results in local_ranks(_agree_on_prefixes, WORLD_SIZE, (), timeout_s=60):
+        assert results == [
+            PrefixAgreement(("a", "b"), [], unanimous=False),
+            PrefixAgreement(("a", "b"), [], unanimous=True),
+            PrefixAgreement(("a",), [1], unanimous=False),
+            [1],
+        ]

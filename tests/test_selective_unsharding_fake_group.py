@@ -1,7 +1,8 @@
 """Sharding "auto" on a real model (traced on the fake process group, run on CPU): the blocks it
 keeps unsharded to the backward are those a budget has room for, the backward needs first. A budget
 above ZeRO2's peak is ZeRO2's schedule, one between ZeRO3's and ZeRO2's keeps some blocks and
-holds, one below ZeRO3's is an error. tests/test_e2e_selective_unsharding.py trains with it on two
+holds, and so does one below ZeRO3's where keeping the blocks needed first spares enough; one
+below every choice's is an error. tests/test_e2e_selective_unsharding.py trains with it on two
 gloo ranks."""
 
 from __future__ import annotations
@@ -76,11 +77,24 @@ def test_a_budget_between_keeps_the_blocks_needed_first_and_holds(everything_fit
     assert max(m.peak_bytes for m in measured) <= budget * 1.05
 
 
-def test_a_budget_below_zero3s_peak_is_an_error_with_both_figures(everything_fits):
+def test_a_budget_below_zero3s_peak_keeps_the_units_that_fit(everything_fits):
+    # Keeping the units the backward needs first spares their re-gathers at its start, where
+    # ZeRO3 peaks: some prefixes need less than ZeRO3 (and than ZeRO2) here.
+    fits = Zero3Transform.of(everything_fits).choice
+    budget = fits.zero3_peak_bytes - 1
+    jm = _step("auto", budget)
+    choice = Zero3Transform.of(jm).choice
+    assert choice.kept and choice.kept == choice.candidates[: len(choice.kept)]
+    assert choice.peak_bytes <= budget < min(choice.zero3_peak_bytes, choice.zero2_peak_bytes)
+    measured = measure_step(thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1])
+    assert max(m.peak_bytes for m in measured) <= budget * 1.05
+
+
+def test_a_budget_below_every_choices_peak_is_an_error_naming_zero3s_and_the_least(everything_fits):
     zero3 = Zero3Transform.of(everything_fits).choice.zero3_peak_bytes
-    says = rf"memory_budget_bytes={zero3 - 1} .* below the predicted peak of ZeRO3 itself, {zero3} B"
+    says = rf"memory_budget_bytes=4096 .* below the predicted peak of ZeRO3 itself, {zero3} B .* the least, keeping \d+ of 6 units, is"
     with pytest.raises(MemoryBudgetTooSmall, match=says):
-        _step("auto", zero3 - 1)
+        _step("auto", 4096)
 
 
 def test_a_batch_of_another_shape_keeps_the_first_compiles_choice(fake_group_2, everything_fits):

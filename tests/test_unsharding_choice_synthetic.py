@@ -101,7 +101,37 @@ def test_many_units_are_searched_from_at_most_sixteen_probes_then_neighbours():
     assert len(set(step.predicted)) <= len(probes) + 5
 
 
-def test_a_budget_below_zero3s_own_peak_is_an_error_naming_both():
+def test_a_budget_below_every_peak_is_an_error_naming_zero3s_and_the_least():
     step = _Step([300, 310])
-    with pytest.raises(MemoryBudgetTooSmall, match=r"memory_budget_bytes=299 .* ZeRO3 itself, 300 B"):
+    with pytest.raises(MemoryBudgetTooSmall, match=r"memory_budget_bytes=299 .* ZeRO3 itself, 300 B .* keeping 0 of 1 units, is 300 B"):
         step.choose(299, _units(1))
+    # The least found between the ends: a dip where no prefix fits.
+    step = _Step([300, 299, 298, 301, 305])
+    with pytest.raises(MemoryBudgetTooSmall, match=r"the least, keeping 2 of 4 units, is 298 B"):
+        step.choose(297, _units(4))
+
+
+def test_where_zero3_is_over_the_budget_and_zero2_fits_every_unit_is_kept():
+    # At small batches a kept unit spares more (its re-gather) than it holds: ZeRO2 below ZeRO3.
+    units = _units(6)
+    step = _Step([320, 318, 316, 314, 312, 310, 308])
+    choice = step.choose(315, units)
+    assert choice.kept == tuple(units) and choice.peak_bytes == 308 <= 315
+    assert (choice.zero3_peak_bytes, choice.zero2_peak_bytes) == (320, 308)
+
+
+def test_where_zero3_is_over_the_budget_prefetch_is_traded_only_among_prefixes_that_fit():
+    units = _units(6)
+    # Fits from 3 units on; 1 and 2 would be fastest but are over the budget.
+    step = _Step([320, 318, 316, 314, 312, 310, 308], step_ms=[80, 70, 71, 90, 85, 86, 95])
+    choice = step.choose(315, units)
+    assert choice.kept == tuple(units[:4]) and choice.peak_bytes <= 315
+    assert not {1, 2} & set(step.predicted) - {0}  # over the budget: never scheduled
+
+
+def test_where_only_some_middle_prefixes_fit_the_longest_of_them_is_kept():
+    units = _units(40)
+    # Over at both ends, within from 10 to 25 units kept: found from the probes, then widened.
+    peaks = [300 if 10 <= k <= 25 else 320 for k in range(41)]
+    choice = _Step(peaks).choose(310, units)
+    assert choice.kept == tuple(units[:25]) and choice.peak_bytes == 300

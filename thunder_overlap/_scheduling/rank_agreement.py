@@ -43,12 +43,14 @@ from thunder_overlap._analysis.classify import AnnotatedTrace
 __all__ = [
     "CollectiveKey",
     "IssueOrderAgreement",
+    "PrefixAgreement",
     "agree_settings",
     "agreed_prefix",
     "agreed_subset",
     "collective_keys",
     "exchange_is_possible",
     "first_differing_value",
+    "ranks_where",
 ]
 
 logger = logging.getLogger(__name__)
@@ -98,13 +100,25 @@ def agreed_subset(mine: list[str], group: dist.ProcessGroup | None) -> list[str]
     return [choice for choice in mine if choice in common]
 
 
-def agreed_prefix(mine: Sequence[str] | None, group: dist.ProcessGroup | None) -> tuple[tuple[str, ...], list[int]]:
+@dataclass(frozen=True)
+class PrefixAgreement:
+    """What :func:`agreed_prefix` found."""
+
+    # The longest prefix every rank that could choose chose.
+    common: tuple[str, ...]
+    # The ranks that could not choose.
+    failed: list[int]
+    # Whether every rank chose the same (then ``common`` is each one's own choice).
+    unanimous: bool
+
+
+def agreed_prefix(mine: Sequence[str] | None, group: dist.ProcessGroup | None) -> PrefixAgreement:
     """The longest prefix of ``mine`` that every rank of ``group`` chose too, and the ranks that
     could not choose (their ``mine`` is None), in one object all-gather (``mine`` unchanged where
     there is nobody to agree with). Every rank takes part even when it could not choose, so that
     its peers stop with it instead of waiting for it."""
     if not exchange_is_possible(group):
-        return tuple(mine or ()), []
+        return PrefixAgreement(tuple(mine or ()), [], True)
     gathered: list[list[str] | None] = [None] * group.size()
     dist.all_gather_object(gathered, None if mine is None else list(mine), group=group)
     failed = [rank for rank, theirs in enumerate(gathered) if theirs is None]
@@ -112,7 +126,18 @@ def agreed_prefix(mine: Sequence[str] | None, group: dist.ProcessGroup | None) -
     common = 0
     while chosen and all(len(theirs) > common and theirs[common] == chosen[0][common] for theirs in chosen):
         common += 1
-    return tuple(chosen[0][:common]) if chosen else (), failed
+    unanimous = not failed and all(theirs == chosen[0] for theirs in chosen)
+    return PrefixAgreement(tuple(chosen[0][:common]) if chosen else (), failed, unanimous)
+
+
+def ranks_where(condition: bool, group: dist.ProcessGroup | None) -> list[int]:
+    """The ranks of ``group`` whose ``condition`` holds, the same list on every rank (one object
+    all-gather; this rank's alone where there is nobody to ask)."""
+    if not exchange_is_possible(group):
+        return [0] if condition else []
+    gathered: list[bool | None] = [None] * group.size()
+    dist.all_gather_object(gathered, bool(condition), group=group)
+    return [rank for rank, holds in enumerate(gathered) if holds]
 
 
 def first_differing_value(values: Mapping[str, object], group: dist.ProcessGroup | None) -> tuple[str, list[int]] | None:

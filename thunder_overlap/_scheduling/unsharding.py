@@ -7,8 +7,9 @@ kept in the order the backward needs them, first needed first: its first re-gath
 compute hides, and a unit kept longer in the forward holds memory longer in the backward too.
 The predicted just-in-time peak mostly grows with the units kept (not always: a kept unit also
 spares its re-gather), so the longest prefix of that order within the budget is found by
-bisection. Memory a kept unit takes is memory prefetching no longer has: where the budget holds
-prefetching back, the shorter prefixes are scheduled and simulated too, and the fastest is kept.
+bisection; where ZeRO3 itself is over the budget, keeping units is tried too. Memory a kept unit
+takes is memory prefetching no longer has: where the budget holds prefetching back, the shorter
+prefixes are scheduled and simulated too, and the fastest is kept.
 """
 
 from __future__ import annotations
@@ -59,11 +60,11 @@ class UnshardingChoice:
     candidates: tuple[str, ...]
     kept: tuple[str, ...]
     # Just-in-time peaks (every collective right before its use: the least memory each needs)
-    # of the choice, of ZeRO3 (no unit kept) and of ZeRO2 (every unit kept; None: not estimated,
-    # ZeRO3 was over the budget).
+    # of the choice, of ZeRO3 (no unit kept) and of ZeRO2 (every unit kept). Mostly ZeRO3's is the
+    # least; at small batches a kept unit spares more (its re-gather) than it holds.
     peak_bytes: int
     zero3_peak_bytes: int
-    zero2_peak_bytes: int | None
+    zero2_peak_bytes: int
     # The choice and ZeRO3 as scheduled within the budget, prefetching included (None: not
     # predicted, there was nothing to choose between).
     scheduled: StepPrediction | None
@@ -74,11 +75,11 @@ class UnshardingChoice:
     kept_alone: tuple[str, ...] | None = None
 
     def describe(self) -> str:
-        zero2 = f"{self.zero2_peak_bytes / _MIB:.1f}" if self.zero2_peak_bytes is not None else "-"
         line = (
             f"kept {len(self.kept)} of {len(self.candidates)} units unsharded to the backward "
             f"({', '.join(self.kept) or 'none'}) within a budget of {self.budget_bytes / _MIB:.1f} MiB: predicted peak "
-            f"{self.peak_bytes / _MIB:.1f} MiB just in time (ZeRO3 {self.zero3_peak_bytes / _MIB:.1f}, ZeRO2 {zero2})"
+            f"{self.peak_bytes / _MIB:.1f} MiB just in time "
+            f"(ZeRO3 {self.zero3_peak_bytes / _MIB:.1f}, ZeRO2 {self.zero2_peak_bytes / _MIB:.1f})"
         )
         if self.scheduled is not None and self.zero3_scheduled is not None:
             line += (
@@ -111,19 +112,13 @@ def choose_kept_units(
     predict: Callable[[tuple[str, ...]], StepPrediction] | None = None,
 ) -> UnshardingChoice:
     """A prefix of ``candidates``: the longest whose just-in-time step peak (``peak_of(prefix)``)
-    is within ``budget_bytes`` (where the peak grows with it); where the budget then holds back
-    its prefetching, the shorter prefix ``predict`` (the step as scheduled within the budget)
-    finds fastest, ZeRO3's included. Raises :class:`MemoryBudgetTooSmall` where even no unit is over
-    the budget itself."""
+    is within ``budget_bytes``; where the budget then holds back its prefetching, the shorter
+    prefix within the budget that ``predict`` (the step as scheduled within the budget) finds
+    fastest, ZeRO3's included where it fits. Where ZeRO3 itself is over the budget, keeping units
+    may still fit (a kept unit spares its re-gather); raises :class:`MemoryBudgetTooSmall` where
+    no prefix tried fits, naming the least peak found."""
     candidates = tuple(candidates)
-    zero3 = peak_of(())
-    if zero3 > budget_bytes:
-        raise MemoryBudgetTooSmall(
-            f"thunder_overlap sharding 'auto': memory_budget_bytes={budget_bytes} ({budget_bytes / _MIB:.1f} MiB) is below "
-            f"the predicted peak of ZeRO3 itself, {zero3} B ({zero3 / _MIB:.1f} MiB), which keeps no block unsharded; "
-            "raise the budget, or shrink the batch, the sequence or the model per rank"
-        )
-    peaks = {0: zero3}
+    peaks: dict[int, int] = {}
     predictions: dict[int, StepPrediction] = {}
 
     def peak(kept: int) -> int:
@@ -132,40 +127,78 @@ def choose_kept_units(
             logger.debug("keeping %d units: predicted just-in-time peak %d B against %d B", kept, peaks[kept], budget_bytes)
         return peaks[kept]
 
+    def fits(kept: int) -> bool:
+        return peak(kept) <= budget_bytes
+
     def prediction(kept: int) -> StepPrediction:
         if kept not in predictions:
             predictions[kept] = predict(candidates[:kept])
             logger.debug("keeping %d units: predicted step %.3f ms", kept, predictions[kept].step_ms)
         return predictions[kept]
 
-    zero2 = peak(len(candidates))
-    fits = len(candidates) if zero2 <= budget_bytes else 0
-    over = len(candidates)  # invariant, while bisecting: candidates[:fits] fit, candidates[:over] do not
-    while over - fits > 1:
-        middle = (fits + over) // 2
-        if peak(middle) <= budget_bytes:
-            fits = middle
-        else:
-            over = middle
-    kept, scheduled, zero3_scheduled = fits, None, None
+    fewest, kept = _fitting_prefixes(len(candidates), peak, fits, budget_bytes)
+    scheduled, zero3_scheduled = None, None
     if predict is not None and candidates:
-        if prediction(fits).held_by_memory:
+        if prediction(kept).held_by_memory:
             # [Note: selective unsharding]: what a kept unit takes, prefetching no longer has.
-            stride = -(-fits // _MOST_PROBES)
-            probes = sorted({*range(0, fits, stride), fits})
-            kept = min(probes, key=lambda k: (prediction(k).step_ms, -k))
+            # Above ZeRO3's peak the prefixes between need not all fit: each is checked.
+            checked = fits if fewest > 0 else (lambda k: True)
+            stride = -(-(kept - fewest) // _MOST_PROBES)
+            probes = [k for k in sorted({*range(fewest, kept, max(stride, 1)), kept}) if checked(k)]
+            best = min(probes, key=lambda k: (prediction(k).step_ms, -k))
             for direction in (-1, 1):  # between probes, while faster
-                while 0 <= kept + direction <= fits and prediction(kept + direction).step_ms < prediction(kept).step_ms:
-                    kept += direction
+                while fewest <= best + direction <= kept and checked(best + direction):
+                    if prediction(best + direction).step_ms >= prediction(best).step_ms:
+                        break
+                    best += direction
+            kept = best
         scheduled, zero3_scheduled = prediction(kept), prediction(0)
     return UnshardingChoice(
         budget_bytes=budget_bytes,
         candidates=candidates,
         kept=candidates[:kept],
         peak_bytes=peak(kept),
-        zero3_peak_bytes=zero3,
-        zero2_peak_bytes=zero2,
+        zero3_peak_bytes=peak(0),
+        zero2_peak_bytes=peak(len(candidates)),
         scheduled=scheduled,
         zero3_scheduled=zero3_scheduled,
         regather_bytes_saved=sum(unit_bytes[unit] for unit in candidates[:kept]),
     )
+
+
+def _fitting_prefixes(count: int, peak: Callable[[int], int], fits: Callable[[int], bool], budget_bytes: int) -> tuple[int, int]:
+    """(the fewest units kept found within the budget, the most): the peak mostly grows with the
+    units kept, so each end is found by bisection from the end that fits. Where neither ZeRO3
+    (none kept) nor ZeRO2 (all) fits, at most ``_MOST_PROBES`` prefixes between are tried."""
+    if fits(0):
+        return 0, _bisect(0, count, fits) if not fits(count) else count
+    if fits(count):
+        return _bisect(count, 0, fits), count
+    between = range(1, count, -(-(count - 1) // _MOST_PROBES) or 1)
+    fitting = [k for k in between if fits(k)]
+    if not fitting:
+        least = min((0, *between, count), key=peak)
+        raise MemoryBudgetTooSmall(
+            f"thunder_overlap sharding 'auto': memory_budget_bytes={budget_bytes} ({budget_bytes / _MIB:.1f} MiB) is below "
+            f"the predicted peak of ZeRO3 itself, {peak(0)} B ({peak(0) / _MIB:.1f} MiB), and of every number of blocks kept "
+            f"unsharded that was tried: the least, keeping {least} of {count} units, is {peak(least)} B "
+            f"({peak(least) / _MIB:.1f} MiB); raise the budget, or shrink the batch, the sequence or the model per rank"
+        )
+    fewest, most = min(fitting), max(fitting)
+    while fewest > 1 and fits(fewest - 1):
+        fewest -= 1
+    while most < count - 1 and fits(most + 1):
+        most += 1
+    return fewest, most
+
+
+def _bisect(good: int, bad: int, fits: Callable[[int], bool]) -> int:
+    """The prefix next to the boundary between ``good`` (fits) and ``bad`` (does not), on
+    ``good``'s side: either may be the larger."""
+    while abs(bad - good) > 1:
+        middle = (good + bad) // 2
+        if fits(middle):
+            good = middle
+        else:
+            bad = middle
+    return good

@@ -36,7 +36,7 @@ from thunder.executors.passes import del_last_used
 from thunder_overlap._analysis.blocks import BlockTypes, find_blocks
 from thunder_overlap._analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace, parameter_names_of_inputs
 from thunder_overlap._analysis.layout import NO_BUCKETS
-from thunder_overlap._scheduling.rank_agreement import agreed_prefix
+from thunder_overlap._scheduling.rank_agreement import agreed_prefix, ranks_where
 from thunder_overlap._scheduling.unsharding import (
     MemoryBudgetTooSmall,
     StepPrediction,
@@ -343,21 +343,33 @@ class Zero3Transform(Transform):
                 agreed_prefix(None, group)  # so that the other ranks stop too
             raise
         if exchange:
-            kept, failed = agreed_prefix(choice.kept, group)
-            if failed:
+            agreement = agreed_prefix(choice.kept, group)
+            if agreement.failed:
                 raise MemoryBudgetTooSmall(
-                    f"thunder_overlap sharding 'auto': ranks {failed} have no room for ZeRO3 itself under "
-                    f"memory_budget_bytes={budget} (their own error names their predicted peak); every rank stops"
+                    f"thunder_overlap sharding 'auto': ranks {agreement.failed} have no room for ZeRO3 itself, nor for "
+                    f"keeping units, under memory_budget_bytes={budget} (their own error names their predicted peaks); "
+                    "every rank stops"
                 )
-            if kept != choice.kept:  # another rank has less room (its own batch shape)
-                choice = replace(
-                    choice,
-                    kept=kept,
-                    peak_bytes=peak_of(kept),
-                    scheduled=predict(kept) if choice.scheduled is not None else None,
-                    regather_bytes_saved=sum(unit_bytes[unit] for unit in kept),
-                    kept_alone=choice.kept,
-                )
+            if not agreement.unanimous:  # another rank has less room (its own batch shape)
+                kept = agreement.common
+                peak = peak_of(kept)
+                # Keeping fewer units mostly needs less memory, not always (fewer kept, more re-gathered).
+                over = ranks_where(peak > budget, group)
+                if over:
+                    raise MemoryBudgetTooSmall(
+                        f"thunder_overlap sharding 'auto': the {len(kept)} units every rank has room for are predicted over "
+                        f"memory_budget_bytes={budget} on ranks {over} (this rank: {peak} B); every rank stops. Raise the "
+                        "budget, or give the ranks batches of one shape"
+                    )
+                if kept != choice.kept:
+                    choice = replace(
+                        choice,
+                        kept=kept,
+                        peak_bytes=peak,
+                        scheduled=predict(kept) if choice.scheduled is not None else None,
+                        regather_bytes_saved=sum(unit_bytes[unit] for unit in kept),
+                        kept_alone=choice.kept,
+                    )
         self.choice = choice
         plan = plan_for(choice.kept)
         forward_out.bound_symbols = _rewrite_forward(annotated.trace, plan).bound_symbols
