@@ -152,14 +152,14 @@ def test_a_model_cannot_be_sharded_twice(gloo_group):
         thunder_overlap.fsdp(sharded)
 
 
-_CONSUMED = r"already sharded with FSDP: an earlier thunder_overlap.fsdp consumed it and moved its parameters to the meta device"
+_CONSUMED = r"already sharded with FSDP: an earlier thunder_overlap.fsdp consumed it: its parameters are one rank's shards"
 
 
 def test_a_module_fsdp_consumed_is_refused_whatever_its_wrapper(gloo_group):
-    # The first fsdp() moved the parameters to meta; a second one used to materialise fresh weights.
+    # The first fsdp() made the parameters its shards; a second one would shard them again.
     model = _model()
-    thunder_overlap.fsdp(model)
-    assert all(p.is_meta for p in model.parameters())
+    sharded = thunder_overlap.fsdp(model)
+    assert [id(p) for p in model.parameters()] == [id(p) for p in sharded.parameters()]
     with pytest.raises(ValueError, match=rf"^model is {_CONSUMED}.*pass the module that fsdp\(\) returned"):
         thunder_overlap.fsdp(model)
     with pytest.raises(ValueError, match=rf"^model is {_CONSUMED}"):

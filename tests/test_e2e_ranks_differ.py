@@ -142,13 +142,25 @@ def test_ranks_with_different_shapes_issue_one_order(runs, schedule_name, shardi
     assert orders[0] and orders[0] == orders[1]
 
 
+class _SkipsItsLastBlockOnRank1(TinyGPT):
+    """The same parameters on every rank; rank 1's forward leaves the last block out, so its
+    traces gather the other blocks only."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(positions)
+        for block in self.blocks[:-1] if dist.get_rank() == 1 else self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm_f(x))
+
+
 def _one_rank_moves_other_collectives(rank: int, world_size: int) -> str | None:
     import thunder_overlap
 
     torch.manual_seed(0)
-    # Rank 1's MLP is wider: its all-gathers move other shapes from the first block on.
-    config = replace(ONE_BLOCK, n_embd=32 + 16 * rank)
-    return _first_step_error(thunder_overlap.fsdp(TinyGPT(config), sharding_strategy="zero3"))
+    return _first_step_error(thunder_overlap.fsdp(_SkipsItsLastBlockOnRank1(MODEL), sharding_strategy="zero3"))
 
 
 def _first_step_error(jm) -> str | None:
@@ -165,7 +177,7 @@ def test_ranks_that_would_move_different_collectives_raise_on_every_rank(local_r
     messages = local_ranks(_one_rank_moves_other_collectives, WORLD_SIZE, (), timeout_s=120)
     for message in messages:
         assert message is not None and "would hang" in message, messages
-        assert "ranks [1]" in message and "rank 0 issues all_gather" in message, message
+        assert "ranks [1]" in message and "rank 0 issues" in message, message
 
 
 class _SlowOnRank1:
@@ -317,9 +329,18 @@ def _ranks_built_under_other_seeds(rank: int, world_size: int) -> dict[str, str 
             return str(error)
         return None
 
+    def error_of_another_width() -> str | None:
+        torch.manual_seed(0)
+        try:
+            thunder_overlap.fsdp(TinyGPT(replace(ONE_BLOCK, n_embd=32 + 16 * rank)))
+        except ValueError as error:
+            return str(error)
+        return None
+
     return {
         "seeds": error_of(rank),
         "meta": error_on_meta(rank),
+        "width": error_of_another_width(),
         "broadcast": error_of(rank, broadcast_from=0),
         "same seed": error_of(0),
     }
@@ -333,6 +354,10 @@ def test_ranks_whose_initial_weights_differ_raise_on_every_rank_naming_the_first
         assert "broadcast_from=0" in errors["seeds"] and "torch.manual_seed" in errors["seeds"]
         # On the meta device the weights do not exist yet: their generator is compared.
         assert errors["meta"] is not None and "ranks [1] differ from rank 0 in the random generator's state" in errors["meta"], errors
+        assert errors["width"] == (
+            "thunder_overlap.fsdp: the ranks built different models: parameter 'wte.weight' "
+            "(rank 0: [101, 32] torch.float32, rank 1: [101, 48] torch.float32); every rank must shard the same model"
+        ), errors
         assert errors["broadcast"] is None and errors["same seed"] is None, errors
 
 

@@ -28,6 +28,7 @@ from thunder_overlap._transforms import (
     RefuseRequiresGradChangeTransform,
     RefuseUnshardableTransform,
     ReplicaReduceTransform,
+    ShardsInPlaceTransform,
     Zero3Transform,
 )
 from thunder_overlap._transforms.shardable import check_shardable
@@ -52,7 +53,8 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
     (without ``broadcast_from``) and of ``requires_grad`` changed after sharding, Thunder's sharding, mixed precision's casts
     (a ``mixed_precision`` that sets a dtype only), materialisation, then ZeRO3 re-gathering (ZeRO3
     only), bucketing (layer, block or auto only), the all-reduce across replicas (hybrid sharding
-    only), then scheduling, and the module's ``clip_grad_norm_`` method.
+    only), then scheduling, the shards placed in the original module (its parameters are the
+    sharded module's), and the module's ``clip_grad_norm_`` method.
 
     Pass resolved ``options``, or the keywords of :meth:`FSDPOptions.resolve` (``device``,
     ``process_group``, ``sharding_strategy``, ``bucketing_strategy``, ``bucket_cap_mb``,
@@ -69,7 +71,8 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
             device=options.device,
             broadcast_from=options.broadcast_from,
             sharding_strategy=options.sharding.thunder_type,
-            release_original_parameters=True,
+            # ShardsInPlaceTransform points the original parameters at the shards instead.
+            release_original_parameters=False,
             move_state_dict_to_cpu=options.move_state_dict_to_cpu,
             process_group=options.process_group,
         ),
@@ -119,7 +122,8 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
         # After bucketing, so that a bucket's reduce-scatter gets one all-reduce; before
         # scheduling, which places the all-reduces like any other collective.
         transforms.append(ReplicaReduceTransform(options.hybrid_mesh))
-    transforms += [schedule, ClipGradNormMethod()]
+    # After every transform that places parameters (sharding, materialisation, buckets).
+    transforms += [schedule, ShardsInPlaceTransform(), ClipGradNormMethod()]
     return transforms
 
 
@@ -144,8 +148,10 @@ def fsdp(
 
     Args:
         model: a plain ``nn.Module`` (jitted here, with ``jit_options``) or what ``thunder.jit``
-            returned, not yet sharded. A module an earlier ``fsdp`` consumed (its parameters were
-            released to the meta device), or one that holds such a module, is refused.
+            returned, not yet sharded. Afterwards its parameters are the returned module's (the
+            same objects, now this rank's shards), so an optimizer built on it before ``fsdp``
+            trains them. A module an earlier ``fsdp`` consumed, or one that holds such a module,
+            is refused.
         device: where shards live; default ``cuda:LOCAL_RANK`` for NCCL, ``cpu`` otherwise. A
             CUDA device becomes the current device (NCCL and object collectives use it).
         sharding_strategy: ``"zero2"``/``"zero3"``/``"auto"`` (any case), :class:`ShardingStrategy`

@@ -117,6 +117,8 @@ def _timed_loop(cfg: BenchmarkConfig, ctx: RunContext, spec: ModelSpec, step) ->
 def run_benchmark(cfg: BenchmarkConfig, ctx: RunContext) -> BenchmarkResult:
     """Runs ``cfg.max_iters`` iterations and times those after the first ``cfg.warmup_iters``.
     Rank 0 prints a progress line per iteration."""
+    # Every rank initialises the same weights (torchrun's ranks start from different generator states).
+    torch.manual_seed(cfg.seed)
     model, spec = build_model(cfg.model_name, cfg.n_layers, cfg.block_size)
     model = model.to(ctx.dtype)
     flops = 0 if cfg.impl == "comm_only" else train_flops_per_step(model, spec, cfg.micro_batch_size)

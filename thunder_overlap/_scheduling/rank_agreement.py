@@ -42,6 +42,7 @@ from thunder_overlap._analysis.classify import AnnotatedTrace
 
 __all__ = [
     "CollectiveKey",
+    "Difference",
     "IssueOrderAgreement",
     "PrefixAgreement",
     "agree_settings",
@@ -140,9 +141,20 @@ def ranks_where(condition: bool, group: dist.ProcessGroup | None) -> list[int]:
     return [rank for rank, holds in enumerate(gathered) if holds]
 
 
-def first_differing_value(values: Mapping[str, object], group: dist.ProcessGroup | None) -> tuple[str, list[int]] | None:
-    """The first key (in the first rank's order) whose value some rank of ``group`` does not share
-    with the first rank, and those ranks; None where every rank holds the same (one object
+@dataclass(frozen=True)
+class Difference:
+    """The first key whose value some rank does not share with the first rank."""
+
+    key: str
+    # The ranks whose value differs from the first rank's.
+    ranks: list[int]
+    # Every rank's value of ``key`` (None where a rank has no such key).
+    values: list[object]
+
+
+def first_differing_value(values: Mapping[str, object], group: dist.ProcessGroup | None) -> Difference | None:
+    """The first key (in the first rank's order, then the others') whose value some rank of
+    ``group`` does not share with the first rank; None where every rank holds the same (one object
     all-gather; nothing where there is nobody to compare with). The same answer on every rank."""
     if not exchange_is_possible(group):
         return None
@@ -152,7 +164,7 @@ def first_differing_value(values: Mapping[str, object], group: dist.ProcessGroup
     for key in [*reference, *(k for theirs in gathered for k in theirs if k not in reference)]:
         ranks = [rank for rank, theirs in enumerate(gathered) if theirs.get(key) != reference.get(key)]
         if ranks:
-            return key, ranks
+            return Difference(key, ranks, [theirs.get(key) for theirs in gathered])
     return None
 
 

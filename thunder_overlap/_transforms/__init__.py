@@ -1,10 +1,12 @@
 """Trace transforms, one per file: mixed precision's casts, ZeRO3 re-gathering, bucketing, hybrid sharding's all-reduce
 across replicas, overlap scheduling, the refusal of no_sync where there are no buckets to
 accumulate in, of models FSDP cannot shard (or already sharded), of ranks whose initial weights
-differ, and of parameters frozen or unfrozen after sharding."""
+differ, and of parameters frozen or unfrozen after sharding; and the shards placed in the
+original module."""
 
 from thunder_overlap._transforms.bucketing import BucketingTransform
 from thunder_overlap._transforms.frozen import RefuseRequiresGradChangeTransform
+from thunder_overlap._transforms.in_place import ShardsInPlaceTransform
 from thunder_overlap._transforms.mixed_precision import MixedPrecisionTransform
 from thunder_overlap._transforms.no_sync import RefuseNoSyncTransform
 from thunder_overlap._transforms.replicate import ReplicaReduceTransform
@@ -22,5 +24,6 @@ __all__ = [
     "RefuseRequiresGradChangeTransform",
     "RefuseUnshardableTransform",
     "ReplicaReduceTransform",
+    "ShardsInPlaceTransform",
     "Zero3Transform",
 ]

@@ -22,7 +22,8 @@ class RefuseRequiresGradChangeTransform(Transform):
         planned = {name: p.requires_grad for name, p in model.named_parameters()}
 
         def check(module, args) -> None:
-            changed = [name for name, p in module.named_parameters() if p.requires_grad != planned[name]]
+            # A name not planned (a tied parameter untied by load_state_dict(assign=True)) is the buckets' to refuse.
+            changed = [name for name, p in module.named_parameters() if name in planned and p.requires_grad != planned[name]]
             if changed:
                 shown = ", ".join(f"{name!r} ({planned[name]} -> {not planned[name]})" for name in changed)
                 raise RuntimeError(

@@ -2,8 +2,8 @@
 
 FSDP keeps one copy of each row, on the rank that shards it: if the ranks built the model under
 different seeds, the sharded model silently holds rows of several initialisations. Before Thunder's
-FSDP shards the model, every rank fingerprints each parameter and the ranks compare them in one
-object all-gather. A fingerprint is the sum of the elements' bit patterns as 64-bit integers:
+FSDP shards the model, every rank fingerprints each parameter (with its shape and dtype: ranks that
+built different models are told so) and the ranks compare them in one object all-gather. A fingerprint is the sum of the elements' bit patterns as 64-bit integers:
 exact and independent of the summation's order (a float sum would differ in its last bits between
 machines that split the reduction differently), so equal weights always agree. Parameters on the
 meta device are initialised later, from the random generator of the device they materialise on;
@@ -49,13 +49,22 @@ class RefuseDifferentInitTransform(Transform):
         if not exchange_is_possible(self.group):
             return
         parameters = dict(model.named_parameters())
-        values = {name: fingerprint(p) for name, p in parameters.items() if not p.is_meta}
-        if len(values) < len(parameters):
-            values[_GENERATOR] = fingerprint(_generator_state(self.device))
-        differing = first_differing_value(values, self.group)
-        if differing is None:
+        values: dict[str, tuple] = {
+            name: (tuple(p.shape), str(p.dtype), None if p.is_meta else fingerprint(p)) for name, p in parameters.items()
+        }
+        if any(p.is_meta for p in parameters.values()):
+            values[_GENERATOR] = ((), "", fingerprint(_generator_state(self.device)))
+        difference = first_differing_value(values, self.group)
+        if difference is None:
             return
-        name, ranks = differing
+        name, ranks = difference.key, difference.ranks
+        reference, theirs = difference.values[0], difference.values[ranks[0]]
+        if name != _GENERATOR and (reference is None or theirs is None or reference[:2] != theirs[:2]):
+            shown = [f"rank {rank}: {'none' if v is None else f'{list(v[0])} {v[1]}'}" for rank, v in enumerate(difference.values)]
+            raise ValueError(
+                f"thunder_overlap.fsdp: the ranks built different models: parameter {name!r} ({', '.join(shown)}); "
+                "every rank must shard the same model"
+            )
         what = _GENERATOR if name == _GENERATOR else f"parameter {name!r}"
         raise ValueError(
             f"thunder_overlap.fsdp: ranks {ranks} differ from rank 0 in {what} before sharding, so the sharded model would "

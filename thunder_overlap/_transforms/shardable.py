@@ -1,9 +1,10 @@
 """Models FSDP must refuse before Thunder sees them, each with an error saying what is wrong.
 
-- A module an earlier FSDP consumed: Thunder's FSDP moves the original parameters to the meta
-  device, and sharding the module again would materialise freshly initialised weights, silently
-  dropping the trained ones. The first ``fsdp`` marks the module (``SHARDED_MARK``; Thunder's own
-  FSDP sets ``use_fsdp``), and a module holding a marked one anywhere is refused.
+- A module an earlier FSDP consumed: its parameters are this rank's shards (``fsdp``), or on the
+  meta device (Thunder's own FSDP), and sharding the module again would shard shards or
+  materialise freshly initialised weights, silently dropping the trained ones. The first ``fsdp``
+  marks the module (``SHARDED_MARK``; Thunder's own FSDP sets ``use_fsdp``), and a module holding
+  a marked one anywhere is refused.
 - No parameters (Thunder: "cannot deal with modules other than the compiled module"), none
   trainable (Thunder finds no executor for the all-gather), or a 0-dim parameter (Thunder shards
   along dim 0: "Dimension specified as 0 but tensor has no dimensions").
@@ -25,10 +26,14 @@ SHARDED_MARK = "_thunder_overlap_sharded"
 
 
 def _sharded_by(module: nn.Module) -> str | None:
+    """What an earlier FSDP did to ``module``'s parameters, or None."""
     if getattr(module, SHARDED_MARK, False):
-        return "thunder_overlap.fsdp"
+        return "an earlier thunder_overlap.fsdp consumed it: its parameters are one rank's shards, so sharding it again would shard shards"
     if getattr(module, "use_fsdp", False):
-        return "Thunder's FSDP"
+        return (
+            "an earlier Thunder's FSDP consumed it and moved its parameters to the meta device, so sharding it again "
+            "would train freshly initialised weights"
+        )
     return None
 
 
@@ -39,11 +44,7 @@ def check_not_sharded(model: nn.Module) -> None:
         if by is None:
             continue
         what = "model" if not name else f"model's submodule {name!r}"
-        raise ValueError(
-            f"{what} is already sharded with FSDP: an earlier {by} consumed it and moved its parameters to the meta "
-            "device, so sharding it again would train freshly initialised weights; pass the module that fsdp() returned, "
-            "or a new unsharded model"
-        )
+        raise ValueError(f"{what} is already sharded with FSDP: {by}; pass the module that fsdp() returned, or a new unsharded model")
 
 
 def check_parameters(model: nn.Module) -> None:

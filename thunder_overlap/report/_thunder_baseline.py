@@ -32,6 +32,7 @@ from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 from torch import nn
 
 from thunder_overlap._analysis.classify import find_swallowed_collectives
+from thunder_overlap._transforms.in_place import full_shapes
 from thunder_overlap._transforms.shardable import SHARDED_MARK
 from thunder_overlap.options import ShardingStrategy, parse_sharding_strategy
 
@@ -121,8 +122,8 @@ def _fsdp_transform(jm) -> FSDPTransform | None:
 def _meta_twin(module: nn.Module) -> nn.Module:
     """A copy of ``module`` whose parameters and buffers are meta tensors of their shapes.
 
-    FSDP released the original parameters to meta with their unsharded shapes (thunder_overlap
-    shards with ``release_original_parameters=True``), so the copy has the model's full shapes.
+    Taken while the original module holds its full-shaped placeholders (``full_shapes``: between
+    calls it holds the shards), so the copy has the model's full shapes.
     Tied parameters stay tied: the copy maps each tensor once.
     """
     memo: dict[int, object] = {}
@@ -179,7 +180,9 @@ def thunder_fsdp_traces_of(jm) -> ThunderFSDPTraces | None:
         return None
     args, kwargs = _inputs_of(prologues[-1])
     sharding = ShardingStrategy(transform.sharding_strategy.name.lower())
-    return trace_thunder_fsdp(_meta_twin(jm._model), world_size=_world_size_of(jm, transform), sharding=sharding, args=args, kwargs=kwargs)
+    with full_shapes(jm):  # the original module holds the shards between calls
+        twin = _meta_twin(jm._model)
+    return trace_thunder_fsdp(twin, world_size=_world_size_of(jm, transform), sharding=sharding, args=args, kwargs=kwargs)
 
 
 def _world_size_of(jm, transform: FSDPTransform) -> int:
