@@ -6,6 +6,9 @@ never hang.
    digest) in one small all-gather, before any other exchange: ranks whose settings differ would
    make different numbers of exchanges and launches, so every rank raises, naming the fields.
 
+Before any of that, ``fsdp()`` has the ranks compare their initial weights
+(:func:`first_differing_value`, in ``_transforms/same_init.py``).
+
 Every rank must issue the same collectives in the same order on a process group. The scheduler's
 order depends on estimates (compute time, activation memory) that follow each rank's own input
 shapes, and a rank retraces alone when its batch changes shape. So the order is fixed once:

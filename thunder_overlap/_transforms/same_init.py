@@ -2,13 +2,14 @@
 
 FSDP keeps one copy of each row, on the rank that shards it: if the ranks built the model under
 different seeds, the sharded model silently holds rows of several initialisations. Before Thunder's
-FSDP shards the model, every rank fingerprints each parameter (with its shape and dtype: ranks that
-built different models are told so) and the ranks compare them in one object all-gather. A fingerprint is the sum of the elements' bit patterns as 64-bit integers:
-exact and independent of the summation's order (a float sum would differ in its last bits between
-machines that split the reduction differently), so equal weights always agree. Parameters on the
-meta device are initialised later, from the random generator of the device they materialise on;
-for them that generator's state is compared. Skipped with ``broadcast_from``, which makes the
-weights equal, and where there is nobody to compare with.
+FSDP shards the model, every rank fingerprints each parameter (with its shape and dtype: ranks
+that built different models are told so) and the ranks compare them in one object all-gather. A
+fingerprint is the sum of the elements' bit patterns as 64-bit integers: exact and independent of
+the summation's order (a float sum would differ in its last bits between machines that split the
+reduction differently), so equal weights always agree. Parameters on the meta device are
+initialised later, from the random generator of the device they materialise on; for them that
+generator's state is compared. Skipped with ``broadcast_from``, which makes the weights equal, and
+where there is nobody to compare with.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _GENERATOR = "the random generator's state (parameters on the meta device are initialised from it)"
 
 
-def fingerprint(tensor: torch.Tensor) -> int:
+def _fingerprint(tensor: torch.Tensor) -> int:
     """The sum of ``tensor``'s elements' bit patterns, as a 64-bit integer (wrapping around)."""
     tensor = tensor.detach()
     if tensor.element_size() not in _BITS:  # complex: its bytes
@@ -50,10 +51,10 @@ class RefuseDifferentInitTransform(Transform):
             return
         parameters = dict(model.named_parameters())
         values: dict[str, tuple] = {
-            name: (tuple(p.shape), str(p.dtype), None if p.is_meta else fingerprint(p)) for name, p in parameters.items()
+            name: (tuple(p.shape), str(p.dtype), None if p.is_meta else _fingerprint(p)) for name, p in parameters.items()
         }
         if any(p.is_meta for p in parameters.values()):
-            values[_GENERATOR] = ((), "", fingerprint(_generator_state(self.device)))
+            values[_GENERATOR] = ((), "", _fingerprint(_generator_state(self.device)))
         difference = first_differing_value(values, self.group)
         if difference is None:
             return
