@@ -177,7 +177,7 @@ def test_ranks_that_would_move_different_collectives_raise_on_every_rank(local_r
     messages = local_ranks(_one_rank_moves_other_collectives, WORLD_SIZE, (), timeout_s=120)
     for message in messages:
         assert message is not None and "would hang" in message, messages
-        assert "ranks [1]" in message and "rank 0 issues" in message, message
+        assert "ranks [1]" in message and "rank 0 issues all_gather" in message and "which rank 1 does not" in message, message
 
 
 class _SlowOnRank1:
