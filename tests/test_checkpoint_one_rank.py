@@ -203,3 +203,57 @@ def test_an_optimizer_without_per_parameter_state_saves_and_loads(tmp_path):
     optimizer = torch.optim.SGD(loaded.parameters(), lr=0.5)
     checkpoint.load(tmp_path / "ckpt", loaded, optimizer)
     assert optimizer.param_groups[0]["lr"] == 0.1 and optimizer.state_dict()["state"] == {}
+
+
+def test_extra_state_is_saved_with_the_model_and_returned_by_load(tmp_path):
+    extra = {"step": 3, "scheduler": {"last_epoch": 2, "lrs": [0.1, 0.05]}, "note": "warmup done"}
+    checkpoint.save(tmp_path / "with", _tiny(), extra_state=extra)
+    assert checkpoint.load(tmp_path / "with", _tiny()).extra_state == extra
+    checkpoint.save(tmp_path / "without", _tiny())
+    assert checkpoint.load(tmp_path / "without", _tiny()).extra_state == {}
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [([("step", 3)], r"extra_state must be a dict with str keys or None, got \[\('step', 3\)\]"),
+     ({1: "one"}, r"extra_state must be a dict with str keys"),
+     ({"handle": lambda: 0}, r"extra_state must be picklable")],
+)  # fmt: skip
+def test_bad_extra_state_is_named_before_anything_is_written(tmp_path, extra, message):
+    with pytest.raises(TypeError, match=message):
+        checkpoint.save(tmp_path / "ckpt", _tiny(), extra_state=extra)
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "ckpt.saving").exists()
+
+
+def test_a_full_checkpoint_is_one_file_the_plain_model_loads(tmp_path):
+    source = _tiny()
+    optimizer = torch.optim.AdamW(source.parameters())
+    source(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    optimizer.step()
+    path = checkpoint.save(tmp_path / "full.pt", source, optimizer, extra_state={"step": 1}, full=True)
+    assert path.is_file() and not (tmp_path / "full.pt.saving").exists()
+    plain = TinyGPT(TinyGPTConfig(n_layer=1))
+    plain.load_state_dict(torch.load(path, weights_only=True)["model"])
+    assert_states_equal(plain.state_dict(), source.state_dict())
+
+    torch.manual_seed(1)
+    target = TinyGPT(TinyGPTConfig(n_layer=1))
+    target_optimizer = torch.optim.AdamW(target.parameters())
+    result = checkpoint.load(path, target, target_optimizer)
+    assert result.extra_state == {"step": 1} and not result
+    assert_states_equal(target.state_dict(), source.state_dict())
+    assert len(target_optimizer.state) == len(optimizer.state) > 0
+    for p, q in zip(source.parameters(), target.parameters(), strict=True):
+        assert optimizer.state[p].keys() == target_optimizer.state[q].keys()
+        for key, value in optimizer.state[p].items():
+            torch.testing.assert_close(target_optimizer.state[q][key], value, rtol=0, atol=0)
+
+
+def test_a_full_checkpoint_never_replaces_a_directory(tmp_path):
+    checkpoint.save(tmp_path / "ckpt", _tiny())
+    with pytest.raises(checkpoint.CheckpointError, match=r"ckpt is a directory; a full checkpoint is one file"):
+        checkpoint.save(tmp_path / "ckpt", _tiny(), full=True)
+    assert checkpoint.load(tmp_path / "ckpt", _tiny()).missing_keys == []
+    torch.save({"weights": 1}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match=r"other.pt is not a full checkpoint \(.*full=True\)\): it has no 'model' entry"):
+        checkpoint.load(tmp_path / "other.pt", _tiny())

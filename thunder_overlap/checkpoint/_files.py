@@ -1,8 +1,9 @@
 """``save`` and ``load``: :mod:`torch.distributed.checkpoint` directories of the state dicts.
 
-The directory holds ``{"model": ..., "optim": ...}`` as DCP flattens it (keys such as
-``model.blocks.0.attn.weight``, ``optim.state.blocks.0.attn.weight.exp_avg``,
-``optim.param_groups``) and a manifest of every file's size and CRC32 (``_manifest``). Loading
+The directory holds ``{"model": ..., "optim": ..., "extra": ...}`` as DCP flattens it (keys such
+as ``model.blocks.0.attn.weight``, ``optim.state.blocks.0.attn.weight.exp_avg``,
+``optim.param_groups``; ``extra`` is the pickled ``extra_state``, one entry) and a manifest of
+every file's size and CRC32 (``_manifest``). Loading
 verifies the files, then reads the checkpoint's metadata, so that a missing, unexpected or
 differently shaped entry is named before anything is read, then lets DCP read every rank's rows
 of the original shapes, whatever world size wrote them.
@@ -15,9 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -32,14 +34,16 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from thunder_overlap.checkpoint import _manifest
 from thunder_overlap.checkpoint._agreement import Operation
 from thunder_overlap.checkpoint._errors import distributed_checkpoint_error
+from thunder_overlap.checkpoint._full import load_full, save_full
 from thunder_overlap.checkpoint._layout import process_group_of
 from thunder_overlap.checkpoint._manifest import MANIFEST_FILE, METADATA_FILE
 from thunder_overlap.checkpoint._state_dict import LoadResult, StateDictOptions, get_state_dict, set_state_dict
 
-__all__ = ["save", "load", "MODEL_KEY", "OPTIM_KEY"]
+__all__ = ["save", "load", "MODEL_KEY", "OPTIM_KEY", "EXTRA_KEY"]
 
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"
+EXTRA_KEY = "extra"
 
 
 def _check_arguments(model: object, optimizer: object, **flags: object) -> None:
@@ -63,9 +67,22 @@ def _quiet_dcp() -> Iterator[None]:
         yield
 
 
-def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Path:
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra_state: Mapping[str, Any] | None = None,
+    full: bool = False,
+) -> Path:
     """Writes the model's (and optimizer's) sharded state to the directory ``path``; every rank
-    of the model's group calls it, and ``path`` must be on storage they all see.
+    of the model's group calls it, and ``path`` must be on storage they all see. ``extra_state``
+    (a dict of picklable values: the step, a scheduler's state dict) is saved with them, rank
+    0's copy, and :func:`load` returns it in ``LoadResult.extra_state``.
+
+    ``full=True`` writes one file instead, of the original names and shapes, gathered to and
+    written by rank 0 (``<path>.saving``, then renamed): ``torch.load(path)["model"]`` is a state
+    dict the plain model loads, and :func:`load` reads it at any world size.
 
     The checkpoint is written to ``<path>.saving``, with a manifest of every file's size and
     CRC32, and renamed into place once every rank has written it, so a crash mid-save leaves the
@@ -74,8 +91,12 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     rank and the cause, and leaves ``path`` as it was. A ``path`` that exists and is not a
     checkpoint (a file, a non-empty directory without one) is never replaced. Returns ``path``.
     """
-    _check_arguments(model, optimizer)
+    _check_arguments(model, optimizer, full=full)
+    extra = _pickled_extra_state(extra_state)
     path = Path(path)
+    if full:
+        save_full(Operation("checkpoint.save", path, process_group_of(model), intact=f"{path} is as it was"), model, optimizer, extra)
+        return path
     staging = path.with_name(path.name + ".saving")
     op = Operation("checkpoint.save", path, process_group_of(model), intact=f"{path} is as it was")
 
@@ -83,7 +104,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         if op.is_coordinator and staging.is_dir():
             shutil.rmtree(staging, ignore_errors=True)
 
-    state = op.run("collecting the state dicts", lambda: _state_to_save(model, optimizer))
+    state = op.run("collecting the state dicts", lambda: _state_to_save(model, optimizer, extra))
     op.run(f"preparing the staging directory {staging}", lambda: _prepare_staging(path, staging) if op.is_coordinator else None)
     writer = op.run(f"opening {staging} on every rank", partial(_writer, path, staging), cleanup=remove_staging)
     # Only DCP's collective save in this phase: once every rank is in, DCP fails on all or none.
@@ -99,11 +120,26 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     return path
 
 
-def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _pickled_extra_state(extra_state: Mapping[str, Any] | None) -> bytes | None:
+    """``extra_state`` as one bytes entry: DCP would otherwise flatten its dicts and lists into
+    entries of their own, which a load must name before it can read them."""
+    if extra_state is None:
+        return None
+    if not isinstance(extra_state, Mapping) or not all(isinstance(key, str) for key in extra_state):
+        raise TypeError(f"extra_state must be a dict with str keys or None, got {extra_state!r:.200}")
+    try:
+        return pickle.dumps(dict(extra_state))
+    except Exception as error:
+        raise TypeError(f"extra_state must be picklable: {error}") from error
+
+
+def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: bytes | None) -> dict[str, Any]:
     model_state, optim_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {MODEL_KEY: model_state}
     if optimizer is not None:
         state[OPTIM_KEY] = optim_state
+    if extra is not None:
+        state[EXTRA_KEY] = extra
     return state
 
 
@@ -161,14 +197,27 @@ def _publish(path: Path, staging: Path, entries: dict[str, _manifest.FileEntry],
     shutil.rmtree(previous, ignore_errors=True)
 
 
-def _find(path: Path) -> bool:
-    """Whether the checkpoint at ``path`` has a manifest; raises if there is no checkpoint."""
+# What ``_find`` sees at a path.
+_FULL_FILE, _WITH_MANIFEST, _WITHOUT_MANIFEST = "full", "manifest", "no manifest"
+
+
+def _same_kind(path: Path, is_file: list[bool], rank: int) -> None:
+    if not is_file[rank]:
+        raise FileNotFoundError(
+            f"{path} is a directory here, where rank {is_file.index(True)} sees a file: is the path on storage every rank shares?"
+        )
+
+
+def _find(path: Path) -> str:
+    """What the checkpoint at ``path`` is; raises if there is no checkpoint."""
+    if path.is_file():
+        return _FULL_FILE
     if not _is_checkpoint(path):
         previous = path.with_name(path.name + ".previous")
         hint = f"; an interrupted save left the previous checkpoint at {previous}" if _is_checkpoint(previous) else ""
         what = "does not exist" if not path.exists() else f"is not a torch.distributed.checkpoint directory (it has no {METADATA_FILE})"
         raise FileNotFoundError(f"no checkpoint at {path}: it {what}{hint}")
-    return (path / MANIFEST_FILE).exists()
+    return _WITH_MANIFEST if (path / MANIFEST_FILE).exists() else _WITHOUT_MANIFEST
 
 
 def _verify(path: Path, verify: bool, rank: int, world_size: int) -> bool:
@@ -256,7 +305,8 @@ def load(
 ) -> LoadResult:
     """Loads a checkpoint written by :func:`save` into ``model`` (and ``optimizer``), whatever
     world size, sharding strategy or bucketing wrote it; ``model`` may also be a plain
-    ``nn.Module`` in one process. Every rank of the model's group calls it.
+    ``nn.Module`` in one process. Every rank of the model's group calls it. ``path`` may be a
+    sharded checkpoint's directory or a full checkpoint's file.
 
     First every file is checked against the checkpoint's manifest (size and CRC32, the ranks
     sharing the reading); a damaged file raises :class:`CorruptCheckpointError` naming it, with
@@ -273,7 +323,13 @@ def load(
     _check_arguments(model, optimizer, strict=strict, verify=verify)
     path = Path(path)
     op = Operation("checkpoint.load", path, process_group_of(model), intact="the model and optimizer are as they were")
-    has_manifest = op.gather("looking for the checkpoint", lambda: _find(path))
+    found = op.gather("looking for the checkpoint", lambda: _find(path))
+    is_file = [kind == _FULL_FILE for kind in found]
+    if len(set(is_file)) > 1:  # every rank sees the same list, so all come here or none
+        op.run("comparing what the ranks see", lambda: _same_kind(path, is_file, op.rank))
+    if is_file[0]:
+        return load_full(op, model, optimizer, strict)
+    has_manifest = [kind == _WITH_MANIFEST for kind in found]
     if len(set(has_manifest)) > 1:  # every rank sees the same list, so all come here or none
         op.run("comparing the files the ranks see", lambda: _same_manifest(path, has_manifest, op.rank))
     verified = op.run("verifying the files against the manifest (CRC32)", lambda: _verify(path, verify, op.rank, op.world_size))
@@ -288,7 +344,7 @@ def load(
     reader, template, result = op.run("reading the checkpoint's index and matching it with the model", plan)
     op.intact = "the model and optimizer may be partly loaded: load again before training on"
     # DCP's collective load first in this phase: once every rank is in, DCP fails on all or none.
-    op.run(f"reading the tensors from {path}", partial(_read, reader, template, model, optimizer, op.group))
+    result.extra_state = op.run(f"reading the tensors from {path}", partial(_read, reader, template, model, optimizer, op.group))
     return result
 
 
@@ -315,6 +371,8 @@ def _plan_load(
     template: dict[str, Any] = {MODEL_KEY: model_state}
     if optimizer is not None:
         template[OPTIM_KEY] = optim_state
+    if EXTRA_KEY in saved:
+        template[EXTRA_KEY] = b""  # DCP replaces it with what was saved
     result = _match(template, saved)
     if strict and result:
         raise KeyError(result.error_message("strict=False"))
@@ -327,7 +385,8 @@ def _read(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     group: dist.ProcessGroup | None,
-) -> None:
+) -> dict[str, Any]:
+    """Reads ``template``'s entries into the model and optimizer; returns the saved extra state."""
     path = Path(reader.path)
     try:
         with _quiet_dcp():
@@ -345,3 +404,4 @@ def _read(
         optim_state_dict=template.get(OPTIM_KEY),
         options=StateDictOptions(strict=False),
     )
+    return pickle.loads(template[EXTRA_KEY]) if EXTRA_KEY in template else {}

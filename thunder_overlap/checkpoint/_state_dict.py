@@ -60,10 +60,12 @@ class LoadResult:
     :func:`set_state_dict` names model keys as the state dict does (``blocks.0.attn.weight``)
     and optimizer entries ``optim.state.<parameter>``; :func:`~thunder_overlap.checkpoint.load`
     names them as the checkpoint stores them (``model.blocks.0.attn.weight``,
-    ``optim.state.<parameter>.<state>``)."""
+    ``optim.state.<parameter>.<state>``). ``extra_state`` is what
+    :func:`~thunder_overlap.checkpoint.save` was given as ``extra_state`` (empty if nothing)."""
 
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
+    extra_state: dict[str, Any] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.missing_keys or self.unexpected_keys)
