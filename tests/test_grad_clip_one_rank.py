@@ -140,3 +140,24 @@ def test_models_that_are_not_thunder_overlaps_are_refused_naming_what_to_use(one
     stock_message = r"sharded by Thunder's own FSDP \(thunder\.distributed\.fsdp\)\. Shard it with thunder_overlap\.fsdp"
     with pytest.raises(TypeError, match=stock_message):
         thunder_overlap.grad_norm(stock)
+
+
+@pytest.mark.parametrize("foreach", [None, False])
+def test_clip_grad_value_is_torchs_on_the_shards(sharded, foreach):
+    model, plain = sharded
+    thunder_overlap.clip_grad_value_(model, 0.05, foreach=foreach)
+    before = [p.grad.clone() for p in plain.parameters()]
+    torch.nn.utils.clip_grad_value_(plain.parameters(), 0.05)
+    assert any(not torch.equal(g, p.grad) for g, p in zip(before, plain.parameters(), strict=True))  # some were clamped
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_clip_grad_value_names_bad_arguments_and_other_models(sharded):
+    model, _ = sharded
+    with pytest.raises(ValueError, match=r"^clip_value must be a number >= 0, got -1$"):
+        thunder_overlap.clip_grad_value_(model, -1)
+    with pytest.raises(TypeError, match=r"^foreach must be None, True or False, got 'no'$"):
+        thunder_overlap.clip_grad_value_(model, 1.0, foreach="no")
+    with pytest.raises(TypeError, match=r"torch\.nn\.utils\.clip_grad_value_\(model\.parameters\(\), \.\.\.\) is right"):
+        thunder_overlap.clip_grad_value_(_model(), 1.0)

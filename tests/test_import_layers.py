@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("thunder_overlap._transforms",),
     ("thunder_overlap.api", "thunder_overlap.plugin", "thunder_overlap.clip_grad"),
     ("thunder_overlap.report", "thunder_overlap.checkpoint"),
+    ("thunder_overlap.fabric",),
     ("thunder_overlap.__init__", "thunder_overlap.__main__", "thunder_overlap.testing"),
 ]
 

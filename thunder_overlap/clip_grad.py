@@ -4,7 +4,8 @@ On a sharded model ``parameters()`` are this rank's dim-0 shards, so
 ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` computes a norm of this rank's rows
 alone and every rank scales by its own factor. :func:`clip_grad_norm_` counts every element of the
 model's gradient once and reduces the ranks' shares over the shard group
-([Note: clipping sharded gradients] in docs/design.md).
+([Note: clipping sharded gradients] in docs/design.md). Clipping by value needs no exchange (each
+element is clamped alone); :func:`clip_grad_value_` only refuses gradients not yet reduced.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from thunder_overlap._process_groups import real_rows
 from thunder_overlap._transforms import BucketingTransform, OverlapScheduleTransform
 from thunder_overlap._transforms._lookup import transform_of
 
-__all__ = ["ClipGradNormMethod", "clip_grad_norm_", "grad_norm"]
+__all__ = ["ClipGradNormMethod", "clip_grad_norm_", "clip_grad_value_", "grad_norm"]
 
 # What torch.nn.utils.clip_grad_norm_ adds to the norm before dividing max_norm by it.
 _EPS = 1e-6
@@ -114,6 +115,24 @@ def clip_grad_norm_(
             for g in grads:
                 g.mul_(coefficient.to(device))
     return total
+
+
+def clip_grad_value_(model: ThunderModule, clip_value: float, *, foreach: bool | None = None) -> None:
+    """Clamps every gradient element of a model ``thunder_overlap.fsdp`` returned to
+    ``[-clip_value, clip_value]``, as ``torch.nn.utils.clip_grad_value_`` does the unsharded
+    model's: each rank clamps its own shards. Not inside ``no_sync()``, whose gradients are not
+    reduced yet (clamping a rank's share before the sum is not clamping the sum)."""
+    if isinstance(clip_value, bool) or not isinstance(clip_value, Real) or not float(clip_value) >= 0:
+        raise ValueError(f"clip_value must be a number >= 0, got {clip_value!r}")
+    _check_foreach(foreach)
+    sharded = _sharded_gradients(model, "clip_grad_value_")
+    for grads in _by_device_and_dtype(sharded.grads).values():
+        if _use_foreach(foreach, grads, grads[0].device):
+            torch._foreach_clamp_min_(grads, -float(clip_value))
+            torch._foreach_clamp_max_(grads, float(clip_value))
+        else:
+            for g in grads:
+                g.clamp_(-float(clip_value), float(clip_value))
 
 
 class ClipGradNormMethod(Transform):

@@ -1,0 +1,261 @@
+"""FSDPOverlapStrategy inside Lightning Fabric on 2 gloo ranks (the shared rank session: Fabric
+sees the ranks as started by torchrun).
+
+One job per rank builds Fabric objects and returns what each check needs:
+
+- ``fabric.setup(model, optimizer)`` with the optimizer built on the unsharded parameters (a model
+  built on the CPU, and one built on the meta device by ``fabric.init_module(empty_init=True)``)
+  trains bit for bit as litgpt's order (``setup_module``, then the optimizer, then
+  ``setup_optimizers``); every parameter Fabric's wrapper lists is a shard the optimizer holds;
+- a full checkpoint (``state_dict_type="full"``) loads into a plain litgpt ``GPT`` whose logits
+  are the sharded model's;
+- a sharded checkpoint restores a scheduler and the step, and returns what was not asked for;
+- ``fabric.clip_gradients(clip_val=...)`` clamps every element; ``all_reduce``, ``broadcast``;
+- misuse gets the same clear error on both ranks, and nothing hangs.
+
+The example's parity with one device and its resumes: tests/test_e2e_fabric_example.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.ranks
+
+WORLD_SIZE = 2
+STEPS = 2
+SEQ_LEN = 16
+
+
+def _tiny_llama():
+    from litgpt import Config
+    from litgpt.model import GPT
+
+    config = Config(name="tiny-llama", block_size=SEQ_LEN, vocab_size=96, padding_multiple=32, n_layer=2, n_head=4,
+                    n_query_groups=2, n_embd=32, intermediate_size=64, bias=False, norm_class_name="RMSNorm",
+                    mlp_class_name="LLaMAMLP", parallel_residual=False, rotary_percentage=1.0)  # fmt: skip
+    return GPT(config)
+
+
+def _fabric(**strategy):
+    from lightning.fabric import Fabric
+
+    from thunder_overlap.fabric import FSDPOverlapStrategy
+
+    fabric = Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy=FSDPOverlapStrategy(block_types="Block", **strategy))
+    fabric.launch()
+    fabric.seed_everything(7)
+    return fabric
+
+
+def _tokens(fabric, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    batch = torch.randint(96, (2 * WORLD_SIZE, SEQ_LEN + 1), generator=g)
+    return batch[fabric.global_rank * 2 : (fabric.global_rank + 1) * 2]
+
+
+def _step(fabric, model, optimizer, step: int) -> float:
+    batch = _tokens(fabric, step)
+    logits = model(batch[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+    fabric.backward(loss)
+    fabric.clip_gradients(model, optimizer, max_norm=0.1)
+    optimizer.step()
+    optimizer.zero_grad()
+    return fabric.all_reduce(loss.detach(), reduce_op="mean").item()
+
+
+def _train(order: str) -> dict:
+    """Two steps of the tiny Llama, set up in ``order``; the losses and what Fabric's wrapper lists."""
+    fabric = _fabric()
+    with fabric.init_module(empty_init=order == "setup, meta"):
+        model = _tiny_llama()
+    if order == "litgpt":
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    else:
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    listed = list(model.parameters())
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    losses = [_step(fabric, model, optimizer, step) for step in range(STEPS)]
+    return {
+        "losses": losses,
+        "listed_are_held": {id(p) for p in listed} == {id(p) for p in held},
+        "sharded_are_held": {id(p) for p in model._forward_module.parameters()} == {id(p) for p in held},
+        "meta": sum(p.is_meta for p in listed),
+        "state": {name: p.detach().clone() for name, p in model._forward_module.named_parameters()},
+    }
+
+
+def _checkpoints(rank: int, tmp: Path) -> dict:
+    result: dict = {}
+    # Full: one file the plain model loads; its logits are the sharded model's.
+    fabric = _fabric(state_dict_type="full")
+    with fabric.init_module(empty_init=True):
+        model = _tiny_llama()
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _step(fabric, model, optimizer, 0)
+    path = Path(fabric.broadcast(str(tmp / "full.pth")))
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
+    probe = _tokens(fabric, 5)[:, :-1]
+    with torch.no_grad():
+        result["sharded_logits"] = model(probe)
+    if rank == 0:
+        plain = _tiny_llama()
+        plain.load_state_dict(torch.load(path, weights_only=True)["model"])
+        with torch.no_grad():
+            result["plain_logits"] = plain(probe)
+    fabric.barrier()
+
+    # Sharded: a scheduler and the step come back; what was not asked for is returned.
+    fabric = _fabric()
+    with fabric.init_module(empty_init=True):
+        model = _tiny_llama()
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
+    _step(fabric, model, optimizer, 0)
+    scheduler.step()
+    sharded = tmp / "sharded"
+    fabric.save(sharded, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 1, "tokens": 64})
+    saved = {name: p.detach().clone() for name, p in model._forward_module.named_parameters()}
+    _step(fabric, model, optimizer, 1)
+    scheduler.step()
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+    result["remainder"] = fabric.load(sharded, state)
+    result["step"], result["last_epoch"] = state["step"], scheduler.last_epoch
+    result["restored"] = all(torch.equal(p, saved[name]) for name, p in model._forward_module.named_parameters())
+    result["full_into_sharded"] = fabric.load(path, {"model": model, "optimizer": optimizer, "step": 0})
+    result["missing_key"] = _error_of(lambda: fabric.load(sharded, {"model": model, "epoch": 0}))
+    result["two_models"] = _error_of(lambda: fabric.save(tmp / "two", {"a": model, "b": model}))
+    result["weights_only"] = _error_of(lambda: fabric.load(sharded, {"model": model}, weights_only=True))
+    return result
+
+
+def _misuse(rank: int) -> dict:
+    errors: dict = {}
+    fabric = _fabric()
+    plain = _tiny_llama()
+    model = fabric.setup_module(plain)
+    errors["setup twice"] = _error_of(lambda: fabric.setup_module(plain))
+    stepped = _tiny_llama()
+    optimizer = torch.optim.SGD(stepped.parameters(), lr=0.1, momentum=0.9)
+    stepped(_tokens(fabric, 0)[:, :-1]).sum().backward()
+    optimizer.step()
+    errors["optimizer with state"] = _error_of(lambda: fabric.setup(stepped, optimizer))
+    other = _tiny_llama()
+    errors["optimizer of another model"] = _error_of(lambda: fabric.setup(_tiny_llama(), torch.optim.SGD(other.parameters(), lr=0.1)))
+
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    batch = _tokens(fabric, 0)
+    with fabric.no_backward_sync(model):
+        fabric.backward(model(batch[:, :-1]).float().square().mean())
+        errors["clip inside no_backward_sync"] = _error_of(lambda: fabric.clip_gradients(model, optimizer, max_norm=1.0))
+    fabric.backward(model(batch[:, :-1]).float().square().mean())
+    unclipped = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    fabric.clip_gradients(model, optimizer, clip_val=1e-3)
+    clipped = [p.grad for p in model.parameters() if p.grad is not None]
+    errors["clip_val clamps"] = all(torch.equal(c, u.clamp(-1e-3, 1e-3)) for c, u in zip(clipped, unclipped, strict=True))
+    errors["clip_val clipped some"] = any(not torch.equal(c, u) for c, u in zip(clipped, unclipped, strict=True))
+
+    no_buckets = _fabric(bucketing_strategy="none")
+    unbucketed = no_buckets.setup_module(_tiny_llama())
+    errors["no_backward_sync without buckets"] = _error_of(lambda: no_buckets.no_backward_sync(unbucketed).__enter__())
+    errors["sum"] = fabric.all_reduce(torch.tensor(float(rank + 1)), reduce_op="sum").item()
+    errors["broadcast"] = fabric.broadcast(f"from rank {rank}", src=1)
+    fabric.barrier()
+    return errors
+
+
+def _error_of(call) -> str | None:
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the test compares the messages
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _session(rank: int, world_size: int, tmp: str) -> dict:
+    """Every check on this rank; Fabric's environment variables (the seed) are put back."""
+    assert world_size == WORLD_SIZE
+    environ = dict(os.environ)
+    try:
+        runs = {order: _train(order) for order in ("litgpt", "setup", "setup, meta")}
+        return {"runs": runs, "checkpoints": _checkpoints(rank, Path(tmp)), "misuse": _misuse(rank)}
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+@pytest.fixture(scope="module")
+def ranks(local_ranks, tmp_path_factory) -> list[dict]:
+    return local_ranks(_session, WORLD_SIZE, (str(tmp_path_factory.mktemp("fabric")),), timeout_s=900)
+
+
+@pytest.mark.parametrize("order", ["setup", "setup, meta"])
+def test_an_optimizer_built_before_setup_trains_as_litgpts_order(ranks, order):
+    for result in ranks:
+        run, reference = result["runs"][order], result["runs"]["litgpt"]
+        assert run["meta"] == 0 and run["listed_are_held"] and run["sharded_are_held"]
+        assert run["losses"] == reference["losses"]
+        for name, value in reference["state"].items():
+            assert torch.equal(run["state"][name], value), name
+    assert ranks[0]["runs"][order]["losses"] == ranks[1]["runs"][order]["losses"]
+
+
+def test_the_full_checkpoint_loads_into_the_plain_model(ranks):
+    logits = ranks[0]["checkpoints"]
+    # The same float32 weights and tokens; Thunder's program and eager PyTorch may order a
+    # reduction differently, by a few ulps of the logits (|logits| < 10 here: 1e-5 is ~10 ulps).
+    torch.testing.assert_close(logits["plain_logits"], logits["sharded_logits"], rtol=0, atol=1e-5)
+
+
+def test_a_sharded_checkpoint_restores_the_scheduler_and_the_step(ranks):
+    for result in ranks:
+        checks = result["checkpoints"]
+        assert checks["restored"] and checks["step"] == 1 and checks["last_epoch"] == 1
+        assert checks["remainder"] == {"tokens": 64}
+        assert checks["full_into_sharded"] == {}
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing_key", r"has no 'epoch' \(it has \['model', 'optimizer', 'scheduler', 'step', 'tokens'\]\); pass strict=False"),
+        ("two_models", r"ValueError: fabric.save with FSDPOverlapStrategy takes one model in the state, got 2 \('a', 'b'\)"),
+        ("weights_only", r"ValueError: fabric.load\(..., weights_only=True\) cannot be honoured"),
+    ],
+)
+def test_checkpoint_misuse_is_named_on_every_rank(ranks, case, message):
+    errors = [result["checkpoints"][case] for result in ranks]
+    assert errors[0] == errors[1]
+    assert errors[0] is not None and re.search(message, errors[0]), errors[0]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("setup twice", r"ValueError: .* is already sharded with FSDP: an earlier thunder_overlap.fsdp consumed it"),
+        ("optimizer with state", r"ValueError: optimizer 0 \(SGD\) already has state for \d+ parameters"),
+        ("optimizer of another model", r"ValueError: optimizer 0 \(SGD\) holds a parameter of shape .* not one of the model's"),
+        ("clip inside no_backward_sync", r"RuntimeError: thunder_overlap.clip_grad_norm_ was called inside no_sync\(\)"),
+        ("no_backward_sync without buckets", r"ValueError: fabric.no_backward_sync needs bucketing_strategy 'layer', 'block' or 'auto'"),
+    ],
+)
+def test_misuse_is_named_on_every_rank(ranks, case, message):
+    errors = [result["misuse"][case] for result in ranks]
+    assert errors[0] == errors[1]
+    assert errors[0] is not None and re.search(message, errors[0]), errors[0]
+
+
+def test_clip_val_and_collectives(ranks):
+    for result in ranks:
+        misuse = result["misuse"]
+        assert misuse["clip_val clamps"] and misuse["clip_val clipped some"]
+        assert misuse["sum"] == 3.0 and misuse["broadcast"] == "from rank 1"
