@@ -13,6 +13,9 @@ One job per rank builds Fabric objects and returns what each check needs:
 - ``fabric.clip_gradients(clip_val=...)`` clamps every element; ``all_reduce``, ``broadcast``;
 - misuse gets the same clear error on both ranks, and nothing hangs.
 
+Then, on 4 ranks as 2 nodes of 2 devices, ``hybrid_sharding=True``: the model is sharded within
+each node and replicated across the two, and a clipped step leaves each node's shards equal.
+
 The example's parity with one device and its resumes: tests/test_e2e_fabric_example.py.
 """
 
@@ -55,7 +58,7 @@ def _fabric(**strategy):
 
 def _tokens(fabric, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 + step)
-    batch = torch.randint(96, (2 * WORLD_SIZE, SEQ_LEN + 1), generator=g)
+    batch = torch.randint(96, (2 * fabric.world_size, SEQ_LEN + 1), generator=g)
     return batch[fabric.global_rank * 2 : (fabric.global_rank + 1) * 2]
 
 
@@ -193,6 +196,38 @@ def _session(rank: int, world_size: int, tmp: str) -> dict:
         os.environ.update(environ)
 
 
+def _hybrid(rank: int, world_size: int) -> dict:
+    """One clipped step as 2 nodes of 2 devices: Fabric reads the node from NODE_RANK and the
+    device from LOCAL_RANK, as a cluster's launcher sets them."""
+    from thunder_overlap.checkpoint._layout import model_sharding
+
+    environ = dict(os.environ)
+    os.environ.update(NODE_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2))
+    try:
+        from lightning.fabric import Fabric
+
+        from thunder_overlap.fabric import FSDPOverlapStrategy
+
+        fabric = Fabric(accelerator="cpu", devices=2, num_nodes=2, strategy=FSDPOverlapStrategy(block_types="Block", hybrid_sharding=True))
+        fabric.launch()
+        fabric.seed_everything(7)
+        with fabric.init_module(empty_init=True):
+            model = _tiny_llama()
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        loss = _step(fabric, model, optimizer, 0)
+        mesh = model_sharding(model._forward_module).mesh
+        return {
+            "global_rank": fabric.global_rank,
+            "mesh": mesh.mesh.tolist(),
+            "loss": loss,
+            "shards": {name: p.detach().clone() for name, p in model._forward_module.named_parameters()},
+        }
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
 @pytest.fixture(scope="module")
 def ranks(local_ranks, tmp_path_factory) -> list[dict]:
     return local_ranks(_session, WORLD_SIZE, (str(tmp_path_factory.mktemp("fabric")),), timeout_s=900)
@@ -259,3 +294,14 @@ def test_clip_val_and_collectives(ranks):
         misuse = result["misuse"]
         assert misuse["clip_val clamps"] and misuse["clip_val clipped some"]
         assert misuse["sum"] == 3.0 and misuse["broadcast"] == "from rank 1"
+
+
+def test_hybrid_sharding_shards_within_a_node_and_replicates_across_nodes(local_ranks):
+    results = local_ranks(_hybrid, 4, (), timeout_s=600)
+    assert [r["global_rank"] for r in results] == [0, 1, 2, 3]
+    assert all(r["mesh"] == [[0, 1], [2, 3]] for r in results)  # (replicate: the nodes) x (shard: a node's devices)
+    assert len({r["loss"] for r in results}) == 1
+    for rank in (0, 1):  # the same shard on both nodes, bit for bit: the replicas' all-reduce gave both the same
+        node_0, node_1 = results[rank]["shards"], results[rank + 2]["shards"]
+        assert node_0.keys() == node_1.keys() and all(torch.equal(node_0[n], node_1[n]) for n in node_0)
+    assert not torch.equal(results[0]["shards"]["lm_head.weight"], results[1]["shards"]["lm_head.weight"])
