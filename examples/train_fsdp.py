@@ -14,8 +14,8 @@ rows, so runs at different world sizes see the same tokens and print the same lo
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -25,8 +25,6 @@ import torch.nn.functional as F
 
 import thunder_overlap
 from thunder_overlap import checkpoint
-
-TRAINER_STATE = "trainer.json"  # written beside the checkpoint: the step it was saved after
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,6 +50,14 @@ def parse_args() -> argparse.Namespace:
             p.error(f"{flag} {value} is not allowed; it must be at least 1")
     if not args.max_norm > 0:
         p.error(f"--max-norm {args.max_norm} is not allowed; it must be positive (inf reports the norm without clipping)")
+    # Checked before training: save would refuse these only after the last step.
+    if args.save_dir is not None and args.save_dir.is_file():
+        p.error(f"--save-dir {args.save_dir} is a file; a checkpoint is a directory")
+    holds_other_files = args.save_dir is not None and args.save_dir.is_dir() and any(args.save_dir.iterdir())
+    if holds_other_files and not (args.save_dir / ".metadata").is_file():
+        p.error(f"--save-dir {args.save_dir} is a directory that holds something other than a checkpoint; choose another")
+    if args.resume is not None and not args.resume.exists():
+        p.error(f"--resume {args.resume} does not exist")
     return args
 
 
@@ -100,8 +106,13 @@ def main() -> None:
         device, dtype = torch.device("cpu"), torch.float32
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.global_batch % world:
-        raise SystemExit(f"--global-batch {args.global_batch} must be divisible by the world size {world}")
+    if args.global_batch % world:  # said once, by rank 0; every rank exits
+        if rank == 0:
+            lower, upper = args.global_batch // world * world, -(-args.global_batch // world) * world
+            print(f"error: --global-batch {args.global_batch} does not split over {world} ranks: pass a multiple of {world}, "
+                  f"such as --global-batch {upper}" + (f" or {lower}" if lower else ""), file=sys.stderr)
+        dist.destroy_process_group()
+        sys.exit(2)
     local = args.global_batch // world
 
     vocab_size = 256
@@ -112,10 +123,12 @@ def main() -> None:
 
     step = 0
     if args.resume is not None:
-        checkpoint.load(args.resume, model, optimizer)
-        step = json.loads((args.resume / TRAINER_STATE).read_text())["step"]
+        step = checkpoint.load(args.resume, model, optimizer).extra_state["step"]
         if rank == 0:
             print(f"resumed from {args.resume} after step {step}", flush=True)
+            if step >= args.steps:
+                print(f"nothing to train: the checkpoint is after step {step} and --steps is {args.steps}; pass a larger --steps",
+                      flush=True)
 
     tokens_per_step = args.global_batch * args.seq_len
     first_step = step + 1
@@ -142,11 +155,10 @@ def main() -> None:
                   f"{tokens_per_step / seconds:,.0f} tokens/s{compiled}", flush=True)
 
     if args.save_dir is not None:
-        path = checkpoint.save(args.save_dir, model, optimizer)  # every rank writes its shards
+        # Every rank writes its shards; the step is saved inside the checkpoint.
+        path = checkpoint.save(args.save_dir, model, optimizer, extra_state={"step": step})
         if rank == 0:
-            (path / TRAINER_STATE).write_text(json.dumps({"step": step}))
             print(f"saved {path} after step {step}", flush=True)
-        dist.barrier()
     dist.destroy_process_group()
 
 

@@ -9,7 +9,6 @@ examples, and 1 rank for 4 steps. Every loss must match the one-rank run's.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import shlex
@@ -88,10 +87,26 @@ def test_two_ranks_match_one_rank_then_resume_from_their_checkpoint(scratch, one
     # The model learns the synthetic pattern: the loss falls.
     assert one_rank_losses[4][0] < one_rank_losses[1][0]
     assert f"saved {ckpt} after step 2" in out
-    assert json.loads((scratch / ckpt / "trainer.json").read_text()) == {"step": 2}
+    # The step is saved inside the checkpoint (its extra state), nothing beside it.
+    assert not (scratch / ckpt / "trainer.json").exists()
+
+    at_the_end, out = _train(SAVE.replace("--save-dir", "--resume"), scratch)
+    assert not at_the_end and "nothing to train: the checkpoint is after step 2 and --steps is 2" in out, out
 
     resumed, out = _train(RESUME, scratch)
     assert f"resumed from {ckpt} after step 2" in out
     # Steps 3 and 4 continue from the checkpoint's weights and AdamW moments: as one run of 4 steps.
     assert sorted(resumed) == [3, 4], out
     _assert_match(resumed, one_rank_losses)
+
+
+def test_bad_settings_are_said_once_before_training(scratch):
+    (scratch / "a_file").write_text("")
+    done = subprocess.run([sys.executable, "examples/train_fsdp.py", "--save-dir", "a_file"], capture_output=True, text=True,
+                          cwd=scratch, timeout=RUN_TIMEOUT_S)  # fmt: skip
+    assert done.returncode == 2 and "error: --save-dir a_file is a file; a checkpoint is a directory" in done.stderr, done.stderr
+    # The default global batch of 8 on 3 ranks: one message, from rank 0, saying what to pass.
+    three = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3", "examples/train_fsdp.py", "--device", "cpu"]
+    done = subprocess.run([sys.executable, *three], capture_output=True, text=True, cwd=scratch, timeout=RUN_TIMEOUT_S)
+    message = "error: --global-batch 8 does not split over 3 ranks: pass a multiple of 3, such as --global-batch 9 or 6"
+    assert done.returncode != 0 and done.stderr.count(message) == 1, done.stderr[-3000:]

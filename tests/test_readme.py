@@ -195,6 +195,14 @@ def _check_torchrun(words: list[str]) -> None:
     assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-3000:]
 
 
+def _check_python_script(words: list[str]) -> None:
+    from test_e2e_fabric_example import RUN_AS_WRITTEN  # tests/ is on sys.path under pytest
+
+    assert shlex.join(words) in RUN_AS_WRITTEN, f"`{shlex.join(words)}` is not among the commands test_e2e_fabric_example runs"
+    done = _run([sys.executable, str(ROOT / words[1]), "--help"])
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-3000:]
+
+
 def _check_thunder_overlap(words: list[str]) -> None:
     args = words[3:]
     if not args or {"--help", "-h", "--version"} & set(args):
@@ -213,10 +221,10 @@ def _check_thunder_overlap(words: list[str]) -> None:
         pytest.fail(f"no check for the README's `{shlex.join(words)}`")
 
 
-# A torchrun command's check runs the example's --help, which imports torch and Thunder.
+# An example's check runs its --help, which imports torch and Thunder.
 @pytest.mark.parametrize(
     "command",
-    [pytest.param(c, marks=[pytest.mark.slow] if c.startswith("torchrun") else [], id=c) for c in _readme_commands()],
+    [pytest.param(c, marks=[pytest.mark.slow] if c.startswith(("torchrun", "python examples/")) else [], id=c) for c in _readme_commands()],
 )
 def test_every_readme_command_runs_as_written(command):
     words = shlex.split(command)
@@ -228,6 +236,8 @@ def test_every_readme_command_runs_as_written(command):
         _check_torchrun(words)
     elif words[:3] == ["python", "-m", "thunder_overlap"]:
         _check_thunder_overlap(words)
+    elif words[0] == "python" and words[1].startswith("examples/"):
+        _check_python_script(words)
     else:
         pytest.fail(f"the README shows `{command}`, which no check here covers: add one")
 

@@ -79,6 +79,15 @@ def test_cli_with_sharding_auto_prints_and_writes_the_choice(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_cli_with_a_budget_nothing_fits_says_so_in_one_line(tmp_path, capsys):
+    argv = ["--model", "tiny-gpt", "--n-layer", "2", "--world-size", "8", "--out", str(tmp_path)]
+    assert main([*argv, "--sharding", "auto", "--memory-budget", "1KiB"]) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"^error: thunder_overlap sharding .auto.: memory_budget_bytes=1024 \(0\.0 MiB\) is below the predicted", err, re.M)
+    assert "Traceback" not in err and not (tmp_path / "report.json").exists()
+
+
+@pytest.mark.slow
 def test_cli_with_mixed_precision_gathers_half_the_bytes_and_says_so(tmp_path, capsys):
     def run(*precision: str) -> tuple[str, dict]:
         out_dir = tmp_path / "-".join(precision)

@@ -1,4 +1,4 @@
-"""Fabric's ``precision=`` as thunder_overlap runs it ([Note: Fabric precision] in docs/design.md).
+"""Fabric's ``precision=`` as thunder_overlap runs it ([Note: Fabric strategy] in docs/design.md).
 
 ``"32-true"`` and ``"bf16-true"`` keep Fabric's plugins: the model is built (and its inputs cast)
 in that dtype, and thunder_overlap shards what it is given. ``"bf16-mixed"`` is not autocast here:

@@ -300,7 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    jm, result, comparison = _predict(args, spec, seq_len, cost_model)
+    from thunder_overlap._scheduling.unsharding import MemoryBudgetTooSmall
+
+    try:
+        jm, result, comparison = _predict(args, spec, seq_len, cost_model)
+    except MemoryBudgetTooSmall as e:  # a finding about the settings, not a failure of the command
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     _write(args, jm, result, comparison)
     return 0
 
