@@ -5,10 +5,11 @@
         --sharding zero3 --bucketing block --global-batch 8 --seq-len 4096 --save-dir ckpt
     torchrun --nproc_per_node 8 examples/train_fsdp.py --device cuda ... --steps 20 --resume ckpt
 
-Needs litgpt (``pip install litgpt==0.5.13``); ``--model hf-llama-tiny`` needs transformers
-4.46.3 instead. The data are synthetic and deterministic: step ``s`` draws the same global batch
-of token sequences on every rank and whatever the world size, and each rank trains on its own
-rows, so runs at different world sizes see the same tokens and print the same losses.
+Needs ``pip install -e '.[examples]'`` (litgpt; transformers 4.47.1 for ``--model hf-llama-tiny``,
+which traces under Thunder 0.2.6 as 4.46.3 did; 4.57 does not). The data are synthetic and
+deterministic: step ``s`` draws the same global batch of token sequences on every rank and
+whatever the world size, and each rank trains on its own rows, so runs at different world sizes
+see the same tokens and print the same losses.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def build_model(args: argparse.Namespace, vocab_size: int):
     """The model, on the meta device where it can be (fsdp() then allocates and initialises only
     this rank's shards), and how to get logits from it."""
     if args.model == "hf-llama-tiny":
-        from transformers import LlamaConfig, LlamaForCausalLM  # transformers==4.46.3 (4.57 does not trace)
+        from transformers import LlamaConfig, LlamaForCausalLM  # transformers 4.46.3 or 4.47.1 (4.57 does not trace)
 
         config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=172, num_hidden_layers=args.n_layer or 2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq_len)
