@@ -59,6 +59,14 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--save-dir {args.save_dir} is a directory that holds something other than a checkpoint; choose another")
     if args.resume is not None and not args.resume.exists():
         p.error(f"--resume {args.resume} does not exist")
+    # torchrun sets WORLD_SIZE and RANK: checked before the ranks meet, and said once, by rank 0.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.global_batch % world:
+        if int(os.environ.get("RANK", "0")) == 0:
+            lower, upper = args.global_batch // world * world, -(-args.global_batch // world) * world
+            print(f"error: --global-batch {args.global_batch} does not split over {world} ranks: pass a multiple of {world}, "
+                  f"such as --global-batch {upper}" + (f" or {lower}" if lower else ""), file=sys.stderr)
+        sys.exit(2)
     return args
 
 
@@ -107,13 +115,6 @@ def main() -> None:
         device, dtype = torch.device("cpu"), torch.float32
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.global_batch % world:  # said once, by rank 0; every rank exits
-        if rank == 0:
-            lower, upper = args.global_batch // world * world, -(-args.global_batch // world) * world
-            print(f"error: --global-batch {args.global_batch} does not split over {world} ranks: pass a multiple of {world}, "
-                  f"such as --global-batch {upper}" + (f" or {lower}" if lower else ""), file=sys.stderr)
-        dist.destroy_process_group()
-        sys.exit(2)
     local = args.global_batch // world
 
     vocab_size = 256

@@ -1,8 +1,9 @@
 """Sharded checkpoints on ``torch.distributed.checkpoint``, readable at any world size.
 
     from thunder_overlap import checkpoint
-    checkpoint.save("ckpt/step-1000", model, optimizer)       # every rank
-    checkpoint.load("ckpt/step-1000", model, optimizer)       # any world size, ZeRO2 or ZeRO3, any bucketing
+    checkpoint.save("ckpt/step-1000", model, optimizer, extra_state={"step": 1000})  # every rank
+    step = checkpoint.load("ckpt/step-1000", model, optimizer).extra_state["step"]  # any world size, sharding, bucketing
+    checkpoint.save("model.pth", model, full=True)  # one file, the original names and shapes, written by rank 0
 
 ``get_state_dict`` / ``set_state_dict`` mirror ``torch.distributed.checkpoint.state_dict``: the
 state in the parameters' original shapes (DTensors sharded on dim 0, or full tensors with

@@ -51,6 +51,11 @@ def load(path: Path, state: nn.Module | Optimizer | dict[str, Any] | None, *, st
             "optimizer (the step, a scheduler's state) is saved pickled and read back as such; load only checkpoints you "
             "trust, and leave weights_only unset"
         )
+    if isinstance(state, Optimizer):
+        raise ValueError(
+            "fabric.load with FSDPOverlapStrategy loads an optimizer with its model: "
+            "fabric.load(path, {'model': model, 'optimizer': optimizer})"
+        )
     if isinstance(state, nn.Module):
         state = {None: state}
     if not isinstance(state, dict) or not state:
