@@ -37,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=1, help="processes per node")
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--precision", choices=("32-true", "bf16-true", "bf16-mixed"), default="32-true")
-    p.add_argument("--model", default="tiny-llama", help="tiny-llama (default) or a litgpt config name")
+    p.add_argument("--model", default="tiny-llama", help="tiny-llama (default: one Llama block) or a litgpt config name")
     p.add_argument("--n-layer", type=int, default=None, help="override the model's number of layers")
     p.add_argument("--sharding", choices=("zero2", "zero3", "auto"), default="zero3")
     p.add_argument("--bucketing", choices=("none", "layer", "block", "auto"), default="block")
@@ -73,9 +73,11 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     from litgpt import Config
     from litgpt.model import GPT
 
-    if args.model == "tiny-llama":  # Llama-style (RMSNorm, RoPE, grouped queries, SwiGLU MLP), tiny: seconds on a CPU
+    # Llama-style (RMSNorm, RoPE, grouped queries, SwiGLU MLP), tiny: a few seconds to compile on a CPU,
+    # most of them per block.
+    if args.model == "tiny-llama":
         config = Config(name="tiny-llama", block_size=args.seq_len, vocab_size=VOCAB_SIZE, padding_multiple=64,
-                        n_layer=args.n_layer or 2, n_head=4, n_query_groups=2, n_embd=64, intermediate_size=172, bias=False,
+                        n_layer=args.n_layer or 1, n_head=4, n_query_groups=2, n_embd=64, intermediate_size=172, bias=False,
                         norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", parallel_residual=False, rotary_percentage=1.0)
     else:
         config = Config.from_name(args.model, block_size=args.seq_len, **({"n_layer": args.n_layer} if args.n_layer else {}))
@@ -120,6 +122,7 @@ def main() -> None:
         if state["step"] >= args.max_steps:
             fabric.print(f"nothing to do: the checkpoint is at step {state['step']}, --max-steps is {args.max_steps}")
 
+    first_step = state["step"] + 1
     rows = args.global_batch // fabric.world_size
     accumulate = rows // args.micro_batch
     tokens_per_step = args.global_batch * args.seq_len
@@ -144,8 +147,9 @@ def main() -> None:
         state["step"] = step
         mean_loss = fabric.all_reduce(loss_sum, reduce_op="mean").item()
         seconds = time.perf_counter() - start
+        compiled = "  (includes compilation)" if step == first_step else ""
         fabric.print(f"step {step}/{args.max_steps}  loss {mean_loss:.6f}  grad norm {grad_norm.item():.6f}  "
-                     f"lr {learning_rate(step, args):.2e}  {tokens_per_step / seconds:,.0f} tokens/s")
+                     f"lr {learning_rate(step, args):.2e}  {tokens_per_step / seconds:,.0f} tokens/s{compiled}")
         if args.save_every and step % args.save_every == 0:
             path = args.out_dir / (f"step-{step:06d}" + (".pth" if args.state_dict_type == "full" else ""))
             fabric.save(path, state)
