@@ -271,32 +271,21 @@ def test_a_sharded_checkpoint_restores_the_scheduler_and_the_step(ranks):
 
 
 @pytest.mark.parametrize(
-    ("case", "message"),
+    ("part", "case", "message"),
     [
-        ("missing_key", r"has no 'epoch' \(it has \['model', 'optimizer', 'scheduler', 'step', 'tokens'\]\); pass strict=False"),
-        ("two_models", r"ValueError: fabric.save with FSDPOverlapStrategy takes one model in the state, got 2 \('a', 'b'\)"),
-        ("weights_only", r"ValueError: fabric.load\(..., weights_only=True\) cannot be honoured"),
-        ("optimizer_alone", r"ValueError: fabric.load with FSDPOverlapStrategy loads an optimizer with its model"),
+        ("checkpoints", "missing_key", r"has no 'epoch' \(it has \['model', 'optimizer', 'scheduler', 'step', 'tokens'\]\); pass strict"),
+        ("checkpoints", "two_models", r"ValueError: fabric.save with FSDPOverlapStrategy takes one model in the state, got 2 \('a', 'b'\)"),
+        ("checkpoints", "weights_only", r"ValueError: fabric.load\(..., weights_only=True\) cannot be honoured"),
+        ("checkpoints", "optimizer_alone", r"ValueError: fabric.load with FSDPOverlapStrategy loads an optimizer with its model"),
+        ("misuse", "setup twice", r"ValueError: .* is already sharded with FSDP: an earlier thunder_overlap.fsdp consumed it"),
+        ("misuse", "optimizer with state", r"ValueError: optimizer 0 \(SGD\) already has state for \d+ parameters"),
+        ("misuse", "optimizer of another model", r"ValueError: optimizer 0 \(SGD\) holds a parameter of shape .* not one of the model's"),
+        ("misuse", "clip inside no_backward_sync", r"RuntimeError: thunder_overlap.clip_grad_norm_ was called inside no_sync\(\)"),
+        ("misuse", "no_backward_sync without buckets", r"ValueError: fabric.no_backward_sync needs bucketing_strategy 'layer', 'block'"),
     ],
 )
-def test_checkpoint_misuse_is_named_on_every_rank(ranks, case, message):
-    errors = [result["checkpoints"][case] for result in ranks]
-    assert errors[0] == errors[1]
-    assert errors[0] is not None and re.search(message, errors[0]), errors[0]
-
-
-@pytest.mark.parametrize(
-    ("case", "message"),
-    [
-        ("setup twice", r"ValueError: .* is already sharded with FSDP: an earlier thunder_overlap.fsdp consumed it"),
-        ("optimizer with state", r"ValueError: optimizer 0 \(SGD\) already has state for \d+ parameters"),
-        ("optimizer of another model", r"ValueError: optimizer 0 \(SGD\) holds a parameter of shape .* not one of the model's"),
-        ("clip inside no_backward_sync", r"RuntimeError: thunder_overlap.clip_grad_norm_ was called inside no_sync\(\)"),
-        ("no_backward_sync without buckets", r"ValueError: fabric.no_backward_sync needs bucketing_strategy 'layer', 'block' or 'auto'"),
-    ],
-)
-def test_misuse_is_named_on_every_rank(ranks, case, message):
-    errors = [result["misuse"][case] for result in ranks]
+def test_misuse_is_named_on_every_rank(ranks, part, case, message):
+    errors = [result[part][case] for result in ranks]
     assert errors[0] == errors[1]
     assert errors[0] is not None and re.search(message, errors[0]), errors[0]
 
