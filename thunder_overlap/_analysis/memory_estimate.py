@@ -24,7 +24,7 @@ estimate.)
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from thunder.core import prims
@@ -148,6 +148,12 @@ def estimate_memory(
     for bsym in trace.bound_symbols:
         if bsym.sym.id in _UNPACK_IDS:
             _unpack(bsym, books, receive)
+    if after is not None and (held := _held_not_received(after, receive.handed_over)):
+        # The previous trace's persistent inputs this one does not receive (the parameter
+        # shards the module holds, the batch the caller holds) stay allocated all along: without
+        # them a backward whose peak is the step's (activation checkpointing moves it there)
+        # would be under-counted by the shards.
+        books.new_storage(None, persistent=True, nbytes=held)
     estimate.input_bytes = books.live
     for index, bsym in enumerate(trace.bound_symbols):
         books.now = timeline_start + index
@@ -166,6 +172,15 @@ def estimate_memory(
     estimate.reduce_scatter_issues = books.reduce_scatter_issues
     _count_pool(estimate, books, after)
     return estimate
+
+
+def _held_not_received(after: MemoryEstimate, received: Mapping[int, int]) -> int:
+    """Bytes of ``after``'s persistent storages (its pool aside) that no input of the next trace
+    is bound to (``received``: storage ids in ``after`` -> ids in the next trace)."""
+    received_bytes = {
+        h.storage: h.nbytes for h in after.final_storages.values() if h.storage in received and h.persistent and h.pool_use is None
+    }
+    return after.persistent_bytes - after.pool.nbytes - sum(received_bytes.values())
 
 
 def _persistence(trace: TraceCtx, persistent_inputs: Iterable[str] | None):

@@ -70,24 +70,27 @@ def measure_memory(trace: TraceCtx, args: list | None = None, *, device: torch.d
     return measurement
 
 
-def run_measured(trace: TraceCtx, args: list | None = None, *, device: torch.device | str = "cpu"):
-    """:func:`measure_memory`, also returning what the trace returned."""
+def run_measured(trace: TraceCtx, args: list | None = None, *, device: torch.device | str = "cpu", held: list | None = None):
+    """:func:`measure_memory`, also returning what the trace returned. ``held``: tensors alive
+    all along besides the inputs (a forward's parameters and batch, during its backward), counted
+    as inputs are."""
     device = torch.device(device)
     args = materialize_inputs(trace, device) if args is None else args
+    held = held or []
     stepper = TraceStepper(trace)
     live_after: list[int] = []
     peak_during: list[int] = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
-        input_bytes = sum({t.untyped_storage().data_ptr(): _rounded(t) for t in _tensors(args)}.values())
+        input_bytes = sum({t.untyped_storage().data_ptr(): _rounded(t) for t in _tensors([args, held])}.values())
         for _ in stepper.run(args):
             live_after.append(torch.cuda.memory_allocated(device) - base + input_bytes)
             peak_during.append(torch.cuda.max_memory_allocated(device) - base + input_bytes)
             torch.cuda.reset_peak_memory_stats(device)
         return MemoryMeasurement(str(device), input_bytes, live_after, peak_during), stepper.result
     with LiveMemoryTracker() as tracker:
-        _track_all(tracker, args)  # in a function: a loop variable here would keep a tensor alive
+        _track_all(tracker, [args, held])  # in a function: a loop variable here would keep a tensor alive
         input_bytes = tracker.current_bytes
         for _ in stepper.run(args):
             live_after.append(tracker.current_bytes)
@@ -135,8 +138,8 @@ def compare_memory(estimate: MemoryEstimate, measurement: MemoryMeasurement, *, 
 
 def measure_step(forward: TraceCtx, backward: TraceCtx) -> tuple[MemoryMeasurement, MemoryMeasurement]:
     """Runs an FSDP forward trace on random inputs kept alive (the module holds its parameters),
-    then its backward on what the forward saved, as Thunder's runtime hands it over; returns
-    what was measured in each."""
+    then its backward on what the forward saved, as Thunder's runtime hands it over, with the
+    forward's inputs still alive; returns what was measured in each."""
     args = materialize_inputs(forward, "cpu")
     parameters = list(args)
     measured_forward, result = run_measured(forward, args)
@@ -145,6 +148,6 @@ def measure_step(forward: TraceCtx, backward: TraceCtx) -> tuple[MemoryMeasureme
     backward_args = materialize_inputs(backward, "cpu")
     backward_args[0] = saved
     del saved
-    measured_backward, _ = run_measured(backward, backward_args)
+    measured_backward, _ = run_measured(backward, backward_args, held=parameters)
     del parameters
     return measured_forward, measured_backward
