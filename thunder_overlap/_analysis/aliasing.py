@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 
-__all__ = ["alias_source", "contiguous_strides", "is_contiguous"]
+__all__ = ["alias_source", "contiguous_strides", "is_contiguous", "is_view_op"]
 
 Strides = tuple[int, ...] | None
 
@@ -23,6 +23,11 @@ _VIEWS = {"permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "expand
           "torch_slice_prim_impl", "torch_broadcast_in_dim_prim_impl", "real", "imag", *_SAME_LAYOUT, *_RESHAPES}
 # Ops that return their input itself when it already has what they produce.
 _CONDITIONAL_ALIAS = {"contiguous", "to", "type_as"}
+
+
+def is_view_op(name: str) -> bool:
+    """Whether the op named ``name`` returns a view of its first argument (no data of its own)."""
+    return name in _VIEWS
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

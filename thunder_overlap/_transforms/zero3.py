@@ -33,6 +33,7 @@ from thunder.core.transform_common import Transform
 from thunder.core.transforms import dce
 from thunder.executors.passes import del_last_used
 
+from thunder_overlap._analysis.aliasing import is_view_op
 from thunder_overlap._analysis.blocks import BlockTypes, find_blocks
 from thunder_overlap._analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace, parameter_names_of_inputs
 from thunder_overlap._analysis.layout import NO_BUCKETS
@@ -394,6 +395,24 @@ def _keeping(units: Mapping[str, frozenset[str]], kept: tuple[str, ...]) -> Call
     return lambda name: bool(units.get(name)) and units[name] <= kept_set
 
 
+def _first_computed_from(backward: AnnotatedTrace, name: str, end: int) -> int:
+    """Where the backward first computes from ``name``: its first compute consumer that is not a
+    view, following views. A checkpointed block's recomputation takes views of its norms' weights
+    (unsqueeze) at the backward's start, long before the block computes with them."""
+    first, pending, seen = end, [name], set()
+    while pending:
+        for i in backward.consumers.get(pending.pop(), []):
+            node = backward.nodes[i]
+            if node.kind is not NodeKind.COMPUTE or i in seen:
+                continue
+            seen.add(i)
+            if is_view_op(node.name):
+                pending.extend(node.outputs)
+            else:
+                first = min(first, i)
+    return first
+
+
 def _candidates(
     forward: AnnotatedTrace, backward: AnnotatedTrace, units: Mapping[str, frozenset[str]]
 ) -> tuple[list[str], dict[str, int]]:
@@ -404,10 +423,10 @@ def _candidates(
     needed_at: dict[str, int] = {}
     gathers: dict[str, set[int]] = {}
     for name, owners in units.items():
-        uses = [i for i in backward.consumers.get(name, []) if backward.nodes[i].kind is NodeKind.COMPUTE]
+        first_use = _first_computed_from(backward, name, end)
         chain, _ = _recompute_slice(forward, name)
         for unit in owners:
-            needed_at[unit] = min(needed_at.get(unit, end), min(uses, default=end))
+            needed_at[unit] = min(needed_at.get(unit, end), first_use)
             gathers.setdefault(unit, set()).update(i for i in chain or () if forward.nodes[i].kind is NodeKind.COLLECTIVE)
     collectives = forward.collectives
     unit_bytes = {unit: sum(collectives[forward.nodes[i].collective].unsharded_bytes for i in nodes) for unit, nodes in gathers.items()}
