@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import pytest
@@ -69,6 +70,7 @@ def gloo_group(one_rank_gloo_group):
         ({"process_group": "world"}, TypeError, r"process_group must be a torch.distributed.ProcessGroup"),
         ({"config": {"max_in_flight_allgathers": 2}}, TypeError, r"config must be a thunder_overlap.OverlapConfig"),
         ({"move_state_dict_to_cpu": "yes"}, TypeError, r"move_state_dict_to_cpu must be a bool"),
+        ({"activation_checkpointing": "block"}, TypeError, r"activation_checkpointing must be a bool, got 'block'"),
     ],
 )
 def test_bad_fsdp_arguments(gloo_group, kwargs, error, message):
@@ -393,3 +395,63 @@ def test_freezing_or_unfreezing_after_fsdp_is_refused_naming_the_parameter(gloo_
     model.get_parameter("1.bias").requires_grad_(True)
     with pytest.raises(RuntimeError, match=r"for '1\.bias' \(False -> True\)"):
         model(torch.randn(3, 4))
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+class _ReentrantStack(nn.Module):
+    """Checkpoints its layers as transformers' ``gradient_checkpointing_enable()`` sets a model up:
+    a ``functools.partial`` of torch's checkpoint, ``use_reentrant=True`` unless told otherwise."""
+
+    def __init__(self, **checkpoint_kwargs) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer() for _ in range(2))
+        self.gradient_checkpointing = True
+        self._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint, **checkpoint_kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = self._gradient_checkpointing_func(layer.__call__, x)
+        return x
+
+
+def test_reentrant_gradient_checkpointing_is_refused_before_tracing(gloo_group):
+    with pytest.raises(ValueError, match=r'gradient_checkpointing_kwargs=\{"use_reentrant": False\}'):
+        thunder_overlap.fsdp(_ReentrantStack(use_reentrant=True))
+    with pytest.raises(ValueError, match=r"checkpoints its layers with use_reentrant=True, transformers' default"):
+        thunder_overlap.fsdp(_ReentrantStack())  # transformers' default: use_reentrant=True
+
+
+def test_a_reentrant_checkpoint_met_while_tracing_says_what_to_pass(gloo_group):
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(_Layer() for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True)
+            return x
+
+    model = thunder_overlap.fsdp(Stack())
+    # Thunder 0.2.6 itself fails here with "exceptions must derive from BaseException".
+    with pytest.raises(ValueError, match=r"checkpoint\(_Layer, \.\.\., use_reentrant=True\): pass use_reentrant=False"):
+        model(torch.randn(2, 4))
+
+
+def test_the_non_reentrant_checkpoint_of_the_same_layers_trains(gloo_group):
+    model = thunder_overlap.fsdp(_ReentrantStack(use_reentrant=False))
+    model(torch.randn(2, 4)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_activation_checkpointing_without_blocks_is_refused(gloo_group):
+    with pytest.raises(ValueError, match=r"activation_checkpointing=True: found no blocks in _Layer to checkpoint .*block_types="):
+        thunder_overlap.fsdp(_Layer(), activation_checkpointing=True)

@@ -8,6 +8,7 @@ One job per rank builds Fabric objects and returns what each check needs:
   the CPU and passed through ``thunder.jit``) trains bit for bit as litgpt's order (``setup_module``, then the optimizer, then
   ``setup_optimizers``); every parameter Fabric's wrapper lists is a shard the optimizer holds;
   ``precision="bf16-mixed"`` computes in bf16 and keeps float32 parameters;
+  ``activation_checkpointing=True`` recomputes litgpt's blocks and trains as without;
 - a full checkpoint (``state_dict_type="full"``) loads into a plain litgpt ``GPT`` whose logits
   are the sharded model's;
 - a sharded checkpoint restores a scheduler and the step, and returns what was not asked for;
@@ -79,12 +80,15 @@ def _train(order: str) -> dict:
     """Two steps of the tiny Llama, set up in ``order``; the losses and what Fabric's wrapper lists."""
     import thunder
 
-    fabric = _fabric(precision="bf16-mixed") if order == "bf16-mixed" else _fabric()
+    if order == "bf16-mixed":
+        fabric = _fabric(precision="bf16-mixed")
+    else:
+        fabric = _fabric(activation_checkpointing=order == "checkpointed")
     with fabric.init_module(empty_init=order == "setup, meta"):
         model = _tiny_llama()
     if order == "jitted, setup":
         model = thunder.jit(model)
-    if order in ("litgpt", "bf16-mixed"):
+    if order in ("litgpt", "bf16-mixed", "checkpointed"):
         model = fabric.setup_module(model)
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     else:
@@ -99,7 +103,15 @@ def _train(order: str) -> dict:
         "meta": sum(p.is_meta for p in listed),
         "dtypes": {p.dtype for p in listed},
         "state": {name: p.detach().clone() for name, p in model._forward_module.named_parameters()},
+        # The backward recomputes the blocks: it runs their linears again (otherwise it has none).
+        "checkpointed": _backward_linears(model._forward_module) > 0,
     }
+
+
+def _backward_linears(module) -> int:
+    import thunder
+
+    return sum(b.sym.name == "linear" for b in thunder.last_backward_traces(module)[-1].bound_symbols)
 
 
 def _checkpoints(rank: int, tmp: Path) -> dict:
@@ -200,7 +212,7 @@ def _session(rank: int, world_size: int, tmp: str) -> dict:
     assert world_size == WORLD_SIZE
     environ = dict(os.environ)
     try:
-        runs = {order: _train(order) for order in ("litgpt", "setup, meta", "jitted, setup", "bf16-mixed")}
+        runs = {order: _train(order) for order in ("litgpt", "setup, meta", "jitted, setup", "bf16-mixed", "checkpointed")}
         return {"runs": runs, "checkpoints": _checkpoints(rank, Path(tmp)), "misuse": _misuse(rank)}
     finally:
         os.environ.clear()
@@ -253,6 +265,17 @@ def test_an_optimizer_built_before_setup_or_a_jitted_model_trains_as_litgpts_ord
         for name, value in reference["state"].items():
             assert torch.equal(run["state"][name], value), name
     assert ranks[0]["runs"][order]["losses"] == ranks[1]["runs"][order]["losses"]
+
+
+def test_activation_checkpointing_trains_as_without(ranks):
+    # The recomputation runs the forward's ops again on the same inputs; the backward may order
+    # its sums otherwise, so float32's rounding (assert_close's float32 defaults) is allowed.
+    for result in ranks:
+        run, reference = result["runs"]["checkpointed"], result["runs"]["litgpt"]
+        assert run["checkpointed"] and not reference["checkpointed"]
+        torch.testing.assert_close(run["losses"], reference["losses"])
+        for name, value in reference["state"].items():
+            torch.testing.assert_close(run["state"][name], value, msg=name)
 
 
 def test_the_full_checkpoint_loads_into_the_plain_model(ranks):

@@ -1,7 +1,8 @@
 """Two gloo ranks train with bf16 gathers and fp32 reductions, with thunder_overlap and with FSDP2
 (``fully_shard`` per block and at the root, with ``MixedPrecisionPolicy(bfloat16, float32)``), on
 the same model and data: TinyGPT with ZeRO2 and ZeRO3 without buckets and ZeRO3 with block
-buckets, and a two-layer litgpt Llama with ZeRO3 and block buckets.
+buckets, and a two-layer litgpt Llama with ZeRO3 and block buckets, also with activation
+checkpointing (FSDP2 without: recomputing computes the same).
 
 The two compute in bf16 with different kernels (Thunder's decompositions against eager PyTorch)
 and FSDP2 casts activations at each block's input, so their results agree to bf16's precision,
@@ -31,7 +32,7 @@ WORLD_SIZE = 2
 MODEL = TinyGPTConfig(n_layer=2, n_embd=32, vocab_size=101)
 STEPS, LR, MICRO_BATCH, SEQ_LEN = 6, 1.0, 2, 16
 TOLERANCE = 2e-2
-# (model, sharding, bucketing) of each thunder_overlap run, by its key in a session's results;
+# (model, sharding, bucketing[, activation checkpointing]) of each thunder_overlap run, by its key in a session's results;
 # each is compared with FSDP2 on the same model. litgpt's Llama casts back with .to(x.dtype) in
 # RMSNorm and RoPE, which the matmuls after them downcast ([Note: mixed precision]).
 CONFIGS = {
@@ -39,6 +40,7 @@ CONFIGS = {
     "zero3-none": ("tinygpt", "zero3", "none"),
     "zero3-block": ("tinygpt", "zero3", "block"),
     "llama-zero3-block": ("llama", "zero3", "block"),
+    "llama-zero3-block-checkpointed": ("llama", "zero3", "block", True),
 }
 
 
@@ -83,7 +85,7 @@ def _train_on(model, batches) -> list[float]:
     return losses
 
 
-def _thunder_overlap_run(rank: int, model: str, sharding: str, bucketing: str) -> dict:
+def _thunder_overlap_run(rank: int, model: str, sharding: str, bucketing: str, checkpointing: bool = False) -> dict:
     import thunder
 
     import thunder_overlap
@@ -93,7 +95,12 @@ def _thunder_overlap_run(rank: int, model: str, sharding: str, bucketing: str) -
     torch.manual_seed(0)
     policy = thunder_overlap.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     jm = thunder_overlap.fsdp(
-        _model(model), device="cpu", sharding_strategy=sharding, bucketing_strategy=bucketing, mixed_precision=policy
+        _model(model),
+        device="cpu",
+        sharding_strategy=sharding,
+        bucketing_strategy=bucketing,
+        mixed_precision=policy,
+        activation_checkpointing=checkpointing,
     )
     buckets = BucketingTransform.of(jm)
     losses = _train(jm, rank)
@@ -143,7 +150,7 @@ def _fsdp2_run(rank: int, name: str) -> dict:
 
 def _compare_session(rank: int, world_size: int) -> dict:
     assert world_size == WORLD_SIZE
-    fsdp2 = {f"fsdp2-{name}": _fsdp2_run(rank, name) for name in sorted({model for model, _, _ in CONFIGS.values()})}
+    fsdp2 = {f"fsdp2-{name}": _fsdp2_run(rank, name) for name in sorted({config[0] for config in CONFIGS.values()})}
     return {**fsdp2, **{key: _thunder_overlap_run(rank, *config) for key, config in CONFIGS.items()}}
 
 
@@ -187,7 +194,7 @@ def test_gathers_move_bf16_and_reductions_fp32(sessions, config):
         assert session[config]["reduce_dtypes"] == {"thunder.dtypes.float32"}
 
 
-@pytest.mark.parametrize("config", ["zero3-block", "llama-zero3-block"])
+@pytest.mark.parametrize("config", ["zero3-block", "llama-zero3-block", "llama-zero3-block-checkpointed"])
 def test_buckets_gather_every_parameter_in_bf16_from_buffers_allocated_once(sessions, config):
     for session in sessions:
         run = session[config]

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from thunder_overlap._analysis.blocks import find_blocks
 from thunder_overlap._ops import with_collectives_kept_visible
 from thunder_overlap._transforms import (
+    ActivationCheckpointingTransform,
     BucketingTransform,
     MixedPrecisionTransform,
     OverlapScheduleTransform,
@@ -31,6 +32,7 @@ from thunder_overlap._transforms import (
     ShardsInPlaceTransform,
     Zero3Transform,
 )
+from thunder_overlap._transforms.activation_checkpointing import explain_reentrant_checkpoints, refuse_reentrant_checkpoints
 from thunder_overlap._transforms.shardable import check_shardable
 from thunder_overlap._transforms.zero3 import SelectiveUnsharding
 from thunder_overlap.clip_grad import ClipGradNormMethod
@@ -60,11 +62,14 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
     Pass resolved ``options``, or the keywords of :meth:`FSDPOptions.resolve` (``device``,
     ``process_group``, ``sharding_strategy``, ``bucketing_strategy``, ``bucket_cap_mb``,
     ``broadcast_from``, ``config``, ``move_state_dict_to_cpu``, ``block_types``, ``device_mesh``,
-    ``mixed_precision``), checked as ``fsdp`` checks them (``block_types`` is checked against the
+    ``mixed_precision``, ``activation_checkpointing``), checked as ``fsdp`` checks them (``block_types`` is checked against the
     model when it is transformed).
     """
     options = options_from(options, option_kwargs, "fsdp_transforms")
+    explain_reentrant_checkpoints()
     transforms: list[Transform] = [RefuseUnshardableTransform(), RefuseRequiresGradChangeTransform()]
+    if options.activation_checkpointing:
+        transforms.append(ActivationCheckpointingTransform(options.block_types))
     if options.broadcast_from is None:  # else every rank gets rank broadcast_from's weights
         transforms.append(RefuseDifferentInitTransform(options.world_group, options.device))
     transforms += [
@@ -142,6 +147,7 @@ def fsdp(
     block_types: type[nn.Module] | str | list[type[nn.Module] | str] | tuple[type[nn.Module] | str, ...] | None = None,
     device_mesh: DeviceMesh | None = None,
     mixed_precision: MixedPrecision | None = None,
+    activation_checkpointing: bool = False,
     jit_options: Mapping[str, Any] | None = None,
     **unknown: Any,
 ) -> ThunderModule:
@@ -180,6 +186,12 @@ def fsdp(
             reduce-scattered in (``reduce_dtype``); None in either keeps each parameter's dtype.
             Parameters, ``.grad`` and optimizer state keep theirs (float32 masters). Not yet
             with buckets or hybrid sharding: a model whose parameters it casts is refused there.
+        activation_checkpointing: True: every block (those of ``block_types``) keeps only its
+            inputs for the backward, which recomputes its activations; under ZeRO3 the block's
+            one backward re-gather serves its recomputation and its gradients. Models that call
+            ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` themselves need no
+            option; ``use_reentrant=True`` (transformers' default) is refused, Thunder cannot
+            trace it.
         broadcast_from: rank whose parameters are broadcast to all before sharding.
         config: scheduler options (:class:`OverlapConfig`).
         move_state_dict_to_cpu: as in Thunder, for ``original_state_dict``.
@@ -210,6 +222,7 @@ def fsdp(
     if isinstance(model, ThunderModule) and getattr(thunder.compile_data(model), "use_fsdp", False):
         raise ValueError("model is already sharded with FSDP; pass the unsharded model")
     check_shardable(model._model if isinstance(model, ThunderModule) else model)
+    refuse_reentrant_checkpoints(model._model if isinstance(model, ThunderModule) else model)
     options = FSDPOptions.resolve(
         device=device,
         process_group=process_group,
@@ -222,6 +235,7 @@ def fsdp(
         block_types=block_types,
         device_mesh=device_mesh,
         mixed_precision=mixed_precision,
+        activation_checkpointing=activation_checkpointing,
     )
     # Checked here, before tracing: a type that matches no module names the classes there are.
     find_blocks(model._model if isinstance(model, ThunderModule) else model, options.block_types)

@@ -282,6 +282,8 @@ class FSDPOptions:
     hybrid_mesh: DeviceMesh | None = None
     # The dtypes of gathers and reductions; MixedPrecision() keeps the parameters' own.
     mixed_precision: MixedPrecision = MixedPrecision()
+    # Every block recomputes its activations in the backward ([Note: activation checkpointing]).
+    activation_checkpointing: bool = False
 
     @property
     def replicate_group(self) -> dist.ProcessGroup | None:
@@ -301,6 +303,7 @@ class FSDPOptions:
             "block_types": self.block_types,
             "device_mesh": mesh,
             "mixed_precision": self.mixed_precision,
+            "activation_checkpointing": self.activation_checkpointing,
             "world_size": dist.get_world_size(self.process_group),
         }
 
@@ -334,6 +337,7 @@ class FSDPOptions:
         block_types: object = None,
         device_mesh: DeviceMesh | None = None,
         mixed_precision: MixedPrecision | None = None,
+        activation_checkpointing: bool = False,
     ) -> FSDPOptions:
         """Checks user input and fills in defaults (see :func:`thunder_overlap.fsdp` for each option).
 
@@ -352,6 +356,8 @@ class FSDPOptions:
                 f"mixed_precision must be a thunder_overlap.MixedPrecision or None, got {mixed_precision!r} "
                 "(e.g. MixedPrecision(param_dtype=torch.bfloat16))"
             )
+        if not isinstance(activation_checkpointing, bool):
+            raise TypeError(f"activation_checkpointing must be a bool, got {activation_checkpointing!r}")
         sharding = parse_sharding_strategy(sharding_strategy)
         bucketing = parse_bucketing_strategy(bucketing_strategy)
         bucket_cap_bytes = _parse_bucket_cap_mb(bucket_cap_mb, bucketing)
@@ -373,6 +379,7 @@ class FSDPOptions:
             block_types=parsed_block_types,
             hybrid_mesh=hybrid_mesh,
             mixed_precision=MixedPrecision() if mixed_precision is None else mixed_precision,
+            activation_checkpointing=activation_checkpointing,
         )
 
 

@@ -58,7 +58,8 @@ class FSDPOverlapStrategy(ParallelStrategy):
             ``Fabric(precision="bf16-mixed")``, which means ``MixedPrecision(torch.bfloat16, torch.float32)``.
         config: scheduler options (:class:`~thunder_overlap.OverlapConfig`).
         block_types: the block classes (or class names, such as litgpt's ``"Block"``).
-        activation_checkpointing: not supported yet: True is refused.
+        activation_checkpointing: True: every block recomputes its activations in the backward
+            (as :func:`thunder_overlap.fsdp`'s ``activation_checkpointing``).
         jit_options: keywords for ``thunder.jit`` (a module not yet jitted).
         state_dict_type: how ``fabric.save`` writes: ``"sharded"`` (a directory every rank writes,
             loadable at any world size) or ``"full"`` (one ``torch.load``-able file of the
@@ -88,11 +89,8 @@ class FSDPOverlapStrategy(ParallelStrategy):
             raise TypeError(f"mixed_precision must be a thunder_overlap.MixedPrecision or None, got {mixed_precision!r}")
         if config is not None and not isinstance(config, OverlapConfig):
             raise TypeError(f"config must be a thunder_overlap.OverlapConfig or None, got {config!r}")
-        if activation_checkpointing is not False:
-            raise ValueError(
-                f"activation_checkpointing={activation_checkpointing!r}: FSDPOverlapStrategy does not checkpoint activations "
-                "yet; pass False, or call torch.utils.checkpoint.checkpoint(..., use_reentrant=False) in the model's blocks"
-            )
+        if not isinstance(activation_checkpointing, bool):
+            raise TypeError(f"activation_checkpointing must be a bool, got {activation_checkpointing!r}")
         if jit_options is not None and not isinstance(jit_options, Mapping):
             raise TypeError(f"jit_options must be a dict of thunder.jit keywords or None, got {jit_options!r}")
         if state_dict_type not in STATE_DICT_TYPES:
@@ -102,6 +100,7 @@ class FSDPOverlapStrategy(ParallelStrategy):
         self._mixed_precision = mixed_precision
         self._config = config
         self._block_types = block_types
+        self._activation_checkpointing = activation_checkpointing
         self._jit_options = dict(jit_options or {})
         self._state_dict_type = state_dict_type
         self._hybrid_sharding = hybrid_sharding
@@ -202,6 +201,7 @@ class FSDPOverlapStrategy(ParallelStrategy):
             block_types=self._block_types,
             device_mesh=self._device_mesh,
             mixed_precision=self._mixed_precision,
+            activation_checkpointing=self._activation_checkpointing,
             jit_options=self._jit_options or None,
         )
 

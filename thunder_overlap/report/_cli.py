@@ -110,6 +110,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--reduce-dtype", default=None, help="mixed precision: the dtype gradients are reduced in (default: --dtype, no cast)"
     )
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="every block keeps only its inputs and recomputes its activations in the backward",
+    )
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=None, help="default: the model's block size")
     parser.add_argument(
@@ -349,6 +354,7 @@ def _predict(args: argparse.Namespace, spec, seq_len: int, cost_model):
                 config=OverlapConfig(cost_model=cost_model, memory_budget_bytes=args.memory_budget),
                 shard_group_size=args.shard_group_size,
                 mixed_precision=policy,
+                activation_checkpointing=args.activation_checkpointing,
             )
             traced = time.perf_counter()
             _progress(f"traced in {traced - start:.1f} s; tracing the same model with Thunder's own FSDP, the baseline")

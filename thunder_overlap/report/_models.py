@@ -112,6 +112,7 @@ def trace_model(
     config=None,
     shard_group_size: int | None = None,
     mixed_precision=None,
+    activation_checkpointing: bool = False,
 ):
     """Traces ``model`` (on meta) with thunder_overlap's FSDP on a fake group of ``world_size``
     and ``config`` (an OverlapConfig; give it the report's cost model, as the meta device has no
@@ -121,7 +122,8 @@ def trace_model(
     while simulating with a cost model that has a topology: it reads each group's ranks), else
     in a fake group of its own. ``shard_group_size``: hybrid sharding on the (replicate, shard)
     mesh of :func:`hybrid_mesh`; None shards over the whole world. ``mixed_precision``: a
-    :class:`~thunder_overlap.MixedPrecision`, or None."""
+    :class:`~thunder_overlap.MixedPrecision`, or None. ``activation_checkpointing``:
+    every block recomputes its activations in the backward."""
     import thunder
     import torch
     import torch.distributed as dist
@@ -141,6 +143,7 @@ def trace_model(
             config=config,
             device_mesh=mesh,
             mixed_precision=mixed_precision,
+            activation_checkpointing=activation_checkpointing,
         )
         idx = torch.zeros(idx_shape, dtype=torch.long, device="meta")
         thunder.compile_data(jm).get_computation_and_inputs(idx)

@@ -86,6 +86,8 @@ class Report:
     collective_dtypes: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # Sharding "auto"'s choice of the units kept unsharded to the backward (else None).
     unsharding: UnshardingChoice | None = None
+    # Bytes of this rank's trainable parameter shards: what optimizer state is sized by (None: unknown).
+    trainable_shard_bytes: int | None = None
 
     def __getitem__(self, name: str) -> PassReport:
         for p in self.passes:
@@ -123,6 +125,13 @@ class Report:
             )
         if self.unsharding is not None:
             lines.append(f"sharding auto: {self.unsharding.describe()}")
+        if self.trainable_shard_bytes is not None:
+            # What the peaks, and so a memory budget, leave out (docs/memory.md, "The budget").
+            lines.append(
+                "peak MiB: what the step's traces hold (parameter shards, batch, activations, gathered parameters, gradients, "
+                f"buckets); not optimizer state (AdamW's: {2 * self.trainable_shard_bytes / _MIB:.1f} MiB a rank, twice the "
+                "trainable shards), the loss computed outside the model or the allocator's slack"
+            )
         steps = ", ".join(f"{order} {self.step_ms(order):.3f} ms" for order in ORDERS)
         verdict = speed_change(self.step_ms(BASELINE), self.step_ms(OVERLAP))
         lines.append(f"predicted step (forward + backward): {steps}: {OVERLAP} against {BASELINE}: {verdict}")
@@ -139,6 +148,7 @@ class Report:
             "collective_dtypes": {kind: list(names) for kind, names in self.collective_dtypes},
             "step_ms": {order: self.step_ms(order) for order in ORDERS},
             "unsharding": asdict(self.unsharding) if self.unsharding is not None else None,
+            "trainable_shard_bytes": self.trainable_shard_bytes,
             "passes": {
                 p.name: {
                     r.order: {
@@ -310,5 +320,6 @@ def report(
         world_size=thunder_fsdp.world_size,
         layouts=module_layouts(jm),
     )
+    result = replace(result, trainable_shard_bytes=sum(p.numel() * p.element_size() for p in jm.parameters() if p.requires_grad))
     zero3 = Zero3Transform.of(jm)
     return result if zero3 is None or zero3.choice is None else replace(result, unsharding=zero3.choice)

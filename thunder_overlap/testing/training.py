@@ -1,6 +1,7 @@
 """A short, deterministic training run on one rank, shared by the demo, the tests and benchmarks.
 
-``train_rank`` trains :class:`~thunder_overlap.report._builtin_models.TinyGPT` with either thunder_overlap or
+``train_rank`` trains :class:`~thunder_overlap.report._builtin_models.TinyGPT` (or the Llama-shaped
+model) with either thunder_overlap or
 Thunder's own FSDP and reports losses, step times, measured peak memory, the shards and gradients
 of every step and the schedule of the final traces. ``check_against_reference`` checks every step
 against the same steps in one float64 process without any sharding (``parity.check_steps``).
@@ -22,6 +23,7 @@ from thunder_overlap._analysis.layout import NO_BUCKETS
 from thunder_overlap._analysis.memory_estimate import estimate_memory
 from thunder_overlap._backends import NCCL
 from thunder_overlap._transforms import BucketingTransform
+from thunder_overlap._transforms.activation_checkpointing import checkpoint_blocks
 from thunder_overlap.api import fsdp as overlap_fsdp
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import (
@@ -31,7 +33,7 @@ from thunder_overlap.options import (
     parse_bucketing_strategy,
     parse_sharding_strategy,
 )
-from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.report._builtin_models import Llama, LlamaConfig, TinyGPT, TinyGPTConfig
 from thunder_overlap.report._schedule_view import ScheduleStats, schedule_picture, schedule_stats
 from thunder_overlap.testing.bucket_census import BucketCensus, bucket_census
 from thunder_overlap.testing.live_memory import LiveMemoryTracker
@@ -59,7 +61,7 @@ class TrainSetup:
     # Strings (any case) or enums; parsed into ShardingStrategy / BucketingStrategy.
     sharding: ShardingStrategy | str = ShardingStrategy.ZERO3
     bucketing: BucketingStrategy | str = BucketingStrategy.NONE
-    model: TinyGPTConfig = field(default_factory=TinyGPTConfig)
+    model: TinyGPTConfig | LlamaConfig = field(default_factory=TinyGPTConfig)
     micro_batch: int = 2
     seq_len: int = 32
     steps: int = 3
@@ -80,6 +82,8 @@ class TrainSetup:
     max_norm: float | None = None
     norm_type: float = 2.0
     mixed_precision: MixedPrecision | None = None
+    # fsdp(activation_checkpointing=True); the reference checkpoints the same blocks.
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLEMENTATIONS:
@@ -88,8 +92,9 @@ class TrainSetup:
         object.__setattr__(self, "bucketing", parse_bucketing_strategy(self.bucketing))
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {self.optimizer!r}")
-        if self.impl != "thunder_overlap" and (self.max_norm is not None or self.mixed_precision is not None):
-            raise ValueError(f"max_norm and mixed_precision need impl='thunder_overlap', got {self.impl!r}")
+        overlap_only = self.max_norm is not None or self.mixed_precision is not None or self.activation_checkpointing
+        if self.impl != "thunder_overlap" and overlap_only:
+            raise ValueError(f"max_norm, mixed_precision and activation_checkpointing need impl='thunder_overlap', got {self.impl!r}")
         if self.seq_len > self.model.block_size:
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's block_size={self.model.block_size}")
 
@@ -160,9 +165,9 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def _build_model(setup: TrainSetup) -> TinyGPT:
+def _build_model(setup: TrainSetup) -> TinyGPT | Llama:
     torch.manual_seed(setup.seed)
-    return TinyGPT(setup.model)
+    return Llama(setup.model) if isinstance(setup.model, LlamaConfig) else TinyGPT(setup.model)
 
 
 def saved_unsharded(forward) -> list[str]:
@@ -200,7 +205,7 @@ def collective_groups(trace) -> list[tuple[str, tuple[int, ...], int]]:
     return groups
 
 
-def _sharded(setup: TrainSetup, model: TinyGPT, world_size: int):
+def _sharded(setup: TrainSetup, model: TinyGPT | Llama, world_size: int):
     """``model`` sharded by thunder_overlap or by Thunder's own FSDP, on the CPU."""
     device = torch.device("cpu")
     if setup.impl != "thunder_overlap":
@@ -221,6 +226,7 @@ def _sharded(setup: TrainSetup, model: TinyGPT, world_size: int):
         config=setup.config,
         device_mesh=mesh,
         mixed_precision=setup.mixed_precision,
+        activation_checkpointing=setup.activation_checkpointing,
     )
 
 
@@ -329,6 +335,8 @@ def check_against_reference(setup: TrainSetup, world_size: int, results: list[Ra
         return [_loss(model(idx[r]), targets[r]) for r in rows]
 
     model = _build_model(setup)
+    if setup.activation_checkpointing:
+        checkpoint_blocks(model, None)
     tokens = setup.micro_batch * setup.seq_len
     roundings = rounding_count(model.parameters(), tokens=tokens, seq_len=setup.seq_len, world_size=world_size)
     ranks = [RankSteps(r.rank, r.step_shards, r.step_grads, r.grad_norms) for r in results]
