@@ -122,3 +122,19 @@ def test_zero3_gathers_before_each_block_recomputes():
         between = [n for n in annotated.nodes[c.start + 1 : c.wait] if n.kind is NodeKind.COMPUTE]
         if c.start > 0 and any(n.kind is NodeKind.COMPUTE for n in annotated.nodes[: c.start]):
             assert any(n.name == "matmul" for n in between), (annotated.nodes[c.start].name, [n.name for n in between])
+
+
+def test_no_sync_accumulates_with_checkpointing_and_no_reduce_scatter():
+    torch.manual_seed(0)
+    jm = thunder_overlap.fsdp(
+        Llama(LLAMA), device="cpu", sharding_strategy="zero3", bucketing_strategy="block", activation_checkpointing=True
+    )
+    idx = torch.randint(0, 64, (2, 8))
+    with jm.no_sync():
+        jm(idx).sum().backward()
+    backward = thunder.last_backward_traces(jm)[-1]
+    annotated = classify_trace(backward, roles_only=True)
+    assert not any(c.kind is CollectiveKind.REDUCE_SCATTER for c in annotated.collectives)
+    assert _compute_ops(backward)["linear"] > 0  # the recomputation runs in the accumulating step too
+    jm(idx).sum().backward()  # the step that reduce-scatters what was accumulated
+    assert all(p.grad is not None for p in jm.parameters() if p.requires_grad)

@@ -52,8 +52,9 @@ __all__ = ["fsdp", "fsdp_transforms"]
 def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any) -> list[Transform]:
     """The transforms ``fsdp`` applies, for ``thunder.jit(model, transforms=...)``: the refusal
     of a model FSDP cannot shard (or already sharded), of ranks whose initial weights differ
-    (without ``broadcast_from``) and of ``requires_grad`` changed after sharding; Thunder's
-    sharding, mixed precision's casts (a ``mixed_precision`` that sets a dtype only),
+    (without ``broadcast_from``) and of ``requires_grad`` changed after sharding; every block's
+    activation checkpointing (``activation_checkpointing`` only); Thunder's sharding, mixed
+    precision's casts (a ``mixed_precision`` that sets a dtype only),
     materialisation, then ZeRO3 re-gathering (ZeRO3 only), bucketing (layer, block or auto only),
     the all-reduce across replicas (hybrid sharding only), then scheduling; the shards placed in
     the original module (its parameters are the sharded module's), and the module's
@@ -62,8 +63,8 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
     Pass resolved ``options``, or the keywords of :meth:`FSDPOptions.resolve` (``device``,
     ``process_group``, ``sharding_strategy``, ``bucketing_strategy``, ``bucket_cap_mb``,
     ``broadcast_from``, ``config``, ``move_state_dict_to_cpu``, ``block_types``, ``device_mesh``,
-    ``mixed_precision``, ``activation_checkpointing``), checked as ``fsdp`` checks them (``block_types`` is checked against the
-    model when it is transformed).
+    ``mixed_precision``, ``activation_checkpointing``), checked as ``fsdp`` checks them
+    (``block_types`` is checked against the model when it is transformed).
     """
     options = options_from(options, option_kwargs, "fsdp_transforms")
     explain_reentrant_checkpoints()

@@ -26,7 +26,7 @@ from thunder.core.transform_common import Transform
 
 from thunder_overlap._analysis.blocks import BlockTypes, find_blocks
 
-__all__ = ["ActivationCheckpointingTransform", "explain_reentrant_checkpoints", "refuse_reentrant_checkpoints"]
+__all__ = ["ActivationCheckpointingTransform", "checkpoint_blocks", "explain_reentrant_checkpoints", "refuse_reentrant_checkpoints"]
 
 # Set on a block whose forward this module wrapped, so that a second wrap is not nested.
 _WRAPPED_MARK = "_thunder_overlap_checkpointed"
