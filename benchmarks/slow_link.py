@@ -13,7 +13,9 @@ each implementation, each a fresh ``benchmark_fsdp.py`` launch with the same mod
 suffix runs with mixed precision, bf16 gathers and compute over fp32 parameters, fp32 reductions:
 ``--impls thunder_overlap@block,thunder_overlap@block:bf16,fsdp2:bf16``; a ``:clip`` suffix clips
 the gradient by its global norm each step, ``--max_norm 1.0``:
-``--impls thunder_overlap@block,thunder_overlap@block:clip``; a ``/zero2``, ``/zero3``
+``--impls thunder_overlap@block,thunder_overlap@block:clip``; a ``:ckpt`` suffix checkpoints
+every block's activations (and adds a compute-only run that does too, whose difference from C is
+the recompute's compute time): ``--impls thunder_overlap@block,thunder_overlap@block:ckpt``; a ``/zero2``, ``/zero3``
 or ``/auto`` part runs that sharding instead of ``--shard-mode``, ``/auto`` within
 ``--memory-budget-bytes``, by default halfway between the predicted ZeRO3 and ZeRO2 peaks:
 ``--impls thunder_overlap@block/zero3,thunder_overlap@block/zero2,thunder_overlap@block/auto``):
@@ -37,6 +39,8 @@ and gets no simulator prediction (its compute is not calibrated), only the mixed
 targets (against float32 thunder_overlap and against FSDP2 with the same policy). A ``:clip`` run
 gets no prediction either (the simulator reads the traces, and clipping runs after them), only
 its time against its unclipped run, and the rounds' spread that puts it in or out of the noise.
+A ``:ckpt`` run gets no prediction either (C is calibrated without recomputation), only its time
+over its run without checkpointing against the recompute's measured compute time.
 
 It prints, per implementation, the median step time (median over rounds of each run's median),
 its ratio to Thunder's own FSDP, where it lands between the serial bound C + M (gap closed 0%) and
@@ -110,8 +114,9 @@ class TestbedConfig:
                 and bucketing in BUCKETING_MODES
                 and sharding in SHARD_MODES
                 and (sharding == self.shard_mode or impl == "thunder_overlap")
-                and suffix in ("", "bf16", "clip")
+                and suffix in ("", "bf16", "clip", "ckpt")
                 and (impl != "thunder" or not suffix)
+                and (suffix != "ckpt" or impl.startswith("thunder_overlap"))
             )
 
         unknown = [i for i in self.impls if not known(i)]
@@ -119,7 +124,8 @@ class TestbedConfig:
             raise ValueError(
                 f"--impls {','.join(self.impls)!r}: accepted are one or more of {', '.join(TRAINING_IMPLS)}, "
                 f"each optionally with @bucketing ({', '.join(BUCKETING_MODES)}), /sharding ({', '.join(SHARD_MODES)}; "
-                "thunder_overlap only) and :bf16 for mixed precision or :clip for clipping by the global norm (not thunder), "
+                "thunder_overlap only) and :bf16 for mixed precision, :clip for clipping by the global norm or :ckpt for "
+                "activation checkpointing (not thunder), "
                 "e.g. thunder_overlap@block/auto:bf16"
             )
         if self.shard_mode not in SHARD_MODES:
@@ -145,7 +151,8 @@ class TestbedConfig:
 
     @property
     def calibration_runs(self) -> tuple[str, ...]:
-        return ("compute_only", *(f"{run}@{b}" for b in self.bucketings for run in ("comm_only", "compute_with_comm")))
+        checkpointed = ("compute_only:ckpt",) if any(map(is_checkpointed, self.impls)) else ()
+        return ("compute_only", *checkpointed, *(f"{run}@{b}" for b in self.bucketings for run in ("comm_only", "compute_with_comm")))
 
     def benchmark_args(self, label: str, json_path: Path, memory_budget_bytes: int | None = None) -> list[str]:
         impl, bucketing = split_label(label)
@@ -165,10 +172,12 @@ class TestbedConfig:
             "json_path": json_path,
             "mixed_precision": "bf16/fp32" if is_mixed(label) else None,
             "max_norm": CLIP_MAX_NORM if is_clipped(label) else None,
+            "activation_checkpointing": "" if is_checkpointed(label) else None,
             # Runs that trace thunder_overlap (the calibration replays included) schedule for the link.
             "network": self.network if impl.startswith("thunder_overlap") or impl in ("comm_only", "compute_with_comm") else None,
         }
-        return [item for key, value in args.items() if value is not None for item in (f"--{key}", str(value))]
+        # A value of "" is a flag without one.
+        return [item for key, value in args.items() if value is not None for item in (f"--{key}", str(value)) if item]
 
 
 def split_label(label: str) -> tuple[str, str]:
@@ -248,6 +257,38 @@ def is_mixed(label: str) -> bool:
 def is_clipped(label: str) -> bool:
     """Whether ``label`` clips the gradient by its global norm each step (a ``:clip`` suffix)."""
     return label.endswith(":clip")
+
+
+def is_checkpointed(label: str) -> bool:
+    """Whether ``label`` checkpoints every block's activations (a ``:ckpt`` suffix)."""
+    return label.endswith(":ckpt")
+
+
+def checkpointing_checks(runs: dict[str, list[dict]], compute: list[dict], compute_checkpointed: list[dict] | None) -> list[str]:
+    """Each ``:ckpt`` run against its run without checkpointing, round by round (they ran back to
+    back): what checkpointing added to the step, against what it added to the compute-only step
+    (the recompute's compute time). Under ZeRO3 the backward's gathers serve the recomputation,
+    so checkpointing should add no exposed communication: at most the recompute."""
+    if compute_checkpointed is None:
+        return []
+    recompute = statistics.median(
+        statistics.median(c["iter_times_ms"]) - statistics.median(p["iter_times_ms"])
+        for c, p in zip(compute_checkpointed, compute, strict=True)
+    )
+    lines = []
+    for label, checkpointed_runs in runs.items():
+        plain_runs = runs.get(label.removesuffix(":ckpt")) if is_checkpointed(label) else None
+        if plain_runs is None:
+            continue
+        checkpointed = [statistics.median(r["iter_times_ms"]) for r in checkpointed_runs]
+        plain = [statistics.median(r["iter_times_ms"]) for r in plain_runs]
+        added = statistics.median(c - p for c, p in zip(checkpointed, plain, strict=True))
+        lines.append(
+            f"{'PASS' if added <= recompute else 'FAIL'} {label} adds {added:.1f} ms to {label.removesuffix(':ckpt')}'s "
+            f"{statistics.median(plain):.1f} ms (median of {len(plain)} rounds' differences); the recompute's compute time, "
+            f"compute_only:ckpt - compute_only, is {recompute:.1f} ms (<= it: the backward's gathers stay hidden)"
+        )
+    return lines
 
 
 def clipping_checks(runs: dict[str, list[dict]]) -> list[str]:
@@ -391,6 +432,7 @@ def main(argv: list[str]) -> None:
             runs = _measure(cfg, link, out)
 
     compute_runs = runs.pop("compute_only")
+    checkpointed_compute_runs = runs.pop("compute_only:ckpt", None)
     calibrations = {
         b: calibrate(compute_runs, runs.pop(f"comm_only@{b}"), runs.pop(f"compute_with_comm@{b}", None)) for b in cfg.bucketings
     }
@@ -401,7 +443,7 @@ def main(argv: list[str]) -> None:
     simulated = {
         # Calibrated for --shard-mode's float32 runs only.
         impl: None
-        if is_mixed(impl) or is_clipped(impl) or sharding_of(impl, cfg.shard_mode) != cfg.shard_mode
+        if is_mixed(impl) or is_clipped(impl) or is_checkpointed(impl) or sharding_of(impl, cfg.shard_mode) != cfg.shard_mode
         else predict_testbed_step_ms(
             TestbedSetting(
                 impl=split_label(impl)[0],
@@ -431,6 +473,7 @@ def main(argv: list[str]) -> None:
         + mixed_precision_checks(summaries)
         + unsharding_checks(summaries, cfg.shard_mode)
         + clipping_checks(runs)
+        + checkpointing_checks(runs, compute_runs, checkpointed_compute_runs)
     )
     print("\n".join(checks))
     summary = {

@@ -146,7 +146,7 @@ def test_mixed_precision_runs_are_named_and_refused_where_they_cannot_run():
     assert split_label("thunder_overlap@block:bf16") == ("thunder_overlap", "block")
     assert testbed.bucketings == ("none", "block")
     for label in ("thunder:bf16", "fsdp2:fp8"):
-        with pytest.raises(ValueError, match=r":bf16 for mixed precision or :clip for clipping by the global norm \(not thunder\)"):
+        with pytest.raises(ValueError, match=r":bf16 for mixed precision, :clip for clipping .* or :ckpt .*\(not thunder\)"):
             TestbedConfig(impls=(label,))
 
 
@@ -162,7 +162,7 @@ def test_clipped_runs_are_named_refused_where_they_cannot_run_and_compared_with_
     testbed = TestbedConfig(impls=("thunder_overlap@block", "thunder_overlap@block:clip", "fsdp2:clip"))
     args = [testbed.benchmark_args(label, Path("run.json")) for label in testbed.impls]
     assert [a[a.index("--max_norm") + 1] if "--max_norm" in a else None for a in args] == [None, str(CLIP_MAX_NORM), str(CLIP_MAX_NORM)]
-    with pytest.raises(ValueError, match=r":clip for clipping by the global norm \(not thunder\)"):
+    with pytest.raises(ValueError, match=r":clip for clipping by the global norm or :ckpt .*\(not thunder\)"):
         TestbedConfig(impls=("thunder:clip",))
 
     def rounds(*medians: float) -> list[dict]:
@@ -175,6 +175,33 @@ def test_clipped_runs_are_named_refused_where_they_cannot_run_and_compared_with_
         "the unclipped run's round medians spread 10.0 ms"
     ]
     assert clipping_checks({"a": rounds(100, 101), "a:clip": rounds(120, 121)})[0].startswith("FAIL a:clip adds +20.0 ms")
+
+
+def test_checkpointed_runs_are_refused_where_they_cannot_run_and_compared_with_the_recompute():
+    from slow_link import TestbedConfig, checkpointing_checks
+
+    for impl in ("thunder", "fsdp2"):
+        with pytest.raises(ValueError, match=rf"--activation_checkpointing: not wired for --impl {impl}"):
+            BenchmarkConfig(impl=impl, activation_checkpointing=True)
+        with pytest.raises(ValueError, match=r":ckpt for activation checkpointing"):
+            TestbedConfig(impls=(f"{impl}:ckpt",))
+    assert parse_args(["--activation_checkpointing"]).activation_checkpointing
+    testbed = TestbedConfig(impls=("thunder_overlap@block", "thunder_overlap@block:ckpt"))
+    # The recompute's compute time is measured beside the compute-only calibration run.
+    assert testbed.calibration_runs[:2] == ("compute_only", "compute_only:ckpt")
+    flags = [testbed.benchmark_args(label, Path("run.json")) for label in (*testbed.impls, "compute_only:ckpt")]
+    assert ["--activation_checkpointing" in a for a in flags] == [False, True, True]
+
+    def rounds(*medians: float) -> list[dict]:
+        return [{"iter_times_ms": [m - 1, m, m + 5]} for m in medians]
+
+    compute, compute_checkpointed = rounds(100, 110), rounds(130, 138)  # the recompute: 30 and 28 ms
+    runs = {"a": rounds(200, 210), "a:ckpt": rounds(225, 236)}
+    (line,) = checkpointing_checks(runs, compute, compute_checkpointed)
+    assert line.startswith("PASS a:ckpt adds 25.5 ms to a's 205.0 ms") and "is 29.0 ms" in line, line
+    runs["a:ckpt"] = rounds(240, 250)
+    assert checkpointing_checks(runs, compute, compute_checkpointed)[0].startswith("FAIL a:ckpt adds 40.0 ms")
+    assert checkpointing_checks(runs, compute, None) == []
 
 
 def test_cuda_peak_names_what_was_alive_at_the_step_peak():

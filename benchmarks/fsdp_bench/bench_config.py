@@ -123,6 +123,11 @@ class BenchmarkConfig:
         "bf16/fp32: fp32 parameters gathered and computed in bf16, gradients reduced in fp32 (thunder_overlap's "
         "MixedPrecision, fsdp2's MixedPrecisionPolicy; compute_only computes a bf16 copy); Thunder's FSDP has none",
     )
+    activation_checkpointing: bool = _option(
+        False,
+        "every block recomputes its activations in the backward (thunder_overlap's activation_checkpointing; "
+        "compute_only checkpoints the same blocks); Thunder's FSDP and fsdp2 are not wired",
+    )
     max_norm: float | None = _option(
         None,
         "clip the gradient to this global norm before each optimizer step (thunder_overlap.clip_grad_norm_; fsdp2 and "
@@ -155,6 +160,8 @@ class BenchmarkConfig:
             _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
             if self.impl == "thunder":
                 raise ValueError("--mixed_precision: Thunder's own FSDP has no mixed precision; leave it out for --impl thunder")
+        if self.activation_checkpointing and self.impl in ("thunder", "fsdp2", "fsdp2_compile"):
+            raise ValueError(f"--activation_checkpointing: not wired for --impl {self.impl}; leave it out")
         if self.max_norm is not None:
             if not self.max_norm > 0:
                 raise ValueError(f"--max_norm must be a positive number, got {self.max_norm!r}")

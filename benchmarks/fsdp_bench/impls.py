@@ -52,6 +52,7 @@ from thunder.core.module import ThunderModule
 import thunder_overlap
 from thunder_overlap._analysis.blocks import find_blocks
 from thunder_overlap._analysis.cost_model import CostModel, network_profile
+from thunder_overlap._transforms.activation_checkpointing import checkpoint_blocks
 from thunder_overlap.options import parse_bucketing_strategy, parse_sharding_strategy
 
 from fsdp_bench.bench_config import OVERLAP_OPTIONS, BenchmarkConfig, variant_config
@@ -155,6 +156,7 @@ def _thunder_overlap(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, im
         bucketing_strategy=cfg.bucketing_mode,
         config=overlap_config(cfg, ctx.device, impl),
         mixed_precision=policy,
+        activation_checkpointing=cfg.activation_checkpointing,
     )
 
 
@@ -193,6 +195,8 @@ def _fsdp2(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, *, compile_b
 def _compute_only(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext) -> nn.Module:
     # With mixed precision a rank computes on bf16 parameters: a bf16 copy computes the same.
     model = materialize(model, ctx.device)
+    if cfg.activation_checkpointing:
+        checkpoint_blocks(model, None)
     return thunder.jit(model.to(torch.bfloat16) if cfg.mixed_precision else model)
 
 

@@ -45,6 +45,8 @@ class BenchmarkResult:
     mixed_precision: str | None = None
     # --max_norm: each step clipped the gradient to this global norm; None: no clipping.
     max_norm: float | None = None
+    # --activation_checkpointing: every block recomputed its activations in the backward.
+    activation_checkpointing: bool = False
 
     @property
     def median_iter_time_ms(self) -> float:
