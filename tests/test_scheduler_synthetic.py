@@ -19,7 +19,7 @@ from thunder_overlap._analysis.simulator import simulate
 from thunder_overlap._scheduling import IssueOrder, issue_sequence, schedule_trace, stock_order
 from thunder_overlap._scheduling.limits import resolve_limits
 from thunder_overlap._scheduling.scheduler import OverlapScheduler, apply_order, just_in_time_order
-from thunder_overlap.config import SCHEDULING_POLICIES, OverlapConfig, Tuning
+from thunder_overlap.config import SCHEDULING_POLICIES, OverlapConfig, Policy, Tuning
 
 from synthetic_traces import VALUE_BYTES, build_trace, valid_program
 
@@ -239,6 +239,25 @@ def test_budget_holds_back_prefetch_that_would_not_fit():
     assert greedy_peak > summary.budget_bytes
 
 
+def test_each_policy_says_what_it_needs():
+    # policy: keeps Thunder's order, limits in flight, prefetches, limits by block, reads memory, coalesces
+    table = {
+        Policy.MEMORY_AWARE: (False, True, True, True, True, True),
+        Policy.HEURISTIC: (False, True, True, True, False, True),
+        Policy.GREEDY: (False, False, True, False, False, True),
+        Policy.JUST_IN_TIME: (False, True, False, False, True, False),
+        Policy.STOCK: (True, False, True, False, False, False),
+    }
+    for p, expected in table.items():
+        assert (p.keeps_thunder_order, p.limits_in_flight, p.prefetches, p.limits_by_block, p.reads_memory, p.coalesces) == expected, p
+    # Given by name, kept as the member, which still equals and prints as its name.
+    config = OverlapConfig(policy="just_in_time")
+    assert config.policy is Policy.JUST_IN_TIME and config.policy == "just_in_time" and f"{config.policy}" == "just_in_time"
+    assert OverlapConfig(policy=Policy.GREEDY).policy is Policy.GREEDY
+    assert config.agreed_fields()["policy"] == "just_in_time"
+    assert SCHEDULING_POLICIES == tuple(p.value for p in table)
+
+
 def test_heuristic_policy_has_no_budget():
     _, _, summary, _ = _schedule(_blocks(3, 1), OverlapConfig(policy="heuristic"))
     assert summary.budget_bytes is None and summary.attempts == 0
@@ -323,7 +342,7 @@ def test_every_schedule_is_a_valid_reordering(choices, config, matmul_ms):
     # All-gathers respect the count limit until a compute op reads them (or until their wait
     # when only collectives and the return do).
     limit = resolve_limits(config, None).max_allgathers
-    if limit is not None and config.policy in ("memory_aware", "heuristic"):
+    if limit is not None and config.policy.limits_by_block:
         gathered = {
             nodes[coll.wait].outputs[0]: c
             for c, coll in enumerate(annotated.collectives)

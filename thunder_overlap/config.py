@@ -5,17 +5,79 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from enum import Enum
 
 from thunder_overlap._analysis.cost_model import CostModel
 
-__all__ = ["SCHEDULING_POLICIES", "OverlapConfig", "Tuning"]
+__all__ = ["SCHEDULING_POLICIES", "OverlapConfig", "Policy", "Tuning"]
 
-# "memory_aware": prefetch as early as the limits and the memory budget allow (the default).
-# "heuristic": prefetch within the in-flight limits only, no memory budget.
-# "greedy": no limit at all, to show what unbounded overlap costs in memory.
-# "just_in_time": no overlap and the least memory (the memory budget's baseline).
-# "stock": Thunder's own order, for comparisons.
-SCHEDULING_POLICIES = ("memory_aware", "heuristic", "greedy", "just_in_time", "stock")
+
+class Policy(str, Enum):
+    """How the scheduler orders collectives. A member equals its name as a string (what
+    ``OverlapConfig(policy=...)`` takes), and says what the policy needs of the scheduler."""
+
+    # Prefetch as early as the limits and the memory budget allow (the default).
+    MEMORY_AWARE = "memory_aware"
+    # Prefetch within the in-flight limits only, no memory budget.
+    HEURISTIC = "heuristic"
+    # No limit at all, to show what unbounded overlap costs in memory.
+    GREEDY = "greedy"
+    # No overlap and the least memory (the memory budget's baseline).
+    JUST_IN_TIME = "just_in_time"
+    # Thunder's own order, for comparisons.
+    STOCK = "stock"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def keeps_thunder_order(self) -> bool:
+        """Whether the trace keeps the order Thunder gave it (nothing is scheduled)."""
+        return self is Policy.STOCK
+
+    @property
+    def limits_in_flight(self) -> bool:
+        """Whether collectives in flight are limited at all (greedy and stock leave them unbounded)."""
+        return self in (Policy.MEMORY_AWARE, Policy.HEURISTIC, Policy.JUST_IN_TIME)
+
+    @property
+    def prefetches(self) -> bool:
+        """Whether all-gathers may go out before the compute just before their first use."""
+        return self is not Policy.JUST_IN_TIME
+
+    @property
+    def limits_by_block(self) -> bool:
+        """Whether the in-flight limits are counted in the model's largest block (or bucket)."""
+        return self.limits_in_flight and self.prefetches
+
+    @property
+    def reads_memory(self) -> bool:
+        """Whether the schedule predicts memory and keeps to a budget (so it can take
+        ``OverlapConfig.memory_budget_bytes``)."""
+        return self in (Policy.MEMORY_AWARE, Policy.JUST_IN_TIME)
+
+    @property
+    def coalesces(self) -> bool:
+        """Whether collectives issued together may be launched as one (the stock and
+        just-in-time baselines never are)."""
+        return self not in (Policy.STOCK, Policy.JUST_IN_TIME)
+
+    @classmethod
+    def parse(cls, value: object) -> Policy:
+        """The policy ``value`` names (a member or its name), or ValueError naming the accepted ones."""
+        if isinstance(value, str):
+            try:
+                return cls(value)
+            except ValueError:
+                pass
+        raise ValueError(f"OverlapConfig.policy must be one of {SCHEDULING_POLICIES}, got {value!r}")
+
+
+# The policies' names, as OverlapConfig(policy=...) takes them.
+SCHEDULING_POLICIES = tuple(policy.value for policy in Policy)
 
 _GIB = 1 << 30
 
@@ -87,8 +149,8 @@ class Tuning:
 class OverlapConfig:
     """Options of the overlap scheduler. ``None`` means no limit of that kind."""
 
-    # One of SCHEDULING_POLICIES.
-    policy: str = "memory_aware"
+    # One of SCHEDULING_POLICIES (a Policy, or its name).
+    policy: Policy = Policy.MEMORY_AWARE
     # All-gather bytes in flight, in units of the model's largest block (or bucket, where
     # buckets hold several blocks): the next two arrive while the current one computes
     # ([Note: prefetch depth]).
@@ -112,18 +174,18 @@ class OverlapConfig:
     _tuning: Tuning = field(default_factory=Tuning, repr=False)
 
     def __post_init__(self) -> None:
-        if self.policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"OverlapConfig.policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        object.__setattr__(self, "policy", Policy.parse(self.policy))
         _check("OverlapConfig", "prefetch_blocks", self.prefetch_blocks, float, optional=False, zero=False)
         _check("OverlapConfig", "max_in_flight_allgather_bytes", self.max_in_flight_allgather_bytes, int, optional=True, zero=False)
         _check("OverlapConfig", "memory_slack_bytes", self.memory_slack_bytes, int, optional=False, zero=True)
         _check("OverlapConfig", "memory_slack_ratio", self.memory_slack_ratio, float, optional=False, zero=True)
         _check("OverlapConfig", "memory_budget_bytes", self.memory_budget_bytes, int, optional=True, zero=False)
         _check("OverlapConfig", "reduce_in_pool", self.reduce_in_pool, bool, optional=False, zero=False)
-        if self.memory_budget_bytes is not None and self.policy in ("heuristic", "greedy", "stock"):
+        if self.memory_budget_bytes is not None and not self.policy.reads_memory:
+            reading = " or ".join(repr(p.value) for p in Policy if p.reads_memory)
             raise ValueError(
                 f"OverlapConfig.memory_budget_bytes={self.memory_budget_bytes} needs a policy that reads memory "
-                f"('memory_aware' or 'just_in_time'); policy={self.policy!r} would not keep to it"
+                f"({reading}); policy={self.policy.value!r} would not keep to it"
             )
         if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
             raise TypeError(f"OverlapConfig.cost_model must be a thunder_overlap.CostModel or None, got {self.cost_model!r}")
@@ -138,7 +200,7 @@ class OverlapConfig:
     def coalesces(self) -> bool:
         """Whether schedules under this configuration may coalesce launches (the stock and
         just-in-time baselines never do)."""
-        return self._tuning.coalesce and self.policy not in ("stock", "just_in_time")
+        return self._tuning.coalesce and self.policy.coalesces
 
     def agreed_fields(self) -> dict[str, object]:
         """Every option that shapes the collectives ranks issue, by name (tuning included), for
@@ -146,5 +208,6 @@ class OverlapConfig:
         between ranks (measured timings), and they move collectives around compute only, never
         the agreed issue order."""
         agreed = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("cost_model", "_tuning")}
+        agreed["policy"] = self.policy.value
         agreed.update({f"tuning.{f.name}": getattr(self._tuning, f.name) for f in fields(self._tuning)})
         return agreed

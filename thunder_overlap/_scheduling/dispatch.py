@@ -72,7 +72,7 @@ def schedule_trace(
     annotated = trace if isinstance(trace, AnnotatedTrace) else classify_trace(trace)
     if not annotated.collectives:
         return ScheduledTrace(annotated.trace, annotated, stock_order(annotated), None)
-    if config.policy == "stock":
+    if config.policy.keeps_thunder_order:
         order = stock_order(annotated)
         if issue_order is not None and IssueOrder.of_schedule(annotated, order) != issue_order:
             raise ValueError("the stock policy keeps Thunder's order, which does not follow the given issue order")

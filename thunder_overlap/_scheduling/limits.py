@@ -98,9 +98,9 @@ def resolve_limits(
     bucket; None for a model without repeated blocks) and whether the collectives move buckets.
     ``caps_pool_reduce_scatters=False`` lifts the cap on reduce-scatters that hold a pool buffer
     to their wait (the schedule the bucket path choice reads: [Note: pool reduce-scatter cap])."""
-    if config.policy in ("greedy", "stock"):
+    if not config.policy.limits_in_flight:
         return ScheduleLimits()
-    if config.policy == "just_in_time":
+    if not config.policy.prefetches:
         return JUST_IN_TIME_LIMITS
     tuning = config.tuning
     unit = largest_block_bytes or None
@@ -122,7 +122,7 @@ def resolve_limits(
         max_pool_reduce_scatter_bytes=pool_limit,
         chained_wait_compute_ops=tuning.chained_wait_compute_ops,
     )
-    if config.policy == "heuristic":
+    if not config.policy.reads_memory:
         return limits
     return replace(
         limits,

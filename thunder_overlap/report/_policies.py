@@ -2,7 +2,7 @@
 
 The traces Thunder produced before thunder_overlap's scheduling pass (see
 :func:`~thunder_overlap.report._report.unscheduled_trace`) are scheduled again by each policy of
-:data:`~thunder_overlap.config.SCHEDULING_POLICIES` with the same cost model the report
+:class:`~thunder_overlap.config.Policy` with the same cost model the report
 simulates with, then simulated and memory-estimated like the report's own orders. The first row
 of each pass is Thunder's own FSDP (the report's baseline, ``thunder 0.2.6``), which every policy
 is compared with; ``stock`` is thunder_overlap's traces unscheduled. The ``just_in_time`` row is
@@ -24,13 +24,14 @@ from thunder_overlap._analysis.memory_estimate import MemoryEstimate
 from thunder_overlap._scheduling.dispatch import schedule_trace
 from thunder_overlap._scheduling.summary import ScheduleSummary
 from thunder_overlap._transforms.schedule import OverlapScheduleTransform
-from thunder_overlap.config import OverlapConfig
+from thunder_overlap.config import OverlapConfig, Policy
 from thunder_overlap.report._report import BASELINE, LEGEND, OrderReport, analyze_trace, module_layouts, speed_change, unscheduled_trace
 from thunder_overlap.report._thunder_baseline import ThunderFSDPTraces, thunder_fsdp_baseline
 
 __all__ = ["COMPARED_POLICIES", "PolicyComparison", "PolicyResult", "compare_policies"]
 
-COMPARED_POLICIES = ("stock", "just_in_time", "heuristic", "greedy", "memory_aware")
+# In the order of the rows: Thunder's order first, then more overlap.
+COMPARED_POLICIES = (Policy.STOCK, Policy.JUST_IN_TIME, Policy.HEURISTIC, Policy.GREEDY, Policy.MEMORY_AWARE)
 _MIB = 2**20
 POLICY_LEGEND = """\
 max(C,M) ms: the bound ms below; gap: predicted ms over it, minus one.
@@ -39,7 +40,7 @@ vs JIT: predicted peak memory over the just-in-time order's in the same pass, mi
 
 @dataclass(frozen=True)
 class PolicyResult:
-    policy: str  # a scheduling policy, or BASELINE for Thunder's own FSDP
+    policy: str  # a scheduling policy's name, or BASELINE for Thunder's own FSDP
     pass_name: str  # "forward" or "backward"
     report: OrderReport
     summary: ScheduleSummary | None  # None where nothing was scheduled (Thunder's own FSDP, stock)
@@ -57,7 +58,7 @@ class PolicyComparison:
     network: str
     world_size: int
 
-    def result(self, policy: str, pass_name: str) -> PolicyResult:
+    def result(self, policy: Policy | str, pass_name: str) -> PolicyResult:
         for r in self.results:
             if (r.policy, r.pass_name) == (policy, pass_name):
                 return r
@@ -65,10 +66,10 @@ class PolicyComparison:
 
     def peak_over_just_in_time(self, result: PolicyResult) -> float:
         """``result``'s predicted peak over the just-in-time order's in the same pass, minus one."""
-        baseline = self.result("just_in_time", result.pass_name).report.peak_bytes
+        baseline = self.result(Policy.JUST_IN_TIME, result.pass_name).report.peak_bytes
         return result.report.peak_bytes / baseline - 1 if baseline else 0.0
 
-    def step_ms(self, policy: str) -> float:
+    def step_ms(self, policy: Policy | str) -> float:
         return sum(r.report.predicted_ms for r in self.results if r.policy == policy)
 
     def __str__(self) -> str:
@@ -112,7 +113,7 @@ def compare_policies(
     *,
     cost_model: CostModel,
     config: OverlapConfig | None = None,
-    policies: tuple[str, ...] = COMPARED_POLICIES,
+    policies: tuple[Policy | str, ...] = COMPARED_POLICIES,
     thunder_fsdp: ThunderFSDPTraces | None = None,
 ) -> PolicyComparison:
     """Schedules ``jm``'s last forward and backward traces with each policy and reports them
@@ -123,8 +124,9 @@ def compare_policies(
     as in :func:`~thunder_overlap.report._report.report` (default: traced here).
     """
     config = config if config is not None else OverlapConfig()
-    if "just_in_time" not in policies:
-        policies = ("just_in_time", *policies)
+    policies = tuple(Policy.parse(p) for p in policies)
+    if Policy.JUST_IN_TIME not in policies:
+        policies = (Policy.JUST_IN_TIME, *policies)
     forward, backward = thunder.last_traces(jm), thunder.last_backward_traces(jm)
     if not forward:
         raise ValueError("the module has not been run or traced yet: call it once (or trace it) before compare_policies()")
@@ -144,23 +146,24 @@ def compare_policies(
             forward_memory[BASELINE] = report.memory
         results.append(PolicyResult(BASELINE, pass_name, report, None))
     for policy in policies:
+        label = policy.value
         for pass_name, trace in passes:
             # A policy that reads no memory compares without the absolute budget (it refuses one).
-            reads_memory = policy in ("memory_aware", "just_in_time")
-            policy_config = replace(config, policy=policy, memory_budget_bytes=config.memory_budget_bytes if reads_memory else None)
+            budget = config.memory_budget_bytes if policy.reads_memory else None
+            policy_config = replace(config, policy=policy, memory_budget_bytes=budget)
             scheduled = schedule_trace(
                 classify_trace(trace, layouts),
                 policy_config,
                 largest_block_bytes=block_bytes,
                 cost_model=cost_model,
-                memory_after=forward_memory.get(policy),
-                budget_after=forward_budget_basis.get(policy),
+                memory_after=forward_memory.get(label),
+                budget_after=forward_budget_basis.get(label),
             )
-            report = analyze_trace(scheduled.trace, cost_model, order=policy, after=forward_memory.get(policy), layouts=layouts)
+            report = analyze_trace(scheduled.trace, cost_model, order=label, after=forward_memory.get(label), layouts=layouts)
             if pass_name == "forward":
-                forward_memory[policy], forward_budget_basis[policy] = report.memory, scheduled.budget_basis
-            results.append(PolicyResult(policy, pass_name, report, scheduled.summary))
-    rows = (BASELINE, *policies)
+                forward_memory[label], forward_budget_basis[label] = report.memory, scheduled.budget_basis
+            results.append(PolicyResult(label, pass_name, report, scheduled.summary))
+    rows = (BASELINE, *(policy.value for policy in policies))
     results.sort(key=lambda r: (r.pass_name != "forward", rows.index(r.policy)))
     # The ranks of the job: the baseline's (under hybrid sharding Thunder's FSDP takes the whole world).
     return PolicyComparison(tuple(results), cost_model.device.name, cost_model.network.name, thunder_fsdp.world_size)
