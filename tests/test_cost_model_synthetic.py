@@ -8,6 +8,7 @@ from thunder.core import devices, dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
 
+from thunder_overlap import _ops as ops
 from thunder_overlap._analysis.calibration import _shape_key
 from thunder_overlap._analysis.classify import Collective, CollectiveKind
 from thunder_overlap._analysis.cost_model import (
@@ -265,7 +266,7 @@ def test_a_coalesced_bucket_reduce_scatter_costs_each_members_lay_out():
     layouts = {0: _layout("two", 36, tensors=2, world_size=1), 1: _layout("one", 128, tensors=1, world_size=1)}
     members = ((0, 2.0, (0, 1)), (1, None, (0,)))
     grads = [[grad(4, 8), grad(4)], [grad(16, 8)]]
-    bsym = SimpleNamespace(sym=SimpleNamespace(name="coalesced_bucket_reduce_scatter"), args=(None, members, grads))
+    bsym = SimpleNamespace(sym=ops.coalesced_bucket_reduce_scatter, args=(None, members, grads))
     two_grads_bytes = (32 + 4) * 4
     assert local_copy_bytes(bsym, layouts) == 4 * two_grads_bytes
     averaged = SimpleNamespace(sym=bsym.sym, args=(None, ((1, 2.0, (0,)),), [[grad(16, 8)]]))
@@ -289,11 +290,11 @@ def test_a_coalesced_bucket_all_gather_wait_costs_each_members_copy_out():
     layouts = {0: _layout("two", 144, tensors=2, world_size=4), 1: _layout("one", 512, tensors=1, world_size=4)}
     members = ((0, (0, 1), (0, 1)), (1, (0,), (0,)))
     shards = [[shard(4, 8), shard(4)], [shard(16, 8)]]
-    issue = SimpleNamespace(sym=SimpleNamespace(name="coalesced_bucket_all_gather"), args=(group, members, shards))
-    wait = SimpleNamespace(sym=SimpleNamespace(name="coalesced_wait"), args=(None, ()))
+    issue = SimpleNamespace(sym=ops.coalesced_bucket_all_gather, args=(group, members, shards))
+    wait = SimpleNamespace(sym=ops.coalesced_wait, args=(None, ()))
     assert local_copy_bytes(wait, layouts, issued_by=issue) == 2 * 4 * (32 + 4) * 4
     # A per-parameter coalesced launch copies nothing at its wait, and the wait alone names no bucket.
-    per_parameter = SimpleNamespace(sym=SimpleNamespace(name="coalesced_all_gather"), args=(group, (0,), [shard(4, 8)]))
+    per_parameter = SimpleNamespace(sym=ops.coalesced_all_gather, args=(group, (0,), [shard(4, 8)]))
     assert local_copy_bytes(wait, layouts, issued_by=per_parameter) == local_copy_bytes(wait, layouts) == 0
 
 

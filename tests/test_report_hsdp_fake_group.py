@@ -84,7 +84,7 @@ def test_the_default_cost_model_places_groups_on_nodes(mesh_2x4, monkeypatch):
 
 
 def _node(index: int, kind: NodeKind, name: str, inputs=(), outputs=(), collective=None) -> TraceNode:
-    return TraceNode(index, SimpleNamespace(sym=SimpleNamespace(name=name)), kind, tuple(inputs), tuple(outputs), collective)
+    return TraceNode(index, SimpleNamespace(sym=SimpleNamespace(name=name, id=name)), kind, tuple(inputs), tuple(outputs), collective)
 
 
 def test_the_replicate_all_reduce_runs_on_its_own_link_beside_the_shard_reduce_scatters(mesh_2x4):

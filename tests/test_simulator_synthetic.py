@@ -35,7 +35,7 @@ def _cost_model(overlap_compute_slowdown: float = 0.0) -> CostModel:
 
 
 def _node(index, kind, name, inputs=(), outputs=(), collective=None) -> TraceNode:
-    bsym = SimpleNamespace(sym=SimpleNamespace(name=name))  # the simulator only needs its name
+    bsym = SimpleNamespace(sym=SimpleNamespace(name=name, id=name))  # the simulator only needs its name and id
     return TraceNode(index, bsym, kind, tuple(inputs), tuple(outputs), collective)
 
 

@@ -19,7 +19,8 @@ The operators, by who puts them in the traces:
 - mixed precision (``_transforms/mixed_precision.py``): ``shard_cast``, the cast of a parameter
   shard before its all-gather.
 
-Analysis reads these operators by name and arguments only; it never calls the runtime objects.
+Analysis recognises these operators, and Thunder's collectives, by their symbols' ids (the sets
+at the end of this module), and reads their arguments; it never calls the runtime objects.
 """
 
 from __future__ import annotations
@@ -30,26 +31,27 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from thunder.core import prims
 from thunder.core.dtypes import to_dtype, to_torch_dtype
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
+from thunder.core.symbol import Symbol
 from thunder.distributed import prims as dist_prims
-from thunder.executors import torchex
+from thunder.executors import pythonex, torchex
 from thunder.extend import Executor, FusionExecutor, OperatorExecutor, register_executor
 from thunder.torch import to_torch_distributed_reduce_op
 
 __all__ = [
-    "BUCKET_COLLECTIVES",
-    "COALESCED_PREFIX",
+    "ALL_GATHER_ISSUES",
+    "BUCKETED_ISSUES",
+    "BUCKET_ISSUES",
+    "COALESCED_ISSUES",
+    "DROPPED_BY_SCHEDULING",
+    "PLAIN_ISSUES",
+    "REDUCE_SCATTER_ISSUES",
     "BucketRuntime",
     "overlap_executor",
     "with_collectives_kept_visible",
 ]
-
-# Names of the coalesced operators start with this; their issue operators take (group, one entry
-# per member, inputs...).
-COALESCED_PREFIX = "coalesced_"
-# The bucketed collectives' issue operators, also the suffixes of their coalesced launches.
-BUCKET_COLLECTIVES = ("bucket_all_gather", "bucket_reduce_scatter")
 
 
 class BucketRuntime(Protocol):
@@ -89,13 +91,15 @@ def _always(*args, **kwargs) -> bool:
     return True
 
 
+# Thunder's collective prims, each with the operator this executor claims it with.
+_CLAIMED: dict[Symbol, Symbol] = {}
 for _prim, _impl in (
     (dist_prims.all_gather, torchex._all_gather_prim_impl),
     (dist_prims.reduce_scatter, torchex._reduce_scatter_prim_impl),
     (dist_prims.wait, torchex._wait_prim_impl),
 ):
-    _op = overlap_executor.register_operator(f"overlap_{_prim.name}", meta=_prim.meta, fn=_impl)
-    overlap_executor.register_implementation(_prim, _op, checker=_always)
+    _CLAIMED[_prim] = overlap_executor.register_operator(f"overlap_{_prim.name}", meta=_prim.meta, fn=_impl)
+    overlap_executor.register_implementation(_prim, _CLAIMED[_prim], checker=_always)
 
 
 def _numel(t: TensorProxy) -> int:
@@ -258,7 +262,7 @@ def _coalesced_wait(launch: CoalescedLaunch, shapes: tuple[tuple[int, ...], ...]
 # A coalesced launch's future stands for every member's output, back to back: its numel is theirs
 # summed, which is what the cost model and the memory estimator read.
 def _coalesced_op(kind: str, meta, fn):
-    return overlap_executor.register_operator(f"{COALESCED_PREFIX}{kind}", meta=meta, fn=fn)
+    return overlap_executor.register_operator(f"coalesced_{kind}", meta=meta, fn=fn)
 
 
 coalesced_all_gather = _coalesced_op(
@@ -290,6 +294,34 @@ coalesced_wait = _coalesced_op(
     lambda pending, shapes: [TensorProxy(like=pending, shape=shape) for shape in shapes],
     _coalesced_wait,
 )
+
+
+# --- the operators by symbol id ----------------------------------------------------------------
+# A bound symbol is recognised by ``bsym.sym.id``: a PrimID for Thunder's prims (before an
+# executor claims them), the registered name for an executor's operator (the torch executor's
+# implementations of those prims, this module's operators).
+
+
+def _ids(*symbols: Symbol) -> frozenset:
+    return frozenset(symbol.id for symbol in symbols)
+
+
+# Thunder's one-tensor all-gather and reduce-scatter: the prims and their torch and overlap
+# implementations (the members a plain coalesced launch takes in).
+_PLAIN_ALL_GATHERS = _ids(dist_prims.all_gather, torchex.all_gather_prim_impl, _CLAIMED[dist_prims.all_gather])
+_PLAIN_REDUCE_SCATTERS = _ids(dist_prims.reduce_scatter, torchex.reduce_scatter_prim_impl, _CLAIMED[dist_prims.reduce_scatter])
+PLAIN_ISSUES = _PLAIN_ALL_GATHERS | _PLAIN_REDUCE_SCATTERS
+# The bucketed collectives' issue operators (the members a bucket coalesced launch takes in).
+BUCKET_ISSUES = _ids(bucket_all_gather, bucket_reduce_scatter)
+# Issues that move buckets, alone or coalesced.
+BUCKETED_ISSUES = BUCKET_ISSUES | _ids(coalesced_bucket_all_gather, coalesced_bucket_reduce_scatter)
+# Coalesced launches' issue operators: they take (group, one entry per member, inputs...).
+COALESCED_ISSUES = _ids(coalesced_all_gather, coalesced_reduce_scatter, coalesced_bucket_all_gather, coalesced_bucket_reduce_scatter)
+# Every issue of an all-gather, and of a reduce-scatter (any other collective is an all-reduce).
+ALL_GATHER_ISSUES = _PLAIN_ALL_GATHERS | _ids(bucket_all_gather, coalesced_all_gather, coalesced_bucket_all_gather)
+REDUCE_SCATTER_ISSUES = _PLAIN_REDUCE_SCATTERS | _ids(bucket_reduce_scatter, coalesced_reduce_scatter, coalesced_bucket_reduce_scatter)
+# Deletions, which scheduling drops and regenerates for the new order.
+DROPPED_BY_SCHEDULING = frozenset({prims.PrimIDs.DEL, pythonex.clear_mutable_collection.id})
 
 
 def _can_swallow_collectives(executor: Executor) -> bool:

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 
+from thunder_overlap import _ops as ops
+
 __all__ = ["alias_source", "contiguous_strides", "is_contiguous", "is_view_op"]
 
 Strides = tuple[int, ...] | None
@@ -115,7 +117,7 @@ def _view_strides(name: str, bsym: BoundSymbol, shape, strides, out_shape) -> tu
 
 # Collectives that work in place on their (first) input: hybrid sharding's all-reduces of a
 # reduced gradient shard (_transforms/replicate.py).
-_IN_PLACE_COLLECTIVES = {"replica_all_reduce", "bucket_all_reduce"}
+_IN_PLACE_COLLECTIVES = frozenset({ops.replica_all_reduce.id, ops.bucket_all_reduce.id})
 
 
 def alias_source(
@@ -129,7 +131,7 @@ def alias_source(
 ) -> tuple[str | None, Strides]:
     """(name whose storage ``out`` shares, its strides) or (None, None) for a new storage;
     ``strides_of`` holds every name bound so far."""
-    if is_wait or (name in _IN_PLACE_COLLECTIVES and first is not None and first.name in strides_of):
+    if is_wait or (bsym.sym.id in _IN_PLACE_COLLECTIVES and first is not None and first.name in strides_of):
         return first.name, strides_of.get(first.name)
     if name == "copy_":  # copy_(copy_from, copy_to) writes into copy_to
         target = bsym.flat_proxy_args[1]

@@ -28,7 +28,7 @@ from thunder.core.trace import TraceCtx
 
 from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
 from thunder_overlap._analysis.local_copies import backend_launches, pool_bytes_to_wait
-from thunder_overlap._ops import BUCKET_COLLECTIVES, COALESCED_PREFIX
+from thunder_overlap._ops import ALL_GATHER_ISSUES, BUCKETED_ISSUES, COALESCED_ISSUES, DROPPED_BY_SCHEDULING, REDUCE_SCATTER_ISSUES
 
 __all__ = [
     "AnnotatedTrace",
@@ -61,7 +61,6 @@ class CollectiveKind(Enum):
 
 
 _HEADER_IDS = {prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.UNPACK_SEQUENCE}
-_DROPPED_NAMES = {"python_del", "clear_mutable_collection"}
 _EXPENSIVE_TAGS = {prims.OpTags.MATMUL_OP, prims.OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD, prims.OpTags.DONT_RECOMPUTE_IN_BACKWARD}
 _COMMENT_IDS = {prims.PrimIDs.COMMENT}
 
@@ -137,7 +136,7 @@ class AnnotatedTrace:
     def runs_buckets(self) -> bool:
         """Whether its all-gathers or reduce-scatters move buckets (on the bucket pool's buffers,
         which are held for the whole step) rather than one parameter each."""
-        return any(self.nodes[c.start].name.endswith(BUCKET_COLLECTIVES) for c in self.collectives)
+        return any(self.nodes[c.start].bsym.sym.id in BUCKETED_ISSUES for c in self.collectives)
 
 
 def _proxy_names(values) -> tuple[str, ...]:
@@ -177,16 +176,15 @@ def _is_wait(bsym: BoundSymbol) -> bool:
 
 
 def _collective_kind(bsym: BoundSymbol) -> CollectiveKind:
-    name = bsym.sym.name
-    if "all_gather" in name:
+    if bsym.sym.id in ALL_GATHER_ISSUES:
         return CollectiveKind.ALL_GATHER
-    if "reduce_scatter" in name:
+    if bsym.sym.id in REDUCE_SCATTER_ISSUES:
         return CollectiveKind.REDUCE_SCATTER
     return CollectiveKind.ALL_REDUCE
 
 
 def _launch_members(bsym: BoundSymbol) -> int:
-    return len(bsym.args[1]) if bsym.sym.name.startswith(COALESCED_PREFIX) else 1
+    return len(bsym.args[1]) if bsym.sym.id in COALESCED_ISSUES else 1
 
 
 def _process_group(bsym: BoundSymbol) -> dist.ProcessGroup | None:
@@ -221,7 +219,7 @@ def classify_trace(trace: TraceCtx, layouts: BucketLayouts = NO_BUCKETS, *, role
     collectives' launches and pool buffers are then left at one launch and none)."""
     nodes: list[TraceNode] = []
     for bsym in trace.bound_symbols:
-        if bsym.sym.name in _DROPPED_NAMES or bsym.sym.id in _COMMENT_IDS:
+        if bsym.sym.id in DROPPED_BY_SCHEDULING or bsym.sym.id in _COMMENT_IDS:
             continue
         if bsym.sym.id in _HEADER_IDS:
             kind = NodeKind.HEADER

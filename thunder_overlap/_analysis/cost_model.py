@@ -44,6 +44,7 @@ from thunder.core import dtypes
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 
+from thunder_overlap import _ops as ops
 from thunder_overlap._analysis.calibration import METADATA_OPS, Calibration
 from thunder_overlap._analysis.classify import AnnotatedTrace, Collective, CollectiveKind
 from thunder_overlap._analysis.devices import DEVICE_PROFILES, DeviceProfile, device_profile
@@ -216,7 +217,7 @@ class CostModel:
             measured = self.calibration.lookup(bsym)
             if measured is not None:
                 return measured
-        if bsym.sym.name == "bucket_accumulate_grads":  # a bucket operator that only copies (no_sync)
+        if bsym.sym.id == ops.bucket_accumulate_grads.id:  # a bucket operator that only copies (no_sync)
             return self.copy_ms(local_copy_bytes(bsym, NO_BUCKETS))
         return self.roofline_ms(bsym)
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 
+from thunder_overlap import _ops as ops
 from thunder_overlap._analysis.layout import BucketLayout, BucketLayouts, GatherPath, ReducePath, layout_of
 
 __all__ = ["LOCAL_COPY_BYTES", "WAIT_COPY_BYTES", "LocalCopyBytes", "backend_launches", "local_copy_bytes", "pool_bytes_to_wait"]
@@ -146,19 +147,20 @@ def coalesced_all_gather_copy_out(issue: BoundSymbol, layouts: BucketLayouts) ->
     return total
 
 
-# Copies a wait makes that only its collective's issue can count, by the issue's name.
+# Copies a wait makes that only its collective's issue can count, by the issue's symbol id.
 WAIT_COPY_BYTES: dict[str, LocalCopyBytes] = {
-    "coalesced_bucket_all_gather": coalesced_all_gather_copy_out,
+    ops.coalesced_bucket_all_gather.id: coalesced_all_gather_copy_out,
 }
 
+# By the operator's symbol id.
 LOCAL_COPY_BYTES: dict[str, LocalCopyBytes] = {
-    "bucket_all_gather": all_gather_cast,
-    "bucket_all_gather_wait": all_gather_copy_out,
-    "bucket_reduce_scatter": reduce_scatter_copy_in,
-    "bucket_reduce_scatter_wait": no_copy,
-    "bucket_accumulate_grads": accumulate_copy,
-    "coalesced_bucket_all_gather": coalesced_all_gather_cast,
-    "coalesced_bucket_reduce_scatter": coalesced_reduce_scatter_copy_in,
+    ops.bucket_all_gather.id: all_gather_cast,
+    ops.bucket_all_gather_wait.id: all_gather_copy_out,
+    ops.bucket_reduce_scatter.id: reduce_scatter_copy_in,
+    ops.bucket_reduce_scatter_wait.id: no_copy,
+    ops.bucket_accumulate_grads.id: accumulate_copy,
+    ops.coalesced_bucket_all_gather.id: coalesced_all_gather_cast,
+    ops.coalesced_bucket_reduce_scatter.id: coalesced_reduce_scatter_copy_in,
 }
 
 
@@ -167,10 +169,10 @@ def backend_launches(bsym: BoundSymbol, layouts: BucketLayouts) -> int:
     gathers each parameter in place on a backend that runs a coalesced launch one collective at
     a time (``BucketLayout.gather_launches``). A coalesced launch counts once, plus each member's
     launches beyond its first."""
-    name = bsym.sym.name
-    if name == "bucket_all_gather":
+    op = bsym.sym.id
+    if op == ops.bucket_all_gather.id:
         return layout_of(layouts, bsym.args[0]).gather_launches()
-    if name == "coalesced_bucket_all_gather":
+    if op == ops.coalesced_bucket_all_gather.id:
         return 1 + sum(layout_of(layouts, bucket).gather_launches() - 1 for bucket, _, _ in bsym.args[1])
     return 1
 
@@ -178,11 +180,11 @@ def backend_launches(bsym: BoundSymbol, layouts: BucketLayouts) -> int:
 def pool_bytes_to_wait(bsym: BoundSymbol, layouts: BucketLayouts) -> int:
     """Bytes of bucket pool buffers a reduce-scatter's issue keeps busy until its wait
     (``BucketLayout.reduce_scatter_holds_pool_buffer``); 0 for every other collective."""
-    name = bsym.sym.name
-    if name == "bucket_reduce_scatter":
+    op = bsym.sym.id
+    if op == ops.bucket_reduce_scatter.id:
         layout = layout_of(layouts, bsym.args[0])
         return layout.nbytes if layout.reduce_scatter_holds_pool_buffer() else 0
-    if name == "coalesced_bucket_reduce_scatter":
+    if op == ops.coalesced_bucket_reduce_scatter.id:
         members = [layout_of(layouts, bucket) for bucket, _, _ in bsym.args[1]]
         return sum(layout.nbytes for layout in members if layout.reduce_scatter_holds_pool_buffer(coalesced=True))
     return 0
@@ -191,7 +193,7 @@ def pool_bytes_to_wait(bsym: BoundSymbol, layouts: BucketLayouts) -> int:
 def local_copy_bytes(bsym: BoundSymbol, layouts: BucketLayouts, issued_by: BoundSymbol | None = None) -> int:
     """Bytes ``bsym`` copies in local memory (0 for an operator in neither table). For a wait,
     ``issued_by`` is its collective's issue, which counts what the wait cannot name."""
-    if issued_by is not None and issued_by.sym.name in WAIT_COPY_BYTES:
-        return WAIT_COPY_BYTES[issued_by.sym.name](issued_by, layouts)
-    count = LOCAL_COPY_BYTES.get(bsym.sym.name)
+    if issued_by is not None and issued_by.sym.id in WAIT_COPY_BYTES:
+        return WAIT_COPY_BYTES[issued_by.sym.id](issued_by, layouts)
+    count = LOCAL_COPY_BYTES.get(bsym.sym.id)
     return 0 if count is None else count(bsym, layouts)

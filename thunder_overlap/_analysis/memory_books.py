@@ -10,15 +10,12 @@ from dataclasses import replace
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 
+from thunder_overlap import _ops as ops
 from thunder_overlap._analysis.aliasing import contiguous_strides, is_contiguous
 from thunder_overlap._analysis.layout import BucketLayout, BucketLayouts, GatherPath, ReducePath, layout_of
 from thunder_overlap._analysis.pool_slots import PoolInterval, ReduceScatterIssue
-from thunder_overlap._ops import COALESCED_PREFIX
 
-__all__ = ["COALESCED_WAIT", "DONE", "StorageBooks", "run_bucket_op"]
-
-# The wait of a coalesced launch (_scheduling/launches.py): each output is its member's own tensor.
-COALESCED_WAIT = COALESCED_PREFIX + "wait"
+__all__ = ["DONE", "StorageBooks", "run_bucket_op"]
 
 
 class StorageBooks:
@@ -137,21 +134,22 @@ def _bind_all(outs, books: StorageBooks, storage: int) -> None:
         books.bind(out.name, storage, contiguous_strides(tuple(int(s) for s in out.shape)))
 
 
-def run_bucket_op(name: str, bsym: BoundSymbol, books: StorageBooks, layouts: BucketLayouts) -> list[int] | None:
+def run_bucket_op(bsym: BoundSymbol, books: StorageBooks, layouts: BucketLayouts) -> list[int] | None:
     """Pool buffers of a bucketed collective (``_bucketing/buffers.py`` runs the same paths).
 
     Binds what runs on pool buffers and returns what the collective's future holds (None: as
     any collective, its tensor inputs); ``DONE`` when every output is bound."""
     outs = [o for o in bsym.flat_proxy_outs if isinstance(o, (TensorProxy, FutureTensorProxy))]
-    if name == "bucket_all_gather":
+    op = bsym.sym.id
+    if op == ops.bucket_all_gather.id:
         _bind_all(outs, books, books.new_pool_storage(layout_of(layouts, bsym.args[0]), "all-gather", gathered=True))
         return None
-    if name == "bucket_all_gather_wait":
+    if op == ops.bucket_all_gather_wait.id:
         _bind_all(outs, books, _gathered_views(layout_of(layouts, bsym.args[1]), books.storage_of[bsym.args[0].name], books))
         return DONE
-    if name == "bucket_reduce_scatter":
+    if op == ops.bucket_reduce_scatter.id:
         return _reduce_scatter(bsym, books, layout_of(layouts, bsym.args[0]), outs)
-    if name == "coalesced_bucket_all_gather":
+    if op == ops.coalesced_bucket_all_gather.id:
         members = [layout_of(layouts, bucket) for bucket, _, _ in bsym.args[1]]
         (future,) = outs
         _bind_all([future], books, books.new_storage(future, nbytes=0))
@@ -161,16 +159,16 @@ def run_bucket_op(name: str, bsym: BoundSymbol, books: StorageBooks, layouts: Bu
         ]
         shards = [books.storage_of[t.name] for member in bsym.args[2] for t in member if t.name in books.storage_of]
         return shards + gathered
-    if name == COALESCED_WAIT and bsym.args[0].name in books.coalesced_gathers:
+    if op == ops.coalesced_wait.id and bsym.args[0].name in books.coalesced_gathers:
         position = 0
         for layout, gathered, count in books.coalesced_gathers.pop(bsym.args[0].name):
             _bind_all(outs[position : position + count], books, _gathered_views(layout, gathered, books))
             position += count
         return DONE
-    if name == "coalesced_bucket_reduce_scatter":
+    if op == ops.coalesced_bucket_reduce_scatter.id:
         members = zip((layout_of(layouts, bucket) for bucket, _, _ in bsym.args[1]), bsym.args[2], strict=True)
         return [s for layout, grads in members for s in _reduce_scatter_input(layout, grads, books, coalesced=True)[0]]
-    if name == "bucket_accumulate_grads":
+    if op == ops.bucket_accumulate_grads.id:
         # The lay-out is summed into the kept gradients at once: busy for this op only.
         books.release_pool_storage(books.new_pool_storage(layout_of(layouts, bsym.args[0]), "no_sync lay-out"))
     return None

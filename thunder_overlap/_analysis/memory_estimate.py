@@ -31,10 +31,12 @@ from thunder.core import prims
 from thunder.core.proxies import CollectionProxy, FutureTensorProxy, Proxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
+from thunder.executors import pythonex
 
+from thunder_overlap import _ops as ops
 from thunder_overlap._analysis.aliasing import alias_source, contiguous_strides
 from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
-from thunder_overlap._analysis.memory_books import COALESCED_WAIT, DONE, StorageBooks, run_bucket_op
+from thunder_overlap._analysis.memory_books import DONE, StorageBooks, run_bucket_op
 from thunder_overlap._analysis.pool_slots import PoolInterval, ReduceScatterIssue, SlotPlan, plan_slots
 
 __all__ = ["CUDA_ALLOCATION_GRANULARITY", "HandedOver", "MemoryEstimate", "estimate_memory"]
@@ -223,7 +225,7 @@ def _step(bsym: BoundSymbol, books: StorageBooks, layouts: BucketLayouts) -> Non
     if bsym.sym.id is prims.PrimIDs.DEL:
         for p in bsym.flat_proxy_args:
             books.drop_name(p.name)
-    elif bsym.sym.name == "clear_mutable_collection":
+    elif bsym.sym.id == pythonex.clear_mutable_collection.id:
         books.clear(bsym.flat_proxy_args[0].name)
     elif bsym.sym.id not in _UNPACK_IDS and bsym.sym.id is not prims.PrimIDs.RETURN:
         _run_op(bsym, books, layouts)
@@ -270,10 +272,10 @@ def _run_op(bsym: BoundSymbol, books: StorageBooks, layouts: BucketLayouts) -> N
     first = args[0] if args else None
     is_collective = any(isinstance(o, FutureTensorProxy) for o in bsym.flat_proxy_outs)
     is_wait = not is_collective and len(args) == 1 and isinstance(first, FutureTensorProxy)
-    pool_holds = run_bucket_op(name, bsym, books, layouts)
+    pool_holds = run_bucket_op(bsym, books, layouts)
     if pool_holds is DONE:
         return
-    if is_wait and name == COALESCED_WAIT:
+    if is_wait and bsym.sym.id == ops.coalesced_wait.id:  # each output is its member's own tensor
         launch = books.storage_of[first.name]
         for out in bsym.flat_proxy_outs:
             books.bind(out.name, books.carve(launch, out), contiguous_strides(tuple(int(s) for s in out.shape)))

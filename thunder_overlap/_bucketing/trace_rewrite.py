@@ -30,6 +30,7 @@ from thunder.core.dtypes import to_dtype, to_torch_dtype
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace, tracectx
+from thunder.executors import pythonex
 from thunder.executors.passes import del_last_used
 
 from thunder_overlap import _ops as ops
@@ -263,7 +264,7 @@ def _shard_casts(trace: TraceCtx) -> dict[str, BoundSymbol]:
     """Mixed precision's casts of a shard for its all-gather (``shard_cast``), by the cast's name:
     those nothing else reads, which a bucket's gather can replace with its own cast."""
     readers = Counter(a.name for b in trace.bound_symbols if b.sym.id is not prims.PrimIDs.DEL for a in b.flat_proxy_args)
-    return {b.output.name: b for b in trace.bound_symbols if b.sym.name == "shard_cast" and readers[b.output.name] == 1}
+    return {b.output.name: b for b in trace.bound_symbols if b.sym.id == ops.shard_cast.id and readers[b.output.name] == 1}
 
 
 def _is_absorbable(bsym: BoundSymbol, bucket: BucketBuffers) -> bool:
@@ -328,7 +329,7 @@ def _rebuild(trace: TraceCtx, new_bsyms: dict[int, list[BoundSymbol]], removed: 
     for i, bsym in enumerate(trace.bound_symbols):
         bsyms.extend(new_bsyms.get(i, ()))
         # Deletions (and, in backward, clearing of the saved tensors) are regenerated below.
-        regenerated = bsym.sym.id is prims.PrimIDs.DEL or (is_backward and bsym.sym.name == "clear_mutable_collection")
+        regenerated = bsym.sym.id is prims.PrimIDs.DEL or (is_backward and bsym.sym.id == pythonex.clear_mutable_collection.id)
         if i in removed or regenerated:
             continue
         bsyms.append(bsym)

@@ -39,9 +39,6 @@ __all__ = ["LaunchGroup", "apply_launches", "candidate_runs", "plan_launches"]
 
 logger = logging.getLogger(__name__)
 
-# Members' issue operators that a coalesced launch can take in, by how they lay out their arguments.
-_PLAIN_ISSUES = ("all_gather", "reduce_scatter")  # Thunder's prims and their torch/overlap implementations
-_BUCKET_ISSUES = ("bucket_all_gather", "bucket_reduce_scatter")
 
 
 @dataclass(frozen=True)
@@ -60,12 +57,11 @@ def _flavour(annotated: AnnotatedTrace, c: int) -> str | None:
     coll = annotated.collectives[c]
     if coll.kind is CollectiveKind.ALL_REDUCE or coll.wait is None or coll.members != 1 or coll.process_group is None:
         return None
-    name = annotated.nodes[coll.start].name
-    if name in _BUCKET_ISSUES:
+    # Members' issue operators a coalesced launch can take in, by how they lay out their arguments.
+    op = annotated.nodes[coll.start].bsym.sym.id
+    if op in ops.BUCKET_ISSUES:
         return "bucket"
-    if name.startswith(ops.COALESCED_PREFIX) or not any(p in name for p in _PLAIN_ISSUES):
-        return None
-    return "plain"
+    return "plain" if op in ops.PLAIN_ISSUES else None
 
 
 def _run_key(annotated: AnnotatedTrace, c: int) -> tuple | None:

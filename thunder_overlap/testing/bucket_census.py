@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from thunder_overlap import _ops as ops
 from thunder_overlap._analysis.layout import GatherPath, ReducePath
 from thunder_overlap._transforms import BucketingTransform
 from thunder_overlap.testing.op_census import COPY_OPS, OpCensus
@@ -106,9 +107,8 @@ def bucket_census(
     planned = bucketing.slot_plan(jm)
     trainable = [b for b in bucketing.buckets if b.plan.requires_grad]
     laid_out = [b for b in trainable if b.layout.reduce is not ReducePath.SEND]
-    in_coalesced_launch = {
-        id(bucket) for bsym in backward.bound_symbols if bsym.sym.name == "coalesced_bucket_reduce_scatter" for bucket, _, _ in bsym.args[1]
-    }
+    coalesced = [bsym for bsym in backward.bound_symbols if bsym.sym.id == ops.coalesced_bucket_reduce_scatter.id]
+    in_coalesced_launch = {id(bucket) for bsym in coalesced for bucket, _, _ in bsym.args[1]}
     lone = [b for b in laid_out if b.layout.backend.copies_reduce_scatter_input and id(b) not in in_coalesced_launch]
     in_place = [b for b in lone if b.layout.reduce is not ReducePath.FROM_COPY]
     gathered_per_parameter = [
