@@ -8,9 +8,10 @@ with one :class:`CostModel` and estimates their memory:
   one collective per parameter, and for ZeRO3 no re-gather in backward, as Thunder runs it;
 - ``unscheduled``: thunder_overlap's traces just before its scheduling pass (ZeRO3 re-gathers,
   buckets), in Thunder's order, taken from the trace history Thunder keeps
-  (``thunder.last_traces``): the newest trace whose provenance is not one of thunder_overlap's
-  ``... schedule`` passes. It is what the ``stock`` policy runs. Re-deriving it from the final
-  trace would need to undo the scheduler, which keeps no inverse;
+  (``thunder.last_traces``): the newest trace thunder_overlap's scheduler did not make
+  (:func:`~thunder_overlap._scheduling.dispatch.is_scheduled`). It is what the ``stock``
+  policy runs. Re-deriving it from the final trace would need to undo the scheduler, which
+  keeps no inverse;
 - ``thunder_overlap``: the traces as they run.
 """
 
@@ -29,6 +30,7 @@ from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
 from thunder_overlap._analysis.memory_estimate import MemoryEstimate, estimate_memory
 from thunder_overlap._analysis.simulator import simulate
+from thunder_overlap._scheduling.dispatch import is_scheduled
 from thunder_overlap._scheduling.unsharding import UnshardingChoice
 from thunder_overlap._transforms.bucketing import BucketingTransform
 from thunder_overlap._transforms.zero3 import Zero3Transform
@@ -48,8 +50,6 @@ from thunder_overlap.report._orders import (
 from thunder_overlap.report._thunder_baseline import ThunderFSDPTraces, thunder_fsdp_baseline
 
 _MIB = 2**20
-# Words in the provenance of the traces thunder_overlap's scheduler makes.
-_SCHEDULE_PROVENANCE = ("thunder_overlap:", "schedule")
 
 __all__ = [
     "BASELINE",
@@ -226,8 +226,7 @@ def module_layouts(jm) -> BucketLayouts:
 def unscheduled_trace(history: list[TraceCtx]) -> TraceCtx:
     """The newest trace of ``history`` that thunder_overlap's scheduler did not produce."""
     for trace in reversed(history):
-        provenance = str(trace.get_provenance() or "")
-        if not all(word in provenance for word in _SCHEDULE_PROVENANCE):
+        if not is_scheduled(trace):
             return trace
     raise ValueError("every trace in the history comes from thunder_overlap's scheduler; no baseline to compare with")
 
