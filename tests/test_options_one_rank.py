@@ -85,3 +85,9 @@ def test_the_default_network_is_decided_once(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # the scheduler's default follows the real node size
     assert CostModel.for_device("cuda:0", 8).network.name == "infiniband"
     assert CostModel.for_device("cpu", 64).network.name == "gloo-loopback"
+    # The report decides by the same node size and the same GPU names.
+    from thunder_overlap._analysis.devices import gpu_profile_of
+    from thunder_overlap.report._device_choice import _network
+
+    assert [_network("nccl", size, "h100")[0] for size in (4, 8)] == ["nvlink", "infiniband"]
+    assert (gpu_profile_of("NVIDIA H200"), gpu_profile_of("NVIDIA A100-SXM4-80GB"), gpu_profile_of("Tesla V100")) == ("h200", "a100", None)

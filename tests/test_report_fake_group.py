@@ -166,7 +166,7 @@ def test_profile_follows_the_model_device_and_process_group(device, backend, siz
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(device_choice.dist, "get_backend", lambda group: backend)
     model = torch.nn.Linear(2, 2, device=device)
-    traces = [SimpleNamespace(collectives=[SimpleNamespace(process_group=_Group(size))])]
+    traces = [SimpleNamespace(process_group=_Group(size))]  # annotated traces of that group
     choice = device_choice.choose_profile(model, traces)
     assert (choice.device_profile, choice.network) == expected[:2]
     assert expected[2] in choice.reason

@@ -25,6 +25,7 @@ at the end of this module), and reads their arguments; it never calls the runtim
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -49,6 +50,7 @@ __all__ = [
     "PLAIN_ISSUES",
     "REDUCE_SCATTER_ISSUES",
     "BucketRuntime",
+    "numel",
     "overlap_executor",
     "with_collectives_kept_visible",
 ]
@@ -102,11 +104,9 @@ for _prim, _impl in (
     overlap_executor.register_implementation(_prim, _CLAIMED[_prim], checker=_always)
 
 
-def _numel(t: TensorProxy) -> int:
-    numel = 1
-    for s in t.shape:
-        numel *= int(s)
-    return numel
+def numel(t: TensorProxy) -> int:
+    """Elements of ``t``, from its shape: sharded proxies keep a stale ``numel``."""
+    return math.prod(int(s) for s in t.shape)
 
 
 # --- bucketed collectives --------------------------------------------------------------------
@@ -267,12 +267,12 @@ def _coalesced_op(kind: str, meta, fn):
 
 coalesced_all_gather = _coalesced_op(
     "all_gather",
-    lambda group, dims, shards: FutureTensorProxy(shape=(sum(_numel(s) for s in shards) * group.size(),), like=shards[0]),
+    lambda group, dims, shards: FutureTensorProxy(shape=(sum(numel(s) for s in shards) * group.size(),), like=shards[0]),
     _coalesced_all_gather,
 )
 coalesced_reduce_scatter = _coalesced_op(
     "reduce_scatter",
-    lambda group, dims, tensors, op: FutureTensorProxy(shape=(sum(_numel(t) for t in tensors) // group.size(),), like=tensors[0]),
+    lambda group, dims, tensors, op: FutureTensorProxy(shape=(sum(numel(t) for t in tensors) // group.size(),), like=tensors[0]),
     _coalesced_reduce_scatter,
 )
 coalesced_bucket_all_gather = _coalesced_op(

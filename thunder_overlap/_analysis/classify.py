@@ -28,7 +28,7 @@ from thunder.core.trace import TraceCtx
 
 from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
 from thunder_overlap._analysis.local_copies import backend_launches, pool_bytes_to_wait
-from thunder_overlap._ops import ALL_GATHER_ISSUES, BUCKETED_ISSUES, COALESCED_ISSUES, DROPPED_BY_SCHEDULING, REDUCE_SCATTER_ISSUES
+from thunder_overlap._ops import ALL_GATHER_ISSUES, BUCKETED_ISSUES, COALESCED_ISSUES, DROPPED_BY_SCHEDULING, REDUCE_SCATTER_ISSUES, numel
 
 __all__ = [
     "AnnotatedTrace",
@@ -133,6 +133,12 @@ class AnnotatedTrace:
         return p is None or self.nodes[p].kind is NodeKind.HEADER
 
     @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The process group of its first collective that names one (None where none does): the
+        group the trace shards over, whose size and backend price and agree its collectives."""
+        return next((c.process_group for c in self.collectives if c.process_group is not None), None)
+
+    @property
     def runs_buckets(self) -> bool:
         """Whether its all-gathers or reduce-scatters move buckets (on the bucket pool's buffers,
         which are held for the whole step) rather than one parameter each."""
@@ -147,11 +153,6 @@ def _proxy_names(values) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _tensor_numel(t: TensorProxy) -> int:
-    numel = 1
-    for s in t.shape:
-        numel *= int(s)
-    return numel
 
 
 
@@ -286,7 +287,7 @@ def _link_collectives(nodes, producer, consumers, layouts: BucketLayouts | None)
                 start=node.index,
                 wait=wait,
                 process_group=_process_group(bsym),
-                unsharded_bytes=sum(_tensor_numel(t) for t in moved) * moved_dtype.bytes,
+                unsharded_bytes=sum(numel(t) for t in moved) * moved_dtype.bytes,
                 dtype=moved_dtype,
                 members=_launch_members(bsym),
                 launches=1 if layouts is None else backend_launches(bsym, layouts),

@@ -34,7 +34,6 @@ them on the compute stream at the launch and at the wait.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,16 +46,16 @@ from thunder.core.symbol import BoundSymbol
 from thunder_overlap import _ops as ops
 from thunder_overlap._analysis.calibration import METADATA_OPS, Calibration
 from thunder_overlap._analysis.classify import AnnotatedTrace, Collective, CollectiveKind
-from thunder_overlap._analysis.devices import DEVICE_PROFILES, DeviceProfile, device_profile
+from thunder_overlap._analysis.devices import DEVICE_PROFILES, FALLBACK_GPU_PROFILE, DeviceProfile, device_profile, gpu_profile_of
 from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
 from thunder_overlap._analysis.local_copies import local_copy_bytes
 from thunder_overlap._analysis.network import (
-    DEFAULT_GPUS_PER_NODE,
     LATENCY_ALGORITHMS,
     NETWORK_PROFILES,
     NetworkProfile,
     NodeTopology,
     default_network,
+    gpus_per_node,
     network_profile,
 )
 
@@ -89,8 +88,6 @@ def _tensors(values) -> list[TensorProxy]:
     return [v for v in values if isinstance(v, TensorProxy) and not isinstance(v, FutureTensorProxy)]
 
 
-def _numel(t: TensorProxy) -> int:
-    return math.prod(int(s) for s in t.shape)  # from the shape: sharded proxies keep a stale numel
 
 
 def _matmul_flops(bsym: BoundSymbol) -> int | None:
@@ -100,9 +97,9 @@ def _matmul_flops(bsym: BoundSymbol) -> int | None:
         return None
     if name in ("matmul", "mm", "bmm", "addmm", "baddbmm") and len(ins) >= 2:
         inner = int(ins[0].shape[-1]) if ins[0].ndim else 1
-        return 2 * _numel(outs[0]) * inner
+        return 2 * ops.numel(outs[0]) * inner
     if name == "linear" and len(ins) >= 2:
-        return 2 * _numel(outs[0]) * int(ins[0].shape[-1]) + (_numel(outs[0]) if len(ins) > 2 else 0)
+        return 2 * ops.numel(outs[0]) * int(ins[0].shape[-1]) + (ops.numel(outs[0]) if len(ins) > 2 else 0)
     if "scaled_dot_product" in name or name.startswith("sdpa"):
         q, k = ins[0], ins[1]
         batch_heads = math.prod(int(s) for s in q.shape[:-2])
@@ -121,14 +118,14 @@ def op_flops(bsym: BoundSymbol) -> int:
         return 0
     if bsym.subsymbols and bsym.sym.is_fusion:
         return sum(op_flops(s) for s in bsym.subsymbols)
-    return sum(_numel(t) for t in _tensors(bsym.flat_outs))
+    return sum(ops.numel(t) for t in _tensors(bsym.flat_outs))
 
 
 def op_bytes(bsym: BoundSymbol) -> int:
     """Bytes read and written: tensor inputs and outputs (a fusion's intermediates stay on chip)."""
     if bsym.sym.name in METADATA_OPS:
         return 0
-    return sum(_numel(t) * t.dtype.bytes for t in _tensors([*bsym.flat_args, *bsym.flat_outs]))
+    return sum(ops.numel(t) * t.dtype.bytes for t in _tensors([*bsym.flat_args, *bsym.flat_outs]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,11 +181,11 @@ class CostModel:
         device = torch.device(device)
         if device.type != "cuda":
             return cls.named("cpu", "gloo-loopback")
-        name = torch.cuda.get_device_name(device).lower() if torch.cuda.is_available() else ""
-        profile = next((p for p in ("h200", "h100", "a100") if p in name), "h100")
-        gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", DEFAULT_GPUS_PER_NODE))
-        topology = NodeTopology("nvlink", "infiniband", gpus_per_node)
-        return cls.named(profile, default_network(world_size, gpus_per_node), topology=topology)
+        name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else ""
+        profile = gpu_profile_of(name) or FALLBACK_GPU_PROFILE
+        per_node = gpus_per_node()
+        topology = NodeTopology("nvlink", "infiniband", per_node)
+        return cls.named(profile, default_network(world_size, per_node), topology=topology)
 
     def network_for(self, collective: Collective) -> NetworkProfile:
         """The network ``collective`` runs on: its group's under ``topology``, else ``network``

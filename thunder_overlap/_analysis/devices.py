@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEVICE_PROFILES", "DeviceProfile", "device_profile"]
+__all__ = ["DEVICE_PROFILES", "FALLBACK_GPU_PROFILE", "DeviceProfile", "device_profile", "gpu_profile_of"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,18 @@ DEVICE_PROFILES: dict[str, DeviceProfile] = {
     "a100": DeviceProfile("a100", 312e12, 19.5e12, 2.04e12),
     "cpu": DeviceProfile("cpu", 100e9, 100e9, 20e9, flops_efficiency=0.5, bandwidth_efficiency=0.5, launch_overhead_s=20e-6),
 }
+
+
+# A GPU whose name matches no profile is simulated as this one: the GPU of the 8-GPU nodes the
+# other defaults describe (network.DEFAULT_GPUS_PER_NODE).
+FALLBACK_GPU_PROFILE = "h100"
+
+
+def gpu_profile_of(device_name: str) -> str | None:
+    """The profile of a GPU named ``device_name`` (``torch.cuda.get_device_name``), or None where
+    its name matches none. The one place GPUs are told apart, for the scheduler and the report."""
+    lowered = device_name.lower()
+    return next((p for p in ("h200", "h100", "a100") if p in lowered), None)
 
 
 def device_profile(name: str | DeviceProfile) -> DeviceProfile:

@@ -27,7 +27,6 @@ the tensors the trace names). Adding an operator is one entry in :data:`LOCAL_CO
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -44,12 +43,10 @@ __all__ = ["LOCAL_COPY_BYTES", "WAIT_COPY_BYTES", "LocalCopyBytes", "backend_lau
 LocalCopyBytes = Callable[[BoundSymbol, BucketLayouts], int]
 
 
-def _numel(t: TensorProxy) -> int:
-    return math.prod(int(s) for s in t.shape)
 
 
 def _bytes(t: TensorProxy) -> int:
-    return _numel(t) * t.dtype.bytes
+    return ops.numel(t) * t.dtype.bytes
 
 
 def _futures(values) -> list[FutureTensorProxy]:
@@ -143,7 +140,7 @@ def coalesced_all_gather_copy_out(issue: BoundSymbol, layouts: BucketLayouts) ->
     for (bucket, _, _), member in zip(members, shards, strict=True):
         layout = layout_of(layouts, bucket)
         if layout.gather is GatherPath.COPY_OUT:
-            total += 2 * group.size() * sum(_numel(s) for s in member) * layout.gather_itemsize
+            total += 2 * group.size() * sum(ops.numel(s) for s in member) * layout.gather_itemsize
     return total
 
 

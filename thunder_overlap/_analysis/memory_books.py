@@ -4,7 +4,6 @@ buffers with the interval each use keeps one busy (``_bucketing/buffers.py`` run
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
@@ -47,7 +46,7 @@ class StorageBooks:
     def new_storage(self, proxy: TensorProxy | FutureTensorProxy | None, persistent: bool = False, nbytes: int | None = None) -> int:
         if nbytes is None:
             # From the shape: FSDP's sharded proxies keep the unsharded ``numel``.
-            nbytes = math.prod(int(s) for s in proxy.shape) * proxy.dtype.bytes
+            nbytes = ops.numel(proxy) * proxy.dtype.bytes
         nbytes = -(-nbytes // self.granularity) * self.granularity
         self.nbytes.append(nbytes)
         self.refs.append(0)
@@ -80,7 +79,7 @@ class StorageBooks:
         """A storage for ``proxy`` made of bytes that ``storage`` held: a coalesced launch's
         future stands for every member's output, and each output is freed on its own. Nothing
         is allocated or freed."""
-        own = math.prod(int(s) for s in proxy.shape) * proxy.dtype.bytes
+        own = ops.numel(proxy) * proxy.dtype.bytes
         nbytes = min(self.nbytes[storage], -(-own // self.granularity) * self.granularity)
         self.nbytes[storage] -= nbytes
         self.nbytes.append(nbytes)

@@ -19,6 +19,7 @@ placed and raises.
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ __all__ = [
     "NetworkProfile",
     "NodeTopology",
     "default_network",
+    "gpus_per_node",
     "network_profile",
 ]
 
@@ -95,8 +97,15 @@ NETWORK_PROFILES: dict[str, NetworkProfile] = {
 }
 
 
-# GPUs one NVLink domain joins when nothing says otherwise: an 8-GPU H100/A100 node.
+# GPUs one NVLink domain joins when nothing says otherwise: an 8-GPU H100/A100 node (DGX/HGX).
 DEFAULT_GPUS_PER_NODE = 8
+
+
+def gpus_per_node() -> int:
+    """GPUs per node on this machine: ``LOCAL_WORLD_SIZE`` (the ranks torchrun starts on each
+    node), else :data:`DEFAULT_GPUS_PER_NODE`. For the scheduler's default cost model and the
+    report's choice of network alike."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", DEFAULT_GPUS_PER_NODE))
 
 
 def default_network(world_size: int, gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> str:

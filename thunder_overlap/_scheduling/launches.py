@@ -190,7 +190,7 @@ def _coalesced_bound_symbols(annotated: AnnotatedTrace, launch: LaunchGroup) -> 
     outputs = tuple(o for w in waits for o in w.flat_proxy_outs if isinstance(o, TensorProxy))
     # As the operators' metas shape it: every member's future, back to back, in their dtype (a
     # bucket's gather dtype may not be its shards').
-    numel = sum(_numel(s.flat_proxy_outs[0]) for s in starts)
+    numel = sum(ops.numel(s.flat_proxy_outs[0]) for s in starts)
     with tracectx(annotated.trace):
         future = FutureTensorProxy(shape=(numel,), like=starts[0].flat_proxy_outs[0])
     issue = op.bind(group, members, inputs, *extra, output=future)
@@ -202,13 +202,6 @@ def _argument(bsym: BoundSymbol, position: int, name: str):
     if name in bsym.kwargs:
         return bsym.kwargs[name]
     return bsym.args[position] if len(bsym.args) > position else None
-
-
-def _numel(t: TensorProxy) -> int:
-    numel = 1
-    for s in t.shape:
-        numel *= int(s)
-    return numel
 
 
 def _check_defined_before_use(bsyms: list[BoundSymbol]) -> None:

@@ -7,7 +7,6 @@ Explicit ``device_profile`` / ``network`` arguments win over what is read from t
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -15,14 +14,10 @@ import torch.distributed as dist
 
 from thunder_overlap._analysis.classify import AnnotatedTrace
 from thunder_overlap._analysis.cost_model import CostModel
+from thunder_overlap._analysis.devices import FALLBACK_GPU_PROFILE, gpu_profile_of
+from thunder_overlap._analysis.network import default_network, gpus_per_node
 
 __all__ = ["ProfileChoice", "choose_profile"]
-
-# GPUs per node when LOCAL_WORLD_SIZE is not set (a DGX/HGX node): a group that fits one node
-# talks over NVLink, a larger one over InfiniBand.
-DEFAULT_GPUS_PER_NODE = 8
-# A GPU whose name matches none of the profiles is simulated as this one.
-FALLBACK_GPU_PROFILE = "h100"
 
 
 @dataclass(frozen=True)
@@ -41,7 +36,7 @@ def _parameter_device(model: torch.nn.Module) -> torch.device | None:
 
 
 def _group_of(annotated: list[AnnotatedTrace]):
-    return next((c.process_group for a in annotated for c in a.collectives if c.process_group is not None), None)
+    return next((a.process_group for a in annotated if a.process_group is not None), None)
 
 
 def _backend(group) -> str:
@@ -53,7 +48,7 @@ def _backend(group) -> str:
 
 def _gpu_profile(device: torch.device) -> tuple[str, str]:
     name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "an unknown GPU"
-    profile = next((p for p in ("h200", "h100", "a100") if p in name.lower()), None)
+    profile = gpu_profile_of(name)
     if profile is None:
         return FALLBACK_GPU_PROFILE, f"{name} has no profile of its own, so {FALLBACK_GPU_PROFILE} is assumed"
     return profile, f"the model's parameters are on {name}"
@@ -74,10 +69,10 @@ def _network(backend: str, size: int, device_profile: str) -> tuple[str, str]:
     names no link (fake, none) is taken as gloo on a cpu and as NCCL on a GPU profile."""
     if backend == "gloo" or (backend != "nccl" and device_profile == "cpu"):
         return "gloo-loopback", f"its process group is {backend}"
-    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", DEFAULT_GPUS_PER_NODE))
-    if size <= gpus_per_node:
-        return "nvlink", f"its process group is {backend} with {size} ranks, which fits in one node of {gpus_per_node} GPUs"
-    return "infiniband", f"its process group is {backend} with {size} ranks, which spans nodes of {gpus_per_node} GPUs"
+    per_node = gpus_per_node()
+    network = default_network(size, per_node)
+    where = f"fits in one node of {per_node} GPUs" if network == "nvlink" else f"spans nodes of {per_node} GPUs"
+    return network, f"its process group is {backend} with {size} ranks, which {where}"
 
 
 def choose_profile(

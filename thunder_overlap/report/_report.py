@@ -255,8 +255,8 @@ def report_traces(
             reports.append(r)
         passes.append(PassReport(name, *reports))
     if world_size is None:
-        groups = (c.process_group for p in passes for c in p.overlap.annotated.collectives if c.process_group is not None)
-        world_size = next((g.size() for g in groups), 1)
+        groups = (p.overlap.annotated.process_group for p in passes)
+        world_size = next((g.size() for g in groups if g is not None), 1)
     groups = group_networks([p.order(order) for order in (OVERLAP, UNSCHEDULED, BASELINE) for p in passes], cost_model)
     dtypes = _collective_dtypes([p.overlap for p in passes])
     return Report(tuple(passes), cost_model.device.name, cost_model.network.name, world_size, profile_reason, groups, dtypes)
