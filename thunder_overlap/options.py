@@ -23,7 +23,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
-import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -119,26 +118,29 @@ def _spoken(names: tuple[str, ...], quote: bool) -> str:
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
-def _thunder_enum(name: str, *, load: bool) -> type[Enum] | None:
-    """Thunder's enum ``name`` from ``thunder.distributed``; None where that module is not loaded
-    and ``load`` is false (then no value can be one of its members)."""
-    if load:
-        import thunder.distributed  # noqa: F401
-    module = sys.modules.get("thunder.distributed")
-    return None if module is None else getattr(module, name)
+def _is_thunder_enum(value: object, name: str) -> bool:
+    """Whether ``value`` is a member of Thunder's enum ``name`` (``thunder.distributed``), told by
+    its class: checking imports nothing (the command line parses its flags without Thunder)."""
+    kind = type(value)
+    return isinstance(value, Enum) and (kind.__module__, kind.__name__) == ("thunder.distributed", name)
+
+
+def _thunder_enum(name: str) -> type[Enum]:
+    import thunder.distributed
+
+    return getattr(thunder.distributed, name)
 
 
 def _parse_choice(choice: type[_ChoiceT], thunder_enum_name: str, value: object, argument: str, flag: str | None) -> _ChoiceT:
     if isinstance(value, choice):
         return value
-    thunder_enum = _thunder_enum(thunder_enum_name, load=False)
-    if thunder_enum is not None and isinstance(value, thunder_enum) and value.name.lower() in choice.names():
+    if _is_thunder_enum(value, thunder_enum_name) and value.name.lower() in choice.names():
         return choice(value.name.lower())
     if isinstance(value, str) and not isinstance(value, Enum) and value.lower() in choice.names():
         return choice(value.lower())
     if flag is not None:
         raise ValueError(f"{flag} must be {_spoken(choice.names(), quote=False)} (got {value!r})")
-    thunder_enum = _thunder_enum(thunder_enum_name, load=True)
+    thunder_enum = _thunder_enum(thunder_enum_name)
     members = "/".join(member.name for member in choice if member.name in thunder_enum.__members__)
     raise ValueError(
         f"{argument} must be {_spoken(choice.names(), quote=True)} "
