@@ -1,5 +1,6 @@
-"""The command line answers ``--help`` and every usage error without importing torch or Thunder,
-and the package's lazy exports still behave as plain attributes for a program.
+"""The command line answers ``--help`` and every usage error without importing torch or Thunder;
+the package imports neither for any importer, its lazy exports behave as plain attributes, and the
+``"fsdp-overlap"`` plugin is registered whenever Thunder's plugins load.
 
 Each command runs in a fresh interpreter under ``python -X importtime``, which lists every module
 the process imported on stderr; none may be torch or Thunder (importing them takes seconds).
@@ -93,38 +94,23 @@ def test_help_and_usage_errors_import_no_torch(argv, status, says):
 
 
 @pytest.mark.slow
-def test_a_command_loads_the_public_names_on_first_use():
-    # A command (argv as `python -m thunder_overlap`) imports nothing heavy until a name is used;
-    # then every name of __all__ is the object the library defines, the report function included.
+def test_the_public_names_load_on_first_use_with_thunder_quiet():
+    # The package imports nothing heavy, whoever imports it; the first name used binds every name of
+    # __all__ to the object the library defines, Thunder's known import warning dropped.
     probe = """
-import sys
-sys.orig_argv = [sys.executable, "-m", "thunder_overlap"]
+import sys, warnings
+warnings.simplefilter("always")
 import thunder_overlap
 assert not [m for m in sys.modules if m.split(".")[0] in ("torch", "thunder")], "imported at package import"
 assert set(thunder_overlap.__all__) <= set(dir(thunder_overlap))
-import thunder_overlap.report._cli  # binds the subpackage to the package's attribute "report"
-fsdp = thunder_overlap.fsdp
-from thunder_overlap.api import fsdp as api_fsdp
-from thunder_overlap.report._report import report
-assert fsdp is api_fsdp and thunder_overlap.report is report
-from thunder.plugins import get_plugin
-assert get_plugin("fsdp-overlap") is thunder_overlap.FSDPOverlap
-print("ok")
-"""
-    done = _run("-c", probe, importtime=False)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
-
-
-@pytest.mark.slow
-def test_a_program_gets_every_name_and_the_plugin_at_import_without_the_known_warning():
-    probe = """
-import warnings
-warnings.simplefilter("always")
-import thunder_overlap
-from thunder_overlap import OverlapConfig, fsdp, report
-from thunder.plugins import get_plugin
-assert fsdp is thunder_overlap.fsdp and callable(report) and OverlapConfig is thunder_overlap.OverlapConfig
-assert get_plugin("fsdp-overlap") is thunder_overlap.FSDPOverlap
+import thunder_overlap.report._cli  # the subpackage "report" does not take the function's name
+assert not [m for m in sys.modules if m.split(".")[0] in ("torch", "thunder")], "imported by report._cli"
+report = thunder_overlap.report
+from thunder_overlap.report._report import report as report_function
+from thunder_overlap.api import fsdp
+assert report is report_function and thunder_overlap.fsdp is fsdp
+from thunder_overlap import OverlapConfig
+assert OverlapConfig is thunder_overlap.OverlapConfig
 try:
     thunder_overlap.fdsp
 except AttributeError as e:
@@ -139,6 +125,34 @@ print("ok")
     assert "transformer_engine module not found" not in done.stderr
     # Only that warning is filtered, and only while Thunder imports: others still show.
     assert "a warning of the program's own" in done.stderr
+
+
+PLUGIN_REGISTERED = """
+from thunder.plugins import get_plugin
+from thunder_overlap.plugin import FSDPOverlap
+assert get_plugin("fsdp-overlap") is FSDPOverlap
+assert not [f for f in sys.meta_path if type(f).__module__ == "thunder_overlap"], "the import hook stayed"
+print("ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "before",
+    [
+        "import thunder_overlap\nimport thunder",  # the README's order, no public name used
+        "import thunder\nimport thunder_overlap",
+        "import thunder.plugins\nimport thunder_overlap",  # registered at once
+    ],
+    ids=["package-first", "thunder-first", "plugins-first"],
+)
+def test_the_plugin_is_registered_when_thunders_plugins_load(before):
+    done = _run("-c", f"import sys\n{before}\n{PLUGIN_REGISTERED}", importtime=False)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    # Thunder imported after the package, by the program itself, is as quiet as by the package;
+    # imported before it, Thunder's warning is the program's own.
+    quiet = before.startswith("import thunder_overlap")
+    assert ("transformer_engine module not found" in done.stderr) != quiet, done.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -12,17 +12,24 @@ Data flows one way, and the subpackages follow it: model -> Thunder's FSDP trans
 holds the scaffolding of tests, benchmarks and the demo. Imports follow the same layers
 ([Note: stages] in docs/design.md).
 
-Under ``python -m thunder_overlap ...`` the public names below load on first use (PEP 562), so
-that ``--help`` and the commands' usage errors answer without importing torch or Thunder. A
-program that imports the package gets them at once, with Thunder imported (its
-``transformer_engine module not found!`` import warning dropped) and the ``"fsdp-overlap"``
-plugin registered: ``thunder.compile(model, plugins="fsdp-overlap")`` works after
-``import thunder_overlap``.
+The package imports nothing heavy: the public names below load on first use (PEP 562), all at
+once, for every importer alike, so that ``python -m thunder_overlap --help`` and the commands'
+usage errors answer without importing torch or Thunder. Thunder 0.2.6 has no plugin entry points:
+``thunder.compile`` imports ``thunder.plugins`` and looks plugin names up in its registry. So the
+``"fsdp-overlap"`` plugin is registered right after that module is imported (at once, where it
+was imported before this package), and ``thunder.compile(model, plugins="fsdp-overlap")`` works
+after ``import thunder_overlap``. Thunder's ``transformer_engine module not found!`` import
+warning is dropped when Thunder is imported after this package (by it or by the program); only
+that warning, only while Thunder imports (the import hook below).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
+import types
+from importlib.machinery import ModuleSpec
 
 from thunder_overlap import _console
 
@@ -84,14 +91,8 @@ __version__ = "0.1.0"
 
 
 def _load_exports() -> None:
-    """Imports Thunder (without its known import warning), registers the ``"fsdp-overlap"``
-    plugin and binds every public name. Binding them all at once also settles ``report``: the
-    subpackage ``thunder_overlap.report``, once imported, is an attribute of this package of the
-    same name as the function, which must win."""
-    _console.import_thunder_quietly()
-    from thunder_overlap.plugin import register
-
-    register()
+    """Binds every public name, at the first use of one. Binding them all at once also settles
+    ``report``: the function, not the subpackage of that name (see :class:`_Package`)."""
     for name, module in _EXPORTS.items():
         globals()[name] = getattr(importlib.import_module(module), name)
 
@@ -99,7 +100,7 @@ def _load_exports() -> None:
 def __getattr__(name: str) -> object:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'thunder_overlap' has no attribute {name!r}")
-    _load_exports()  # under a command, its first use of the library
+    _load_exports()
     return globals()[name]
 
 
@@ -107,10 +108,84 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
 
 
-# `python -m thunder_overlap ...` imports this package before any command runs: there nothing
-# heavy is imported until a command needs it, and Thunder's known import-time warnings are
-# dropped for the whole command. A program that uses the library gets everything at import.
-if _console.invoked_as_command():
-    _console.silence_known_warnings()
-else:
-    _load_exports()
+class _Package(types.ModuleType):
+    """This package's module type. Importing a subpackage binds it to the package's attribute of
+    its name; for ``thunder_overlap.report`` that attribute is the public function ``report``, so
+    the binding is dropped (``thunder_overlap.report`` still imports, and ``sys.modules`` has it)."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+# The import hook. The package no longer imports Thunder itself, so what it did while importing
+# Thunder happens when Thunder's own modules are imported, by whoever imports them: a finder first
+# on sys.meta_path runs the loading of ``thunder`` inside _console.known_warnings_ignored() and, once
+# ``thunder.plugins`` has run (thunder.compile imports it, ``import thunder`` does not), registers
+# the plugin. Each module is handled once, and the finder leaves sys.meta_path when both are. A
+# module imported before this package needs nothing (``thunder``: its warning was given) or is
+# handled at once (``thunder.plugins``: the plugin is registered while this package imports).
+THUNDER, THUNDER_PLUGINS = "thunder", "thunder.plugins"
+
+
+def _register_plugin() -> None:
+    from thunder_overlap.plugin import register
+
+    register()
+
+
+class _ThunderImportHook:
+    """Finds nothing itself: it hands the spec another finder gives for one of :attr:`pending`
+    to a loader that runs the original one (see the import hook's comment)."""
+
+    def __init__(self, pending: set[str]) -> None:
+        self.pending = pending
+
+    def find_spec(self, fullname: str, path=None, target=None) -> ModuleSpec | None:
+        if fullname not in self.pending:
+            return None
+        self.pending.discard(fullname)
+        if not self.pending:
+            sys.meta_path.remove(self)
+        # The other finders: this one answers None for fullname now.
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _HookedLoader(spec.loader)
+        return spec
+
+
+class _HookedLoader:
+    """Runs the original loader, then what the import hook does for that module."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: ModuleSpec) -> types.ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        # The module keeps its own loader; this one leaves no trace.
+        module.__loader__ = module.__spec__.loader = self.loader
+        if module.__name__ == THUNDER:
+            with _console.known_warnings_ignored():
+                self.loader.exec_module(module)
+        else:
+            self.loader.exec_module(module)
+            _register_plugin()
+
+
+def _install_import_hook() -> None:
+    if THUNDER_PLUGINS in sys.modules:
+        _register_plugin()
+        return
+    if any(isinstance(finder, _ThunderImportHook) for finder in sys.meta_path):
+        return
+    pending = {THUNDER_PLUGINS} | ({THUNDER} if THUNDER not in sys.modules else set())
+    sys.meta_path.insert(0, _ThunderImportHook(pending))
+
+
+_install_import_hook()

@@ -1,11 +1,14 @@
 """``python -m thunder_overlap {demo,report} ...``; ``--help`` lists the commands, ``--version``
-prints the package version."""
+prints the package version. A command runs with Thunder's known import warnings dropped
+(:func:`thunder_overlap._console.known_warnings_ignored`): they say nothing to its user."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 from dataclasses import dataclass
+
+from thunder_overlap._console import known_warnings_ignored
 
 __all__ = ["COMMANDS", "main"]
 
@@ -53,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{usage()}\n\nerror: unknown command {argv[0]!r}; accepted: {', '.join(COMMANDS)}", file=sys.stderr)
         return USAGE_ERROR
     module, function = command.entry.split(":")
-    return getattr(importlib.import_module(module), function)(argv[1:])
+    with known_warnings_ignored():
+        return getattr(importlib.import_module(module), function)(argv[1:])
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 
 Only messages known to be noise are dropped, each matched by its exact start; everything else
 (real errors and warnings included) passes through untouched. The library drops only
-:data:`KNOWN_WARNINGS` while it imports Thunder itself (:func:`import_thunder_quietly`) and
-:data:`KNOWN_OUTPUT` while it creates a process group itself; the rest is for
-``python -m thunder_overlap`` commands.
+:data:`KNOWN_WARNINGS` while Thunder imports (:func:`known_warnings_ignored`, once
+``thunder_overlap`` is imported) and :data:`KNOWN_OUTPUT` while it creates a process group itself;
+the rest is for ``python -m thunder_overlap`` commands.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ __all__ = [
     "Heartbeat",
     "children_without_known_warnings",
     "filter_known_output",
-    "import_thunder_quietly",
-    "invoked_as_command",
+    "known_warnings_ignored",
     "without_known_output",
     "progress",
     "silence_known_warnings",
@@ -67,31 +66,19 @@ FILTER_DRAIN_S = 30.0
 HEARTBEAT_S = 15.0
 
 
-def invoked_as_command() -> bool:
-    """Whether this interpreter was started as ``python -m thunder_overlap[.module] ...``: a
-    command line of this project, not a program that uses the library."""
-    argv = sys.orig_argv
-    if "-m" not in argv:
-        return False
-    module = argv[argv.index("-m") + 1] if argv.index("-m") + 1 < len(argv) else ""
-    return module == "thunder_overlap" or module.startswith("thunder_overlap.")
-
-
 def silence_known_warnings() -> None:
     """Ignores :data:`KNOWN_WARNINGS` in this process (call before importing thunder)."""
     for known in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=re.escape(known.message_start), category=known.category)
 
 
-def import_thunder_quietly() -> None:
-    """Imports Thunder with :data:`KNOWN_WARNINGS` ignored while it loads, and nothing else
-    ignored: a warning Thunder gives later, or any other warning, still shows. Where Thunder was
-    imported already (by the program, before thunder_overlap) this does nothing."""
-    if "thunder" in sys.modules:
-        return
+@contextlib.contextmanager
+def known_warnings_ignored() -> Iterator[None]:
+    """Ignores :data:`KNOWN_WARNINGS` inside the block, and nothing else: a warning given after
+    the block, or any other warning, still shows. The package wraps Thunder's import in it."""
     with warnings.catch_warnings():
         silence_known_warnings()
-        import thunder  # noqa: F401
+        yield
 
 
 def warnings_env_for_children() -> str:
