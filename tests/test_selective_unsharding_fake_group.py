@@ -48,6 +48,19 @@ def everything_fits(fake_group_2):
     return _step("auto", 1 << 40)
 
 
+@pytest.fixture(scope="module")
+def between(everything_fits):
+    """Sharding "auto" under a budget halfway between ZeRO3's and ZeRO2's peaks, after one step:
+    (the budget, the model, then its choice, final traces and schedule summaries as that step left
+    them). Compiled once for the two tests that need it: one reads these, the other steps the model
+    again at another shape."""
+    fits = Zero3Transform.of(everything_fits).choice
+    budget = (fits.zero3_peak_bytes + fits.zero2_peak_bytes) // 2
+    jm = _step("auto", budget)
+    traces = (thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1])
+    return budget, jm, Zero3Transform.of(jm).choice, traces, OverlapScheduleTransform.of(jm).summaries
+
+
 def test_a_budget_above_zero2s_peak_is_zero2s_schedule(everything_fits):
     choice = Zero3Transform.of(everything_fits).choice
     assert choice.kept == choice.candidates
@@ -58,22 +71,18 @@ def test_a_budget_above_zero2s_peak_is_zero2s_schedule(everything_fits):
     assert _collectives(everything_fits) == _collectives(_step("zero2"))
 
 
-def test_a_budget_between_keeps_the_blocks_needed_first_and_holds(everything_fits):
-    fits = Zero3Transform.of(everything_fits).choice
-    budget = (fits.zero3_peak_bytes + fits.zero2_peak_bytes) // 2
-    jm = _step("auto", budget)
-    choice = Zero3Transform.of(jm).choice
+def test_a_budget_between_keeps_the_blocks_needed_first_and_holds(between):
+    budget, _, choice, (forward, backward), schedule = between
     assert 0 < len(choice.kept) < len(choice.candidates)
     assert choice.kept == choice.candidates[: len(choice.kept)]
     assert choice.zero3_peak_bytes < choice.peak_bytes <= budget
     assert choice.regather_bytes_saved > 0
     # The backward re-gathers fewer than ZeRO3, more than ZeRO2 (none).
-    assert 0 < _backward_all_gathers(jm) < _backward_all_gathers(_step("zero3"))
+    assert 0 < schedule_stats(backward).allgathers < _backward_all_gathers(_step("zero3"))
     # The scheduler prefetched within the same budget, and the traces run within it.
-    schedule = OverlapScheduleTransform.of(jm).summaries
     for summary in (schedule.forward, schedule.backward):
         assert summary.peak_bytes <= summary.budget_bytes <= budget
-    measured = measure_step(thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1])
+    measured = measure_step(forward, backward)
     assert max(m.peak_bytes for m in measured) <= budget * 1.05
 
 
@@ -96,11 +105,9 @@ def test_a_budget_below_every_choices_peak_is_an_error_naming_zero3s_and_the_lea
         _step("auto", 4096)
 
 
-def test_a_batch_of_another_shape_keeps_the_first_compiles_choice(fake_group_2, everything_fits):
-    fits = Zero3Transform.of(everything_fits).choice
-    jm = _step("auto", (fits.zero3_peak_bytes + fits.zero2_peak_bytes) // 2)
-    zero3 = Zero3Transform.of(jm)
-    choice, regathers = zero3.choice, _backward_all_gathers(jm)
+def test_a_batch_of_another_shape_keeps_the_first_compiles_choice(fake_group_2, between):
+    _, jm, choice, (_, backward), _ = between
+    zero3, regathers = Zero3Transform.of(jm), schedule_stats(backward).allgathers
     # A longer sequence needs more memory: a choice made now would keep fewer blocks, and this
     # rank's collectives would no longer pair with its peers' ([Note: selective unsharding]).
     jm(torch.randint(0, MODEL.vocab_size, (4, 32))).sum().backward()
