@@ -19,6 +19,7 @@ from thunder_overlap._bucketing.auto_plan import AutoBucketCaps, Replicas, plan_
 from thunder_overlap._bucketing.plan import BucketEnd, bucket_owner
 from thunder_overlap._scheduling.limits import resolve_limits
 from thunder_overlap.config import Tuning
+from thunder_overlap.options import BucketingStrategy
 from thunder_overlap.report._builtin_models import Block, TinyGPT, TinyGPTConfig
 
 WORLD_SIZE = 8
@@ -41,11 +42,15 @@ def _shards(model: nn.Module, world_size: int = WORLD_SIZE) -> list[tuple[str, t
     return shards
 
 
+def _owners(model):
+    return bucket_owner(model, BucketingStrategy.AUTO, [name for name, _ in find_blocks(model)])
+
+
 def _plan(cost_model: CostModel, caps: AutoBucketCaps | None = None, model: nn.Module | None = None, **options):
     model = model if model is not None else TinyGPT(MODEL)
     caps = caps if caps is not None else AutoBucketCaps()
     return plan_auto_buckets(
-        _shards(model), bucket_owner(model, "auto"), world_size=WORLD_SIZE, cost_model=cost_model, latency_share=SHARE, caps=caps, **options
+        _shards(model), _owners(model), world_size=WORLD_SIZE, cost_model=cost_model, latency_share=SHARE, caps=caps, **options
     )
 
 
@@ -94,7 +99,7 @@ def test_hybrid_sharding_grows_buckets_until_the_all_reduce_across_replicas_satu
     slow_replicas = Replicas(16, network_profile("custom:1000:100"))
     _, hybrid = plan_auto_buckets(
         _shards(model),
-        bucket_owner(model, "auto"),
+        _owners(model),
         world_size=WORLD_SIZE,
         cost_model=BANDWIDTH_DOMINATED,
         latency_share=SHARE,
@@ -192,7 +197,7 @@ def test_the_plan_digest_is_deterministic_and_follows_the_caps():
 def test_fsdp_auto_summarises_its_plan(fake_group_8):
     config = OverlapConfig(cost_model=CostModel.named("h100", "custom:1000:100"))
     jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", bucketing_strategy="AUTO", config=config)
-    summary = BucketingTransform.of(jm).summaries["plan"]
+    summary = BucketingTransform.of(jm).summaries.plan
     assert summary.strategy == "auto" and summary.world_size == WORLD_SIZE and summary.network == "custom:1000:100"
     # The default prefetch limit, 2 blocks as gathered, caps the latency-dominated buckets.
     assert summary.cap_source == "prefetch limit" and max(_blocks_per_bucket(summary)) == 2
@@ -207,7 +212,7 @@ def test_fsdp_auto_summarises_its_plan(fake_group_8):
     assert limits.max_allgather_bytes >= 2 * largest_bucket and limits.max_reduce_scatter_bytes >= 2 * largest_bucket
     # bucket_cap_mb is a cap under auto too.
     capped = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", bucketing_strategy="auto", bucket_cap_mb=0.1, config=config)
-    capped_summary = BucketingTransform.of(capped).summaries["plan"]
+    capped_summary = BucketingTransform.of(capped).summaries.plan
     assert capped_summary.cap_source == "bucket_cap_mb" and capped_summary.cap_bytes == int(0.1 * 2**20)
     assert all(b.unsharded_bytes <= capped_summary.cap_bytes for b in capped_summary.buckets)
     assert capped_summary.digest != summary.digest
@@ -215,7 +220,7 @@ def test_fsdp_auto_summarises_its_plan(fake_group_8):
 
 def test_layer_and_block_plans_are_summarised_too(fake_group_8):
     jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", bucketing_strategy="block")
-    summary = BucketingTransform.of(jm).summaries["plan"]
+    summary = BucketingTransform.of(jm).summaries.plan
     assert summary.strategy == "block" and summary.target_bytes is None
     assert {b.ended for b in summary.buckets} == {BucketEnd.GROUP}
 
@@ -370,7 +375,7 @@ def test_block_types_through_fsdp(fake_group_8):
     assert labels == ["0", *[f"1.layers.{i}" for i in range(4)], "2.proj"]
     auto = thunder_overlap.fsdp(_sequential_model(), device="cpu", bucketing_strategy="auto", block_types="MyBlock", config=config)
     # No latency: every piece saturates the link, so auto buckets are the named blocks or pieces of one.
-    owners = [b.owners for b in BucketingTransform.of(auto).summaries["plan"].buckets]
+    owners = [b.owners for b in BucketingTransform.of(auto).summaries.plan.buckets]
     assert {o for bucket in owners for o in bucket} >= {f"1.layers.{i}" for i in range(4)}
     assert all(sum(o.startswith("1.layers.") for o in bucket) <= 1 for bucket in owners)
     schedule = thunder_overlap.OverlapScheduleTransform.of(jm)

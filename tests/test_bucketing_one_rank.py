@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from thunder_overlap._analysis.blocks import find_blocks
 from thunder_overlap._bucketing.plan import bucket_owner, plan_buckets
+from thunder_overlap.options import BucketingStrategy
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.testing.op_census import OpCensus
 
@@ -18,8 +20,9 @@ from thunder_overlap.testing.op_census import OpCensus
 def test_block_buckets_hold_whole_blocks_and_layer_buckets_one_module():
     model = TinyGPT(TinyGPTConfig(n_layer=2))
     shards = list(model.named_parameters())
-    block = plan_buckets(shards, bucket_owner(model, "block"), world_size=2)
-    layer = plan_buckets(shards, bucket_owner(model, "layer"), world_size=2)
+    blocks = [name for name, _ in find_blocks(model)]
+    block = plan_buckets(shards, bucket_owner(model, BucketingStrategy.BLOCK, blocks), world_size=2)
+    layer = plan_buckets(shards, bucket_owner(model, BucketingStrategy.LAYER, blocks), world_size=2)
     assert [p.label for p in block] == ["wte", "wpe (float32, frozen)", "blocks.0", "blocks.1", "norm_f"]
     assert len(block[2].slots) == len(list(model.blocks[0].parameters()))
     assert {p.label for p in layer} >= {"blocks.0.attn.qkv", "blocks.1.fc", "norm_f"}
@@ -87,7 +90,7 @@ def test_mixed_dtypes_get_buckets_of_their_own_and_train_like_eager(one_rank_glo
         jm(torch.randn(5, 8)).square().sum().backward()
     assert census.count("split_with_sizes_copy") == 0
     summaries = BucketingTransform.of(jm).summaries
-    assert (summaries["forward"].all_gathers, summaries["backward"].reduce_scatters) == (3, 2)
-    assert not summaries["forward"].unbucketed and not summaries["backward"].unbucketed
+    assert (summaries.forward.all_gathers, summaries.backward.reduce_scatters) == (3, 2)
+    assert not summaries.forward.unbucketed and not summaries.backward.unbucketed
     for name, p in eager.named_parameters():
         torch.testing.assert_close(jm.get_parameter(name), p, msg=name)

@@ -406,9 +406,9 @@ def _no_sync_session(rank: int, world_size: int) -> dict:
     finally:
         reduction.launch = launch
     summaries = BucketingTransform.of(jm).summaries
-    result["accumulations"] = summaries["backward (no_sync)"].accumulations
-    result["reduce_scatters_under_no_sync"] = summaries["backward (no_sync)"].reduce_scatters
-    result["reduce_scatters"] = summaries["backward"].reduce_scatters
+    result["accumulations"] = summaries.backward_no_sync.accumulations
+    result["reduce_scatters_under_no_sync"] = summaries.backward_no_sync.reduce_scatters
+    result["reduce_scatters"] = summaries.backward.reduce_scatters
     return result
 
 

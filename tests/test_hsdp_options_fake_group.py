@@ -33,7 +33,7 @@ def test_a_2d_mesh_shards_over_its_second_dim_and_replicates_over_its_first(fake
     assert dist.get_process_group_ranks(replicate[0].replicate_group) == [0, 2]
     # Ranks agree on their schedules across the whole world, not within one shard group.
     schedule = next(t for t in transforms if isinstance(t, OverlapScheduleTransform))
-    assert schedule.agreement_group is dist.group.WORLD
+    assert schedule.state.agreement_group is dist.group.WORLD
 
 
 def test_a_1d_mesh_is_plain_fsdp_over_it(fake_group_4):

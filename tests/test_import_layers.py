@@ -128,3 +128,17 @@ def test_the_library_never_imports_its_testing_scaffolding():
         if imported.startswith("thunder_overlap.testing")
     ]
     assert not importers, importers
+
+
+def test_no_transform_imports_another():
+    # Transforms share the model's state, not each other ([Note: model state]): a transform module
+    # imports only the private modules beside it (the state, the lookup).
+    transforms = "thunder_overlap._transforms"
+    against = [
+        f"{module}:{line} imports {imported}"
+        for module, imports in _graph().items()
+        if module.startswith(f"{transforms}.") and not module.rpartition(".")[2].startswith("_")
+        for imported, line in imports
+        if imported.startswith(f"{transforms}.") and not imported.rpartition(".")[2].startswith("_") and imported != module
+    ]
+    assert not against, against

@@ -66,4 +66,4 @@ def test_bucketing_warns_about_collectives_it_leaves_per_parameter(gloo_group):
         r"reduce_scatter\(.*\): bucket .*reduce-scatters 1 of its 2 gradients",
     ):
         model(torch.ones(3, 4, requires_grad=True)).sum().backward()
-    assert thunder_overlap.BucketingTransform.of(model).summaries["backward"].unbucketed
+    assert thunder_overlap.BucketingTransform.of(model).summaries.backward.unbucketed

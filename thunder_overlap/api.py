@@ -17,7 +17,6 @@ from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 from thunder.transforms import MaterializationTransform
 from torch.distributed.device_mesh import DeviceMesh
 
-from thunder_overlap._analysis.blocks import find_blocks
 from thunder_overlap._ops import with_collectives_kept_visible
 from thunder_overlap._transforms import (
     ActivationCheckpointingTransform,
@@ -32,9 +31,9 @@ from thunder_overlap._transforms import (
     ShardsInPlaceTransform,
     Zero3Transform,
 )
+from thunder_overlap._transforms._model_state import ModelState
 from thunder_overlap._transforms.activation_checkpointing import explain_reentrant_checkpoints, refuse_reentrant_checkpoints
 from thunder_overlap._transforms.shardable import check_shardable
-from thunder_overlap._transforms.zero3 import SelectiveUnsharding
 from thunder_overlap.clip_grad import ClipGradNormMethod
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import (
@@ -64,13 +63,30 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
     ``process_group``, ``sharding_strategy``, ``bucketing_strategy``, ``bucket_cap_mb``,
     ``broadcast_from``, ``config``, ``move_state_dict_to_cpu``, ``block_types``, ``device_mesh``,
     ``mixed_precision``, ``activation_checkpointing``), checked as ``fsdp`` checks them
-    (``block_types`` is checked against the model when it is transformed).
+    (``block_types`` is checked against the model when it is transformed). The list serves one
+    model: its transforms share that model's state.
     """
     options = options_from(options, option_kwargs, "fsdp_transforms")
+    return _transforms(options, _model_state(options))
+
+
+def _model_state(options: FSDPOptions) -> ModelState:
+    """The state one model's transforms share. With hybrid sharding ranks agree over the world,
+    not only the shard group their collectives run on."""
+    return ModelState(
+        options.config,
+        options.block_types,
+        # The ranks' first exchange compares these settings, the configuration's and the bucket plans.
+        settings=options.agreed_fields(),
+        agreement_group=options.world_group if options.hybrid_mesh is not None else None,
+    )
+
+
+def _transforms(options: FSDPOptions, state: ModelState) -> list[Transform]:
     explain_reentrant_checkpoints()
     transforms: list[Transform] = [RefuseUnshardableTransform(), RefuseRequiresGradChangeTransform()]
     if options.activation_checkpointing:
-        transforms.append(ActivationCheckpointingTransform(options.block_types))
+        transforms.append(ActivationCheckpointingTransform(state))
     if options.broadcast_from is None:  # else every rank gets rank broadcast_from's weights
         transforms.append(RefuseDifferentInitTransform(options.world_group, options.device))
     transforms += [
@@ -95,34 +111,21 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
     transforms += [
         MaterializationTransform(options.device, init=MaterializationTransform.init_from_original_module_init()),
     ]
-    bucketing = None
+    if options.sharding in (ShardingStrategy.ZERO3, ShardingStrategy.AUTO):
+        transforms.append(Zero3Transform(state, selective=options.sharding is ShardingStrategy.AUTO))
     if options.bucketing.has_buckets:
-        bucketing = BucketingTransform(
-            options.bucketing,
-            options.process_group,
-            options.bucket_cap_bytes,
-            config=options.config,
-            block_types=options.block_types,
-            replicate_group=options.replicate_group,
-            mixed_precision=options.mixed_precision,
-        )
-    agreement_group = options.world_group if options.hybrid_mesh is not None else None
-    # The ranks' first exchange compares these settings, the configuration's and the bucket plans.
-    schedule = OverlapScheduleTransform(
-        options.config,
-        block_types=options.block_types,
-        buckets=bucketing,
-        settings=options.agreed_fields(),
-        agreement_group=agreement_group,
-    )
-    if options.sharding is ShardingStrategy.ZERO3:
-        transforms.append(Zero3Transform())
-    elif options.sharding is ShardingStrategy.AUTO:
-        transforms.append(Zero3Transform(SelectiveUnsharding(schedule, block_types=options.block_types, buckets=bucketing)))
-    if bucketing is not None:
         # After ZeRO3, so that its backward re-gathers are bucketed too; after materialisation,
         # which may replace the parameters the buckets hold.
-        transforms.append(bucketing)
+        transforms.append(
+            BucketingTransform(
+                state,
+                options.bucketing,
+                options.process_group,
+                options.bucket_cap_bytes,
+                replicate_group=options.replicate_group,
+                mixed_precision=options.mixed_precision,
+            )
+        )
     else:
         transforms.append(RefuseNoSyncTransform())
     if options.hybrid_mesh is not None:
@@ -130,7 +133,7 @@ def fsdp_transforms(options: FSDPOptions | None = None, /, **option_kwargs: Any)
         # scheduling, which places the all-reduces like any other collective.
         transforms.append(ReplicaReduceTransform(options.hybrid_mesh))
     # After every transform that places parameters (sharding, materialisation, buckets).
-    transforms += [schedule, ShardsInPlaceTransform(), ClipGradNormMethod()]
+    transforms += [OverlapScheduleTransform(state), ShardsInPlaceTransform(), ClipGradNormMethod()]
     return transforms
 
 
@@ -176,7 +179,7 @@ def fsdp(
             ``bucket_cap_mb``, the prefetch limit and the memory slack), as strings (any case),
             :class:`BucketingStrategy` or Thunder's ``FSDPBucketingStrategy`` (which has no
             auto). Buckets live in persistent flat buffers whose views are the parameters;
-            ``BucketingTransform.of(model).summaries["plan"]`` says which were formed and why.
+            ``BucketingTransform.of(model).summaries.plan`` says which were formed and why.
         process_group: the group to shard over; default a copy of the default group.
         device_mesh: instead of ``process_group``, a ``DeviceMesh`` over every rank: 1-D, the
             group to shard over; 2-D with dims (replicate, shard), as FSDP2's, hybrid sharding
@@ -238,9 +241,11 @@ def fsdp(
         mixed_precision=mixed_precision,
         activation_checkpointing=activation_checkpointing,
     )
-    # Checked here, before tracing: a type that matches no module names the classes there are.
-    find_blocks(model._model if isinstance(model, ThunderModule) else model, options.block_types)
-    transforms = fsdp_transforms(options)
+    # Blocks are found here, before tracing: a block type that matches no module names the
+    # classes there are. The transforms use these.
+    state = _model_state(options)
+    state.find_blocks(model._model if isinstance(model, ThunderModule) else model)
+    transforms = _transforms(options, state)
 
     if isinstance(model, ThunderModule):
         if jit_options:
@@ -260,7 +265,7 @@ def fsdp(
 
 def _unknown_fsdp_keywords(unknown: Mapping[str, Any]) -> str:
     """The error for keywords ``fsdp`` does not take; those ``thunder.jit`` names are pointed to
-    ``jit_options``, since they were once passed through (and a misspelled option with them)."""
+    ``jit_options``, where they belong."""
     accepted = [name for name, p in inspect.signature(fsdp).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     jit_names = set(inspect.signature(thunder.jit).parameters) - {"fn", "compile_options"}
     for_jit = sorted(name for name in unknown if name in jit_names)

@@ -196,7 +196,7 @@ def _compute_only(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext) -> nn
     # With mixed precision a rank computes on bf16 parameters: a bf16 copy computes the same.
     model = materialize(model, ctx.device)
     if cfg.activation_checkpointing:
-        checkpoint_blocks(model, None)
+        checkpoint_blocks(model, find_blocks(model))
     return thunder.jit(model.to(torch.bfloat16) if cfg.mixed_precision else model)
 
 

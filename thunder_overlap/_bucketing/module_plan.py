@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from thunder_overlap._analysis.blocks import BlockTypes, find_blocks
 from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.layout import BucketLayout
 from thunder_overlap._backends import backend_of
@@ -88,10 +87,6 @@ def _auto_caps(module: ModuleBuckets, cap_bytes: int | None, config: OverlapConf
     # need not share, and the plan must be the same on every rank.
     slack = limits.memory_budget.slack_bytes if limits.memory_budget is not None else None
     return AutoBucketCaps(bucket_cap_bytes=cap_bytes, prefetch_bytes=limits.max_allgather_bytes, memory_slack_bytes=slack or None)
-
-
-def block_names(model: nn.Module, block_types: BlockTypes | None) -> set[str]:
-    return {name for name, _ in find_blocks(model, block_types)}
 
 
 def make_buckets(

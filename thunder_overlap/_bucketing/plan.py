@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 import torch
 import torch.nn as nn
 
-from thunder_overlap._analysis.blocks import BlockTypes, find_blocks
 from thunder_overlap._analysis.cost_model import CostModel
-from thunder_overlap.options import BucketingStrategy, parse_bucketing_strategy
+from thunder_overlap.options import BucketingStrategy
 
 __all__ = [
     "BucketChoice",
@@ -72,20 +72,19 @@ class BucketPlan:
         return sum(s.numel for s in self.slots)
 
 
-def bucket_owner(module: nn.Module, strategy: BucketingStrategy | str, block_types: BlockTypes | None = None) -> dict[str, str]:
+def bucket_owner(module: nn.Module, strategy: BucketingStrategy, block_names: Sequence[str] = ()) -> dict[str, str]:
     """Parameter name -> the name of the group it is bucketed with.
 
     ``LAYER``: the module that owns the parameter. ``BLOCK`` (and ``AUTO``, whose buckets prefer
-    to end where a group does): the transformer block holding it (``block_types`` as in
-    :func:`~thunder_overlap._analysis.blocks.find_blocks`); parameters outside every block
-    (embeddings, final norm, head) fall back to their module. Works on the original (possibly
-    meta) module: only names are read.
+    to end where a group does): the transformer block holding it, one of ``block_names`` (as
+    :func:`~thunder_overlap._analysis.blocks.find_blocks` names them); parameters outside every
+    block (embeddings, final norm, head) fall back to their module. Works on the original
+    (possibly meta) module: only names are read.
     """
-    parsed = parse_bucketing_strategy(strategy)
-    if not parsed.has_buckets:
-        raise ValueError(f"bucketing strategy {strategy!r} has no buckets; accepted: 'layer', 'block', 'auto'")
-    by_block = parsed in (BucketingStrategy.BLOCK, BucketingStrategy.AUTO)
-    block_prefixes = [f"{name}." for name, _ in find_blocks(module, block_types)] if by_block else []
+    if not strategy.has_buckets:
+        raise ValueError(f"bucketing strategy {strategy.value!r} has no buckets; accepted: 'layer', 'block', 'auto'")
+    by_block = strategy in (BucketingStrategy.BLOCK, BucketingStrategy.AUTO)
+    block_prefixes = [f"{name}." for name in block_names] if by_block else []
     owners: dict[str, str] = {}
     for name, _ in module.named_parameters(remove_duplicate=False):
         block = next((p[:-1] for p in block_prefixes if name.startswith(p)), None)

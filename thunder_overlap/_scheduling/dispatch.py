@@ -9,11 +9,12 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from thunder.core.trace import TraceCtx, TraceTag
+from thunder.core.trace import TraceCtx
 
 from thunder_overlap._analysis.classify import AnnotatedTrace, classify_trace
 from thunder_overlap._analysis.cost_model import CostModel, default_cost_model
 from thunder_overlap._analysis.memory_estimate import MemoryEstimate, estimate_memory
+from thunder_overlap._analysis.passes import Pass
 from thunder_overlap._scheduling.issue_order import IssueOrder
 from thunder_overlap._scheduling.launches import LaunchGroup, apply_launches, candidate_runs, plan_launches
 from thunder_overlap._scheduling.limits import resolve_limits
@@ -121,8 +122,8 @@ def schedule_trace(
         scheduled = apply_order(annotated, order, provenance=_provenance(config))
         if limits.memory_budget is not None:  # fell back to the just-in-time order
             memory = estimate_memory(scheduled, layouts=annotated.layouts, after=memory_after)
-    pass_name = "backward" if TraceTag.BACKWARD in annotated.trace.tags else "forward"
-    logger.info("%s %s schedule of %d collectives: %s", pass_name, config.policy, len(annotated.collectives), scheduler.summary.describe())
+    summary = scheduler.summary.describe()
+    logger.info("%s %s schedule of %d collectives: %s", Pass.of(annotated.trace), config.policy, len(annotated.collectives), summary)
     return _scheduled(ScheduledTrace(scheduled, annotated, order, scheduler.summary, tuple(planned), memory, scheduler.budget_basis))
 
 

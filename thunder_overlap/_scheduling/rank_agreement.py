@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from thunder_overlap._analysis.classify import AnnotatedTrace
+from thunder_overlap._analysis.passes import Pass
 
 __all__ = [
     "CollectiveKey",
@@ -219,25 +220,25 @@ class IssueOrderAgreement:
         # (pass name, sorted keys) -> the agreed coalesced launches, each a list of keys in issue order.
         self._launches: dict[tuple[str, tuple[CollectiveKey, ...]], list[list[CollectiveKey]]] = {}
         # Pass name -> whether this rank gave up its own first order for the first rank's.
-        self.adopted: dict[str, bool] = {}
+        self.adopted: dict[Pass, bool] = {}
 
     @staticmethod
-    def _entry(pass_name: str, keys: list[CollectiveKey]) -> tuple[str, tuple[CollectiveKey, ...]]:
-        return pass_name, tuple(sorted(keys, key=str))
+    def _entry(pass_: Pass, keys: list[CollectiveKey]) -> tuple[Pass, tuple[CollectiveKey, ...]]:
+        return pass_, tuple(sorted(keys, key=str))
 
-    def agreed_order(self, pass_name: str, keys: list[CollectiveKey]) -> list[int] | None:
+    def agreed_order(self, pass_: Pass, keys: list[CollectiveKey]) -> list[int] | None:
         """Collective indices (into ``keys``) in the order agreed for this pass, or None when
         this pass has not compiled before."""
-        agreed = self._agreed.get(self._entry(pass_name, keys))
+        agreed = self._agreed.get(self._entry(pass_, keys))
         if agreed is None:
             return None
         index_of = {key: i for i, key in enumerate(keys)}
         return [index_of[key] for key in agreed]
 
-    def agreed_launches(self, pass_name: str, keys: list[CollectiveKey]) -> list[list[int]] | None:
+    def agreed_launches(self, pass_: Pass, keys: list[CollectiveKey]) -> list[list[int]] | None:
         """The coalesced launches agreed for this pass (each a list of indices into ``keys``, in
         issue order), or None when this pass has not compiled before."""
-        agreed = self._launches.get(self._entry(pass_name, keys))
+        agreed = self._launches.get(self._entry(pass_, keys))
         if agreed is None:
             return None
         index_of = {key: i for i, key in enumerate(keys)}
@@ -245,7 +246,7 @@ class IssueOrderAgreement:
 
     def agree(
         self,
-        pass_name: str,
+        pass_: Pass,
         keys: list[CollectiveKey],
         issue_order: list[int],
         group: dist.ProcessGroup | None,
@@ -260,10 +261,10 @@ class IssueOrderAgreement:
         agreed, agreed_launches = mine, my_launches
         if self.exchange and exchange_is_possible(group):
             agreed, agreed_launches = self._exchange(mine, my_launches, group)
-        self._agreed[self._entry(pass_name, keys)] = agreed
-        self._launches[self._entry(pass_name, keys)] = agreed_launches
-        self.adopted[pass_name] = agreed != mine
-        logger.debug("%s: %d collectives, issue order %s", pass_name, len(agreed), "adopted from rank 0" if agreed != mine else "own")
+        self._agreed[self._entry(pass_, keys)] = agreed
+        self._launches[self._entry(pass_, keys)] = agreed_launches
+        self.adopted[pass_] = agreed != mine
+        logger.debug("%s: %d collectives, issue order %s", pass_, len(agreed), "adopted from rank 0" if agreed != mine else "own")
         index_of = {key: i for i, key in enumerate(keys)}
         return [index_of[key] for key in agreed]
 
@@ -295,5 +296,5 @@ def _check_same_bucket_plan(digests: list[str | None]) -> None:
         raise RuntimeError(
             f"thunder_overlap: ranks {differing} of the process group planned other buckets than rank 0 (plan digests {shown}), "
             "so their collectives would not pair up. Give every rank the same model, bucketing_strategy, bucket_cap_mb, "
-            "block_types and OverlapConfig; BucketingTransform.of(model).summaries['plan'] lists each rank's buckets."
+            "block_types and OverlapConfig; BucketingTransform.of(model).summaries.plan lists each rank's buckets."
         )

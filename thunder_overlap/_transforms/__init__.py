@@ -2,7 +2,8 @@
 casts, ZeRO3 re-gathering, bucketing, hybrid sharding's all-reduce across replicas, overlap
 scheduling, the refusal of no_sync where there are no buckets to accumulate in, of models FSDP
 cannot shard (or already sharded), of ranks whose initial weights differ, and of parameters frozen
-or unfrozen after sharding; and the shards placed in the original module."""
+or unfrozen after sharding; and the shards placed in the original module. One model's transforms
+share its state (``_model_state``) and never each other ([Note: model state])."""
 
 from thunder_overlap._transforms.activation_checkpointing import ActivationCheckpointingTransform
 from thunder_overlap._transforms.bucketing import BucketingTransform

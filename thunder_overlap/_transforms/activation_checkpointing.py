@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 from thunder.core.transform_common import Transform
 
-from thunder_overlap._analysis.blocks import BlockTypes, find_blocks
+from thunder_overlap._transforms._model_state import ModelState
 
 __all__ = ["ActivationCheckpointingTransform", "checkpoint_blocks", "explain_reentrant_checkpoints", "refuse_reentrant_checkpoints"]
 
@@ -39,10 +39,10 @@ def _checkpointed_forward(forward: Callable[..., Any], *args: Any, **kwargs: Any
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
 
-def checkpoint_blocks(model: nn.Module, block_types: BlockTypes | None) -> list[str]:
-    """Makes every block of ``model`` checkpoint its forward; their names. A model without
-    blocks is refused: there would be nothing to checkpoint, and the option would do nothing."""
-    blocks = find_blocks(model, block_types)
+def checkpoint_blocks(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[str]:
+    """Makes every block of ``model`` (``blocks``, as :func:`find_blocks` finds them) checkpoint
+    its forward; their names. A model without blocks is refused: there would be nothing to
+    checkpoint, and the option would do nothing."""
     if not blocks:
         raise ValueError(
             f"activation_checkpointing=True: found no blocks in {type(model).__name__} to checkpoint (no nn.ModuleList or "
@@ -108,12 +108,12 @@ def explain_reentrant_checkpoints() -> None:
 
 
 class ActivationCheckpointingTransform(Transform):
-    """Checkpoints every block of the module when Thunder builds it, before anything is traced.
-    ``checkpointed`` names the blocks."""
+    """Checkpoints every block of the module (the model ``state``'s) when Thunder builds it,
+    before anything is traced. ``checkpointed`` names the blocks."""
 
-    def __init__(self, block_types: BlockTypes | None = None) -> None:
-        self.block_types = block_types
+    def __init__(self, state: ModelState) -> None:
+        self.state = state
         self.checkpointed: list[str] = []
 
     def transform_module(self, model) -> None:
-        self.checkpointed = checkpoint_blocks(model._model, self.block_types)
+        self.checkpointed = checkpoint_blocks(model._model, self.state.find_blocks(model._model))

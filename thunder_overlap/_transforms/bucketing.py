@@ -15,8 +15,8 @@ Thunder's FSDP gathers and reduce-scatters every parameter on its own. This tran
 Which parameters share a bucket is planned in ``transform_module``: by layer, by block, or
 (``"auto"``) sized by the cost model (:mod:`~thunder_overlap._bucketing.auto_plan`);
 ``summaries.plan`` says which buckets were formed and why. This transform owns the buckets' state:
-their buffers, and the layout each runs with (:attr:`BucketingTransform.layouts`, changed only
-through :meth:`BucketingTransform.set_layouts`, by the bucket path choice at the first compile).
+their buffers and the pool, kept in the model's state (:class:`ModelState`) with the layout each
+runs with, which the bucket path choice sets at the first compile.
 
 A bucket's gather starts where its first parameter's did and its reduce-scatter where the last
 gradient's did; :class:`OverlapScheduleTransform`, which runs next, moves them from there.
@@ -32,28 +32,27 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import thunder
 import torch.distributed as dist
 import torch.nn as nn
-from thunder.core.trace import TraceCtx, TraceTag
+from thunder.core.trace import TraceCtx
 from thunder.core.transform_common import Transform
 from thunder.distributed import get_skip_data_parallel_grad_sync
 
-from thunder_overlap._analysis.blocks import BlockTypes
-from thunder_overlap._analysis.classify import parameter_names_of_inputs
 from thunder_overlap._analysis.layout import BucketLayout
 from thunder_overlap._analysis.memory_estimate import estimate_memory
+from thunder_overlap._analysis.passes import Pass
 from thunder_overlap._analysis.pool_slots import SlotPlan
 from thunder_overlap._bucketing.buffers import BucketBuffers
-from thunder_overlap._bucketing.module_plan import ModuleBuckets, block_names, make_buckets, plan_module_buckets, unsharded_numel
+from thunder_overlap._bucketing.module_plan import ModuleBuckets, make_buckets, plan_module_buckets, unsharded_numel
 from thunder_overlap._bucketing.plan import BucketPlan, BucketPlanSummary, bucket_owner
 from thunder_overlap._bucketing.pool import BufferPool
-from thunder_overlap._bucketing.trace_rewrite import BucketIndex, BucketingSummary, forward_input_names, rewrite_bucket_collectives
+from thunder_overlap._bucketing.trace_rewrite import BucketingSummary, forward_input_names, rewrite_bucket_collectives
 from thunder_overlap._transforms._lookup import transform_of
-from thunder_overlap.config import OverlapConfig
-from thunder_overlap.options import BucketingStrategy, MixedPrecision, parse_bucketing_strategy
+from thunder_overlap._transforms._model_state import ModelState
+from thunder_overlap.options import BucketingStrategy, MixedPrecision
 
 __all__ = ["BucketingSummaries", "BucketingTransform"]
 
@@ -68,23 +67,19 @@ class BucketingSummaries:
     forward: BucketingSummary | None = None
     backward: BucketingSummary | None = None
     # The last backward compiled under no_sync.
-    backward_no_sync: BucketingSummary | None = field(default=None)
-
-    def __getitem__(self, key: str):
-        """The summaries by their former names ("plan", "forward", "backward", "backward (no_sync)")."""
-        return getattr(self, key.replace(" (no_sync)", "_no_sync"))
+    backward_no_sync: BucketingSummary | None = None
 
 
 class BucketingTransform(Transform):
     """Lays buckets out in persistent flat buffers and bucket-wise collectives in the traces.
 
     Args:
-        strategy: ``"layer"``, ``"block"`` or ``"auto"`` (:class:`BucketingStrategy`).
+        state: the model's (:class:`ModelState`), where the buckets are kept; its configuration's
+            cost model, prefetch limit and memory slack size ``"auto"`` buckets, its blocks form
+            block buckets.
+        strategy: ``LAYER``, ``BLOCK`` or ``AUTO``.
         process_group: the FSDP process group.
         cap_bytes: largest unsharded bucket size; None for no cap.
-        config: the scheduler's options: its cost model, prefetch limit and memory slack size
-            ``"auto"`` buckets.
-        block_types: the module classes that form blocks (None: detected).
         replicate_group: hybrid sharding's group across replicas, whose all-reduce of each
             bucket's shard ``"auto"`` buckets must saturate too; None for plain FSDP.
         mixed_precision: the policy :class:`MixedPrecisionTransform` casts with: each bucket
@@ -98,31 +93,24 @@ class BucketingTransform(Transform):
 
     def __init__(
         self,
-        strategy: BucketingStrategy | str,
+        state: ModelState,
+        strategy: BucketingStrategy,
         process_group: dist.ProcessGroup,
         cap_bytes: int | None = None,
         *,
-        config: OverlapConfig | None = None,
-        block_types: BlockTypes | None = None,
         replicate_group: dist.ProcessGroup | None = None,
         mixed_precision: MixedPrecision | None = None,
     ) -> None:
-        self.strategy = parse_bucketing_strategy(strategy)
-        if not self.strategy.has_buckets:
-            raise ValueError(f"BucketingTransform needs strategy 'layer', 'block' or 'auto', got {strategy!r}")
+        if not strategy.has_buckets:
+            raise ValueError(f"BucketingTransform needs strategy LAYER, BLOCK or AUTO, got {strategy!r}")
+        self.state = state
+        self.strategy = strategy
         self.process_group = process_group
         self.cap_bytes = cap_bytes
-        self.config = config if config is not None else OverlapConfig()
-        self.block_types = block_types
         self.replicate_group = replicate_group
         self.mixed_precision = mixed_precision
-        self.buckets: list[BucketBuffers] = []
         self.pool = BufferPool()
         self.summaries = BucketingSummaries()
-        # parameter name (every alias of a tied parameter) -> (index into buckets, slot)
-        self._slots: dict[str, tuple[int, int]] = {}
-        # computation-trace input name -> parameter name, from every prologue seen
-        self._parameter_of_input: dict[str, str] = {}
         self._forward_inputs: list[str | None] | None = None
 
     @staticmethod
@@ -133,6 +121,10 @@ class BucketingTransform(Transform):
     # --- the buckets' state ---------------------------------------------------------------------
 
     @property
+    def buckets(self) -> list[BucketBuffers]:
+        return self.state.buckets
+
+    @property
     def plans(self) -> list[BucketPlan]:
         return [b.plan for b in self.buckets]
 
@@ -140,21 +132,11 @@ class BucketingTransform(Transform):
     def layouts(self) -> dict[BucketBuffers, BucketLayout]:
         """Each bucket's layout, keyed by the bucket object the traces name: what analysis of
         this module's traces takes (``layouts=``)."""
-        return {bucket: bucket.layout for bucket in self.buckets}
+        return self.state.layouts
 
     def set_layouts(self, layouts: dict[BucketBuffers, BucketLayout]) -> None:
         """Runs each bucket with its layout in ``layouts`` from the next step on."""
-        for bucket in self.buckets:
-            bucket.layout = layouts.get(bucket, bucket.layout)
-
-    def plan_digest(self) -> str | None:
-        """The plan's hash, which ranks compare before their first collective."""
-        return self.summaries.plan.digest if self.summaries.plan is not None else None
-
-    def largest_bucket_bytes(self) -> int | None:
-        """The largest bucket's gathered (unsharded, padded) bytes; None before planning."""
-        plan = self.summaries.plan
-        return max((b.unsharded_bytes for b in plan.buckets), default=None) if plan is not None else None
+        self.state.set_layouts(layouts)
 
     def buffer_storages(self) -> set[int]:
         """Data pointers of every persistent buffer: the flat shards, their casts (mixed
@@ -183,34 +165,43 @@ class BucketingTransform(Transform):
     # --- Thunder's hooks ------------------------------------------------------------------------
 
     def transform_module(self, model) -> None:
-        owners = bucket_owner(model._model, self.strategy, self.block_types)
+        state = self.state
+        block_names = [name for name, _ in state.find_blocks(model._model)]
+        owners = bucket_owner(model._model, self.strategy, block_names)
         shards = list(model.named_parameters())
-        module = ModuleBuckets(shards, owners, block_names(model._model, self.block_types), self.process_group, self.replicate_group)
-        plans, self.summaries.plan = plan_module_buckets(module, self.strategy, self.cap_bytes, self.config)
+        module = ModuleBuckets(shards, owners, set(block_names), self.process_group, self.replicate_group)
+        plans, self.summaries.plan = plan_module_buckets(module, self.strategy, self.cap_bytes, state.config)
         logger.info("%s", self.summaries.plan)
         numels = {name: unsharded_numel(model._model, name) for name, _ in shards}
-        self.buckets, self.pool = make_buckets(plans, dict(shards), numels, self.process_group, self.mixed_precision)
+        buckets, self.pool = make_buckets(plans, dict(shards), numels, self.process_group, self.mixed_precision)
+        state.buckets, state.bucket_group, state.bucket_plan = buckets, self.process_group, self.summaries.plan
         shared = model._get_shared_names()
-        for index, bucket in enumerate(self.buckets):
+        for index, bucket in enumerate(buckets):
             for slot_index, slot in enumerate(bucket.plan.slots):
                 parameter = nn.Parameter(bucket.shard_view(slot_index), requires_grad=bucket.plan.requires_grad)
                 for alias in shared[slot.name]:
                     model._overrides_parameters[alias] = parameter
-                    self._slots[alias] = (index, slot_index)
+                    state.bucket_slots[alias] = (index, slot_index)
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
-        self._parameter_of_input.update(parameter_names_of_inputs(prologue_trace, computation_trace))
+        self.state.record_inputs(prologue_trace, computation_trace)
         return prologue_trace, computation_trace, epilogue_trace
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
-        is_backward = TraceTag.BACKWARD in computation_trace.tags
-        if not is_backward:
+        pass_ = Pass.of(computation_trace)
+        if pass_ is Pass.FORWARD:
             self._forward_inputs = forward_input_names(computation_trace)
-        unsynced = is_backward and get_skip_data_parallel_grad_sync()
-        index = BucketIndex(self.buckets, self.process_group, self._slot_of_input)
-        rewritten, summary = rewrite_bucket_collectives(computation_trace, index, forward_inputs=self._forward_inputs, accumulate=unsynced)
-        pass_name = ("backward_no_sync" if unsynced else "backward") if is_backward else "forward"
-        setattr(self.summaries, pass_name, summary)
+        unsynced = pass_ is Pass.BACKWARD and get_skip_data_parallel_grad_sync()
+        rewritten, summary = rewrite_bucket_collectives(
+            computation_trace, self.state.bucket_index(), forward_inputs=self._forward_inputs, accumulate=unsynced
+        )
+        if pass_ is Pass.FORWARD:
+            self.summaries.forward = summary
+        elif unsynced:
+            self.summaries.backward_no_sync = summary
+        else:
+            self.summaries.backward = summary
+        pass_name = f"{pass_} under no_sync" if unsynced else str(pass_)
         logger.info(
             "%s: %d bucket all-gathers, %d bucket reduce-scatters, %d bucket accumulations, %d collectives left unbucketed",
             pass_name, summary.all_gathers, summary.reduce_scatters, summary.accumulations, len(summary.unbucketed),
@@ -226,16 +217,4 @@ class BucketingTransform(Transform):
 
     def slot_of_parameter(self, name: str) -> tuple[int, int] | None:
         """(index into :attr:`buckets`, slot) of parameter ``name`` (any alias); None if unbucketed."""
-        return self._slots.get(name)
-
-    def bucketed(self, forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]:
-        """A forward and its backward with their collectives bucketed as this transform's hooks
-        bucket them (nothing recorded), for estimates made before it runs (sharding "auto")."""
-        index = BucketIndex(self.buckets, self.process_group, self._slot_of_input)
-        bucketed_forward, _ = rewrite_bucket_collectives(forward, index)
-        bucketed_backward, _ = rewrite_bucket_collectives(backward, index, forward_inputs=forward_input_names(forward))
-        return bucketed_forward, bucketed_backward
-
-    def _slot_of_input(self, name: str) -> tuple[int, int] | None:
-        parameter = self._parameter_of_input.get(name)
-        return self._slots.get(parameter) if parameter is not None else None
+        return self.state.bucket_slots.get(name)

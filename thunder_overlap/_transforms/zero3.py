@@ -34,9 +34,8 @@ from thunder.core.transforms import dce
 from thunder.executors.passes import del_last_used
 
 from thunder_overlap._analysis.aliasing import is_view_op
-from thunder_overlap._analysis.blocks import BlockTypes, find_blocks
-from thunder_overlap._analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace, parameter_names_of_inputs
-from thunder_overlap._analysis.layout import NO_BUCKETS
+from thunder_overlap._analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace
+from thunder_overlap._scheduling.prediction import predict_step
 from thunder_overlap._scheduling.rank_agreement import agreed_prefix, ranks_where
 from thunder_overlap._scheduling.unsharding import (
     MemoryBudgetTooSmall,
@@ -46,10 +45,9 @@ from thunder_overlap._scheduling.unsharding import (
     just_in_time_step_peak,
 )
 from thunder_overlap._transforms._lookup import transform_of
-from thunder_overlap._transforms.bucketing import BucketingTransform
-from thunder_overlap._transforms.schedule import OverlapScheduleTransform
+from thunder_overlap._transforms._model_state import ModelState
 
-__all__ = ["Zero3Transform", "RegatherPlan", "SelectiveUnsharding", "gathered_shards", "plan_regather"]
+__all__ = ["Zero3Transform", "RegatherPlan", "gathered_shards", "plan_regather"]
 
 _PARAMETER_CHAIN = (NodeKind.COLLECTIVE, NodeKind.WAIT, NodeKind.EPILOGUE, NodeKind.PROLOGUE)
 
@@ -202,37 +200,25 @@ def _rewrite_backward(trace: TraceCtx, plan: RegatherPlan) -> TraceCtx:
     return new_trace
 
 
-@dataclass(frozen=True)
-class SelectiveUnsharding:
-    """Sharding "auto"'s collaborators: the model's blocks and buckets, which form units, and the
-    schedule transform, whose configuration holds the budget and whose schedule prices a choice
-    (it also says whom to agree with, after comparing which settings: [Note: rank agreement])."""
-
-    schedule: OverlapScheduleTransform
-    block_types: BlockTypes | None = None
-    # Units are its buckets where the module has buckets (a bucket is gathered whole).
-    buckets: BucketingTransform | None = None
-
-    def __post_init__(self) -> None:
-        if self.schedule.config.memory_budget_bytes is None:
-            raise ValueError("sharding 'auto' needs OverlapConfig.memory_budget_bytes")
-
-
 class Zero3Transform(Transform):
     """Makes the forward save sharded parameters and the backward re-gather them; with
     ``selective``, only the parameters of the units the budget has no room for (sharding "auto").
 
+    ``state`` is the model's (:class:`ModelState`): which parameter each input is (errors name
+    parameters), and for ``selective`` the units (its blocks and buckets), the budget, the
+    schedule that prices a choice and the ranks to agree with ([Note: rank agreement]).
     Raises when the forward would still save a gathered parameter that it cannot re-gather,
     rather than quietly keeping ZeRO2's memory. After the first compile under ``selective``,
     :attr:`choice` says which units were kept and why.
     """
 
-    def __init__(self, selective: SelectiveUnsharding | None = None) -> None:
+    def __init__(self, state: ModelState, *, selective: bool = False) -> None:
+        if selective and state.config.memory_budget_bytes is None:
+            raise ValueError("sharding 'auto' needs OverlapConfig.memory_budget_bytes")
+        self.state = state
         self.selective = selective
         self.choice: UnshardingChoice | None = None
         self._pending: RegatherPlan | None = None
-        # computation-trace input name -> parameter name, for errors that name parameters
-        self._parameter_of_input: dict[str, str] = {}
         # Parameter name -> the block holding it (a module prefix), from the model.
         self._block_of_parameter: dict[str, str] = {}
         # The first compile's forward, until its backward decides what it saves.
@@ -244,13 +230,13 @@ class Zero3Transform(Transform):
         return transform_of(module, Zero3Transform)
 
     def transform_module(self, model) -> None:
-        if self.selective is not None:
-            for prefix, block in find_blocks(model._model, self.selective.block_types):
+        if self.selective:
+            for prefix, block in self.state.find_blocks(model._model):
                 for name, _ in block.named_parameters():
                     self._block_of_parameter[f"{prefix}.{name}"] = prefix
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
-        self._parameter_of_input.update(parameter_names_of_inputs(prologue_trace, computation_trace))
+        self.state.record_inputs(prologue_trace, computation_trace)
         return prologue_trace, computation_trace, epilogue_trace
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
@@ -261,7 +247,7 @@ class Zero3Transform(Transform):
             if plan.unreplayable:
                 raise RuntimeError(self._unreplayable_message(annotated, plan))
             self._deferred = None
-            if self.selective is not None and self.choice is None:
+            if self.selective and self.choice is None:
                 # [Note: selective unsharding]: this very trace is rewritten again by the backward's
                 # hook, which Thunder calls before any later transform sees the forward.
                 forward = _rewrite_forward(computation_trace, plan)
@@ -287,12 +273,12 @@ class Zero3Transform(Transform):
         return None if self.choice is None else _keeping(self._units_of_saved(annotated), self.choice.kept)
 
     def _unit_of_input(self, name: str) -> str:
-        parameter = self._parameter_of_input.get(name, name)
-        buckets = self.selective.buckets
-        if buckets is not None and buckets.buckets:
-            located = buckets.slot_of_parameter(parameter)
-            if located is not None:
-                return buckets.buckets[located[0]].plan.label
+        """The unit input ``name`` belongs to: its bucket (a bucket is gathered whole), else its
+        block, else the parameter itself."""
+        parameter = self.state.parameter_of_input.get(name, name)
+        bucket = self.state.bucket_of_parameter(parameter)
+        if bucket is not None:
+            return bucket.plan.label
         return self._block_of_parameter.get(parameter, parameter)
 
     def _units_of_saved(self, annotated: AnnotatedTrace) -> dict[str, frozenset[str]]:
@@ -309,11 +295,10 @@ class Zero3Transform(Transform):
         ranks, rewrites the deferred forward in place and returns the backward's plan."""
         annotated, forward_out = self._deferred
         self._deferred = None
-        selective = self.selective
-        schedule, buckets = selective.schedule, selective.buckets
+        state = self.state
         units = self._units_of_saved(annotated)
         candidates, unit_bytes = _candidates(annotated, classify_trace(backward), units)
-        layouts = buckets.layouts if buckets is not None else NO_BUCKETS
+        layouts = state.layouts
 
         def plan_for(kept: tuple[str, ...]) -> RegatherPlan:
             return plan_regather(annotated, _keeping(units, kept))
@@ -325,18 +310,18 @@ class Zero3Transform(Transform):
             step = _rewrite_forward(annotated.trace, plan), _rewrite_backward(backward, plan)
             for trace in step:  # names pricing makes (coalesced launches) stay out of the traces that run
                 trace.names = set(trace.names)
-            return buckets.bucketed(*step) if buckets is not None else step
+            return state.bucketed(*step)
 
         def peak_of(kept: tuple[str, ...]) -> int:
             return just_in_time_step_peak(*step_for(kept), layouts)
 
         def predict(kept: tuple[str, ...]) -> StepPrediction:
-            return schedule.predict_step(*step_for(kept), layouts)
+            return predict_step(state.config, *step_for(kept), layouts, prefetch_unit_bytes=state.prefetch_unit_bytes)
 
-        budget = schedule.config.memory_budget_bytes
-        exchange = schedule.config.tuning.check_ranks_agree
-        group = schedule.agreement_group_of(annotated)
-        schedule.agree_settings_once(group)
+        budget = state.config.memory_budget_bytes
+        exchange = state.config.tuning.check_ranks_agree
+        group = state.agreement_group_of(annotated)
+        state.agree_settings_once(group)
         try:
             choice = choose_kept_units(candidates, unit_bytes, peak_of, budget, predict)
         except MemoryBudgetTooSmall:
@@ -380,7 +365,7 @@ class Zero3Transform(Transform):
         problems = []
         for tensor, why in plan.unreplayable:
             shards = gathered_shards(annotated, tensor.name)
-            parameters = ", ".join(self._parameter_of_input.get(s, s) for s in shards) or "an unknown parameter"
+            parameters = ", ".join(self.state.parameter_of_input.get(s, s) for s in shards) or "an unknown parameter"
             problems.append(f"{tensor.name} (gathered from {parameters}): {why}")
         return (
             "thunder_overlap ZeRO3: the forward saves these gathered parameters for backward and cannot re-gather "

@@ -10,6 +10,7 @@ from thunder.core.trace import TraceCtx
 from thunder_overlap._analysis.classify import AnnotatedTrace, NodeKind
 from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.memory_estimate import MemoryEstimate
+from thunder_overlap._analysis.passes import Pass
 from thunder_overlap._analysis.simulator import Simulation
 from thunder_overlap.report._thunder_baseline import THUNDER_LABEL
 
@@ -156,7 +157,7 @@ class PassTraces:
 
 @dataclass(frozen=True)
 class PassReport:
-    name: str  # "forward" or "backward"
+    name: Pass
     baseline: OrderReport  # Thunder's own FSDP
     unscheduled: OrderReport
     overlap: OrderReport

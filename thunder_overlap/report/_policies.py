@@ -21,6 +21,7 @@ from thunder_overlap._analysis.blocks import largest_block_bytes
 from thunder_overlap._analysis.classify import classify_trace
 from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.memory_estimate import MemoryEstimate
+from thunder_overlap._analysis.passes import Pass
 from thunder_overlap._scheduling.dispatch import schedule_trace
 from thunder_overlap._scheduling.summary import ScheduleSummary
 from thunder_overlap._transforms.schedule import OverlapScheduleTransform
@@ -41,7 +42,7 @@ vs JIT: predicted peak memory over the just-in-time order's in the same pass, mi
 @dataclass(frozen=True)
 class PolicyResult:
     policy: str  # a scheduling policy's name, or BASELINE for Thunder's own FSDP
-    pass_name: str  # "forward" or "backward"
+    pass_name: Pass
     report: OrderReport
     summary: ScheduleSummary | None  # None where nothing was scheduled (Thunder's own FSDP, stock)
 
@@ -133,16 +134,16 @@ def compare_policies(
     # The limits' unit as training resolves it (the largest block, or bucket where larger).
     schedule = OverlapScheduleTransform.of(jm)
     block_bytes = schedule.prefetch_unit_bytes if schedule is not None else largest_block_bytes(jm._model)
-    passes = [("forward", unscheduled_trace(forward))] + ([("backward", unscheduled_trace(backward))] if backward else [])
+    passes = [(Pass.FORWARD, unscheduled_trace(forward))] + ([(Pass.BACKWARD, unscheduled_trace(backward))] if backward else [])
     layouts = module_layouts(jm)
     thunder_fsdp = thunder_fsdp if thunder_fsdp is not None else thunder_fsdp_baseline(jm)
     results = []
     forward_memory: dict[str, MemoryEstimate] = {}
     forward_budget_basis: dict[str, MemoryEstimate | None] = {}
-    baseline_passes = [("forward", thunder_fsdp.forward)] + ([("backward", thunder_fsdp.backward)] if backward else [])
+    baseline_passes = [(Pass.FORWARD, thunder_fsdp.forward)] + ([(Pass.BACKWARD, thunder_fsdp.backward)] if backward else [])
     for pass_name, trace in baseline_passes:
         report = analyze_trace(trace, cost_model, order=BASELINE, after=forward_memory.get(BASELINE))
-        if pass_name == "forward":
+        if pass_name is Pass.FORWARD:
             forward_memory[BASELINE] = report.memory
         results.append(PolicyResult(BASELINE, pass_name, report, None))
     for policy in policies:
@@ -160,10 +161,10 @@ def compare_policies(
                 budget_after=forward_budget_basis.get(label),
             )
             report = analyze_trace(scheduled.trace, cost_model, order=label, after=forward_memory.get(label), layouts=layouts)
-            if pass_name == "forward":
+            if pass_name is Pass.FORWARD:
                 forward_memory[label], forward_budget_basis[label] = report.memory, scheduled.budget_basis
             results.append(PolicyResult(label, pass_name, report, scheduled.summary))
     rows = (BASELINE, *(policy.value for policy in policies))
-    results.sort(key=lambda r: (r.pass_name != "forward", rows.index(r.policy)))
+    results.sort(key=lambda r: (r.pass_name is not Pass.FORWARD, rows.index(r.policy)))
     # The ranks of the job: the baseline's (under hybrid sharding Thunder's FSDP takes the whole world).
     return PolicyComparison(tuple(results), cost_model.device.name, cost_model.network.name, thunder_fsdp.world_size)

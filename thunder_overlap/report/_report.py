@@ -29,6 +29,7 @@ from thunder_overlap._analysis.classify import classify_trace
 from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
 from thunder_overlap._analysis.memory_estimate import MemoryEstimate, estimate_memory
+from thunder_overlap._analysis.passes import Pass
 from thunder_overlap._analysis.simulator import simulate
 from thunder_overlap._scheduling.dispatch import is_scheduled
 from thunder_overlap._scheduling.unsharding import UnshardingChoice
@@ -244,13 +245,13 @@ def report_traces(
     ``layouts`` those of the buckets thunder_overlap's traces run."""
     passes = []
     forward_memory: dict[str, MemoryEstimate] = {}
-    for name, traces in (("forward", forward), ("backward", backward)):
+    for name, traces in ((Pass.FORWARD, forward), (Pass.BACKWARD, backward)):
         if traces is None:
             continue
         reports = []
         for order, trace in traces.by_order().items():
             r = analyze_trace(trace, cost_model, order=order, after=forward_memory.get(order), layouts=layouts)
-            if name == "forward":
+            if name is Pass.FORWARD:
                 forward_memory[order] = r.memory
             reports.append(r)
         passes.append(PassReport(name, *reports))

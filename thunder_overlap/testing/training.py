@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from thunder.core.proxies import FutureTensorProxy
 
+from thunder_overlap._analysis.blocks import find_blocks
 from thunder_overlap._analysis.classify import NodeKind, classify_trace
 from thunder_overlap._analysis.layout import NO_BUCKETS
 from thunder_overlap._analysis.memory_estimate import estimate_memory
@@ -336,7 +337,7 @@ def check_against_reference(setup: TrainSetup, world_size: int, results: list[Ra
 
     model = _build_model(setup)
     if setup.activation_checkpointing:
-        checkpoint_blocks(model, None)
+        checkpoint_blocks(model, find_blocks(model))
     tokens = setup.micro_batch * setup.seq_len
     roundings = rounding_count(model.parameters(), tokens=tokens, seq_len=setup.seq_len, world_size=world_size)
     ranks = [RankSteps(r.rank, r.step_shards, r.step_grads, r.grad_norms) for r in results]

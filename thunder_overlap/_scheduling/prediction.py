@@ -1,0 +1,67 @@
+"""A step predicted as the scheduler would run it: which cost model prices a trace, and a forward
+and backward scheduled, estimated and simulated together (sharding "auto" compares its choices
+by that prediction)."""
+
+from __future__ import annotations
+
+from thunder.core.devices import to_torch_device
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx
+
+from thunder_overlap._analysis.classify import AnnotatedTrace, classify_trace
+from thunder_overlap._analysis.cost_model import CostModel
+from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
+from thunder_overlap._analysis.memory_estimate import estimate_memory
+from thunder_overlap._analysis.simulator import simulate
+from thunder_overlap._scheduling.dispatch import schedule_trace
+from thunder_overlap._scheduling.unsharding import StepPrediction
+from thunder_overlap.config import OverlapConfig
+
+__all__ = ["cost_model_of", "predict_step"]
+
+
+def cost_model_of(config: OverlapConfig, annotated: AnnotatedTrace) -> CostModel:
+    """The configured cost model, or the default for the device and group ``annotated``'s
+    collectives run on. Ranks may estimate differently: that moves collectives relative to
+    compute, never the agreed issue order."""
+    if config.cost_model is not None:
+        return config.cost_model
+    group = annotated.process_group
+    start = annotated.nodes[annotated.collectives[0].start].bsym
+    device = next(to_torch_device(a.device) for a in start.flat_proxy_args if isinstance(a, TensorProxy))
+    return CostModel.for_device(device, group.size() if group is not None else 1)
+
+
+def predict_step(
+    config: OverlapConfig,
+    forward: TraceCtx,
+    backward: TraceCtx,
+    layouts: BucketLayouts = NO_BUCKETS,
+    *,
+    prefetch_unit_bytes: int | None,
+) -> StepPrediction:
+    """``forward`` then ``backward`` (bucketed with ``layouts``) scheduled as a first compile
+    schedules them, less what needs the other ranks (the agreed order, the bucket paths): the
+    predicted peak and the simulated step."""
+    peak_bytes, step_ms, held_by_memory = 0, 0.0, 0
+    memory_after = budget_after = None
+    for trace in (forward, backward):
+        annotated = classify_trace(trace, layouts)
+        if not annotated.collectives:  # the same in every choice, and no collective to find its device by
+            continue
+        cost_model = cost_model_of(config, annotated)
+        scheduled = schedule_trace(
+            annotated,
+            config,
+            largest_block_bytes=prefetch_unit_bytes,
+            cost_model=cost_model,
+            memory_after=memory_after,
+            budget_after=budget_after,
+        )
+        memory = scheduled.memory or estimate_memory(scheduled.trace, layouts=layouts, after=memory_after)
+        final = classify_trace(scheduled.trace, layouts)  # coalesced launches are one collective each
+        step_ms += simulate(final, list(range(len(final.nodes))), cost_model).step_ms
+        peak_bytes = max(peak_bytes, memory.peak_bytes)
+        held_by_memory += scheduled.summary.held_by_memory if scheduled.summary is not None else 0
+        memory_after, budget_after = memory, scheduled.budget_basis
+    return StepPrediction(peak_bytes, step_ms, held_by_memory)

@@ -1,0 +1,169 @@
+"""The state one ``fsdp()`` model's transforms share ([Note: model state] in docs/design.md).
+
+:func:`~thunder_overlap.api.fsdp_transforms` makes one :class:`ModelState` per model and hands it
+to each transform it builds. The transforms read and write it and never each other: the blocks
+(found once), the buckets and the layouts they run with, which parameter each trace input is, the
+rank agreement, and what the forward's schedule leaves for its backward's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+import torch.nn as nn
+from thunder.core.trace import TraceCtx
+
+from thunder_overlap._analysis.blocks import BlockTypes, find_blocks, unsharded_bytes
+from thunder_overlap._analysis.classify import AnnotatedTrace, parameter_names_of_inputs
+from thunder_overlap._analysis.layout import BucketLayout
+from thunder_overlap._analysis.memory_estimate import MemoryEstimate
+from thunder_overlap._bucketing.buffers import BucketBuffers
+from thunder_overlap._bucketing.path_choice import PathChoice
+from thunder_overlap._bucketing.plan import BucketPlanSummary
+from thunder_overlap._bucketing.trace_rewrite import BucketIndex, forward_input_names, rewrite_bucket_collectives
+from thunder_overlap._scheduling.rank_agreement import IssueOrderAgreement, agree_settings
+from thunder_overlap.config import OverlapConfig
+
+__all__ = ["ForwardHandoff", "ModelState"]
+
+
+@dataclass(frozen=True)
+class ForwardHandoff:
+    """What the backward's schedule takes from its forward's: Thunder compiles a backward right
+    after its forward, whose outputs are the backward's inputs. ``memory`` is the forward's
+    estimate as scheduled, ``budget_basis`` its just-in-time order's, which the budget is
+    relative to."""
+
+    memory: MemoryEstimate
+    budget_basis: MemoryEstimate | None
+
+
+@dataclass(eq=False)
+class ModelState:
+    """What the transforms of one model share, each piece written by one of them.
+
+    Set when made: the scheduler's ``config``, the ``block_types`` blocks are found by, the
+    ``settings`` ranks compare at the first compile (with the configuration's) and the
+    ``agreement_group`` they agree over (None: the group of the traces' collectives; hybrid
+    sharding's is the world).
+    """
+
+    config: OverlapConfig = field(default_factory=OverlapConfig)
+    block_types: BlockTypes | None = None
+    settings: Mapping[str, object] = field(default_factory=dict)
+    agreement_group: dist.ProcessGroup | None = None
+
+    # The blocks, found once (find_blocks), and the largest one's unsharded bytes, measured then:
+    # once the shards are placed in the module its parameters are sharded.
+    blocks: list[tuple[str, nn.Module]] | None = None
+    largest_block_bytes: int | None = None
+
+    # The buckets (BucketingTransform.transform_module): their buffers, the FSDP group they
+    # reduce over, which were formed and why, and each parameter's (every alias of a tied one)
+    # (index into buckets, slot).
+    buckets: list[BucketBuffers] = field(default_factory=list)
+    bucket_group: dist.ProcessGroup | None = None
+    bucket_plan: BucketPlanSummary | None = None
+    bucket_slots: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    # Computation-trace input name -> parameter name, from every prologue seen.
+    parameter_of_input: dict[str, str] = field(default_factory=dict)
+
+    # Rank agreement: the settings, compared once before any other exchange, then each pass's
+    # issue order ([Note: rank agreement]).
+    settings_agreed: bool = False
+    agreement: IssueOrderAgreement = field(default_factory=IssueOrderAgreement)
+
+    # The last forward's schedule, for its backward's; None where the forward has no collective.
+    forward: ForwardHandoff | None = None
+    # The buckets' paths, chosen at the first backward that reduce-scatters them.
+    bucket_paths: PathChoice | None = None
+
+    def __post_init__(self) -> None:
+        self.settings = {**self.config.agreed_fields(), **self.settings}
+        self.agreement = IssueOrderAgreement(exchange=self.config.tuning.check_ranks_agree)
+
+    # --- blocks ---------------------------------------------------------------------------------
+
+    def find_blocks(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The blocks of ``module`` (the model as the user gave it), found at the first call."""
+        if self.blocks is None:
+            self.blocks = find_blocks(module, self.block_types)
+            self.largest_block_bytes = max((unsharded_bytes(block) for _, block in self.blocks), default=None)
+        return self.blocks
+
+    @property
+    def prefetch_unit_bytes(self) -> int | None:
+        """What the default in-flight limits count in: the largest block, or the largest bucket
+        where buckets hold several blocks (``auto``)."""
+        bucket = self.largest_bucket_bytes()
+        if bucket is None or self.largest_block_bytes is None:
+            return self.largest_block_bytes
+        return max(self.largest_block_bytes, bucket)
+
+    # --- inputs ---------------------------------------------------------------------------------
+
+    def record_inputs(self, prologue_trace: TraceCtx, computation_trace: TraceCtx) -> None:
+        """Records which parameter each input of ``computation_trace`` is, from its prologue."""
+        self.parameter_of_input.update(parameter_names_of_inputs(prologue_trace, computation_trace))
+
+    # --- buckets --------------------------------------------------------------------------------
+
+    @property
+    def layouts(self) -> dict[BucketBuffers, BucketLayout]:
+        """Each bucket's layout, keyed by the bucket object the traces name: what analysis of
+        this model's traces takes (``layouts=``); empty without buckets."""
+        return {bucket: bucket.layout for bucket in self.buckets}
+
+    def set_layouts(self, layouts: Mapping[BucketBuffers, BucketLayout]) -> None:
+        """Runs each bucket with its layout in ``layouts`` from the next step on."""
+        for bucket in self.buckets:
+            bucket.layout = layouts.get(bucket, bucket.layout)
+
+    def plan_digest(self) -> str | None:
+        """The bucket plan's hash, which ranks compare before their first collective."""
+        return self.bucket_plan.digest if self.bucket_plan is not None else None
+
+    def largest_bucket_bytes(self) -> int | None:
+        """The largest bucket's gathered (unsharded, padded) bytes; None without buckets."""
+        plan = self.bucket_plan
+        return max((b.unsharded_bytes for b in plan.buckets), default=None) if plan is not None else None
+
+    def bucket_of_parameter(self, name: str) -> BucketBuffers | None:
+        """The bucket holding parameter ``name`` (any alias); None if unbucketed."""
+        located = self.bucket_slots.get(name)
+        return self.buckets[located[0]] if located is not None else None
+
+    def slot_of_input(self, name: str) -> tuple[int, int] | None:
+        """(index into :attr:`buckets`, slot) of the parameter computation-trace input ``name`` is."""
+        parameter = self.parameter_of_input.get(name)
+        return self.bucket_slots.get(parameter) if parameter is not None else None
+
+    def bucket_index(self) -> BucketIndex:
+        return BucketIndex(self.buckets, self.bucket_group, self.slot_of_input)
+
+    def bucketed(self, forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]:
+        """A forward and its backward with their collectives bucketed as the bucketing transform
+        buckets them (nothing recorded), for estimates made before it runs (sharding "auto");
+        unchanged without buckets."""
+        if not self.buckets:
+            return forward, backward
+        index = self.bucket_index()
+        bucketed_forward, _ = rewrite_bucket_collectives(forward, index)
+        bucketed_backward, _ = rewrite_bucket_collectives(backward, index, forward_inputs=forward_input_names(forward))
+        return bucketed_forward, bucketed_backward
+
+    # --- rank agreement -------------------------------------------------------------------------
+
+    def agreement_group_of(self, annotated: AnnotatedTrace) -> dist.ProcessGroup | None:
+        """The group ranks agree over: the one given, else that of ``annotated``'s collectives."""
+        return self.agreement_group if self.agreement_group is not None else annotated.process_group
+
+    def agree_settings_once(self, group: dist.ProcessGroup | None) -> None:
+        """Compares the settings and bucket plans with the other ranks', once, before any other
+        exchange (settings that differ would make ranks exchange differently)."""
+        if not self.settings_agreed:
+            agree_settings(self.settings, self.plan_digest(), group)
+            self.settings_agreed = True
