@@ -74,7 +74,7 @@ class ModelState:
     # Rank agreement: the settings, compared once before any other exchange, then each pass's
     # issue order ([Note: rank agreement]).
     settings_agreed: bool = False
-    agreement: IssueOrderAgreement = field(default_factory=IssueOrderAgreement)
+    agreement: IssueOrderAgreement = field(init=False)
 
     # The last forward's schedule, for its backward's; None where the forward has no collective.
     forward: ForwardHandoff | None = None
