@@ -1,9 +1,12 @@
-"""Block buckets against none, per sharding, from benchmark_fsdp.py JSONs (gpu_ws1.sh's table).
+"""World-size-1 tables from benchmark_fsdp.py JSONs.
 
-The peak difference is counted in block-sized buffers (the largest bucket pool buffer of the block
-run): issue 17's target is at most one, at a step time within 2% of none's.
+Block buckets against none, per sharding (gpu_ws1.sh's table): the peak difference is counted in
+block-sized buffers (the largest bucket pool buffer of the block run), at most one, at a step time
+within 2% of none's. With ``--against IMPL``, every run against that implementation's run of the
+same sharding instead, step and peak side by side (gpu_compile_ws1.sh's table).
 
     python benchmarks/ws1_table.py results/*.json
+    python benchmarks/ws1_table.py results/*.json --against fsdp2_compile
 """
 
 from __future__ import annotations
@@ -48,10 +51,33 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def side_by_side(results: list[dict], against: str) -> str:
+    """Each run's median step and peak, and both as ratios to ``against``'s run of its sharding."""
+    baselines = {r["shard_mode"]: r for r in results if r["impl"] == against}
+    lines = [
+        f"| sharding | impl | executors | bucketing | median ms | peak MiB | step vs {against} | peak vs {against} |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in sorted(results, key=lambda r: (-ord(r["shard_mode"][-1]), r["impl"] != against, r["impl"], r["bucketing_mode"])):
+        base = baselines.get(run["shard_mode"])
+        step = peak = "-"
+        if base is not None:
+            step = f"{run['median_iter_time_ms'] / base['median_iter_time_ms']:.3f}x"
+            peak = f"{run['peak_memory_bytes'] / base['peak_memory_bytes']:.3f}x"
+        lines.append(
+            f"| {run['shard_mode']} | {run['impl']} | {run.get('executors', 'default')} | {run['bucketing_mode']} "
+            f"| {run['median_iter_time_ms']:.1f} | {run['peak_memory_bytes'] / MIB:.0f} | {step} | {peak} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("jsons", nargs="+", type=Path)
-    print(table(load_results(parser.parse_args(argv).jsons)))
+    parser.add_argument("--against", metavar="IMPL", help="compare every run with this implementation's run of its sharding")
+    args = parser.parse_args(argv)
+    results = load_results(args.jsons)
+    print(table(results) if args.against is None else side_by_side(results, args.against))
 
 
 if __name__ == "__main__":

@@ -345,3 +345,17 @@ def test_cpu_peak_counts_the_bucket_pool_as_held_and_gradient_shards_only_while_
     assert persistent_bytes(jm, None) == sum(model_bytes.values()) + pool
     jm.zero_grad(set_to_none=True)
     assert set().union(*(b.grad_shard_storages() for b in bucketing.buckets)) == set()
+
+
+def test_executors_are_refused_where_they_are_not_wired_and_checked_by_name():
+    from fsdp_bench.impls import _jit_options
+
+    for impl in ("thunder", "fsdp2", "fsdp2_compile", "comm_only"):
+        with pytest.raises(ValueError, match=rf"--executors=torchcompile: wired for thunder_overlap and compute_only, not --impl {impl}"):
+            BenchmarkConfig(impl=impl, executors="torchcompile")
+    with pytest.raises(ValueError, match=r"--executors='nvfuser' is not supported; accepted: default, torchcompile, thunder_inductor"):
+        BenchmarkConfig(executors="nvfuser")
+    assert _jit_options(parse_args([])) == {}
+    assert [e.name for e in _jit_options(parse_args(["--executors", "torchcompile"]))["executors"]] == ["torchcompile"]
+    inductor = [e.name for e in _jit_options(parse_args(["--impl", "compute_only", "--executors", "thunder_inductor"]))["executors"]]
+    assert inductor[0] == "torchcompile" and len(inductor) > 1

@@ -23,6 +23,7 @@ __all__ = [
     "BUCKETING_MODES",
     "DEVICES",
     "MIXED_PRECISIONS",
+    "EXECUTORS",
     "parse_args",
 ]
 
@@ -70,6 +71,11 @@ BUCKETING_MODES = BucketingStrategy.names()
 DEVICES = ("auto", "cpu", "cuda")
 # --mixed_precision: fp32 parameters gathered and computed in bf16, gradients reduced in fp32.
 MIXED_PRECISIONS = ("bf16/fp32",)
+# --executors: Thunder's default executors; its torchcompile executor alone (torch.compile fuses
+# the regions between collectives, which thunder_overlap keeps out of its fusions; SDPA is
+# decomposed into matmuls); or torchcompile ahead of the defaults, as Thunder's own
+# benchmark_litgpt.py --compile thunder_inductor (SDPA stays with its executor).
+EXECUTORS = ("default", "torchcompile", "thunder_inductor")
 
 
 def _check_choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
@@ -128,6 +134,12 @@ class BenchmarkConfig:
         "every block recomputes its activations in the backward (thunder_overlap's activation_checkpointing; "
         "compute_only checkpoints the same blocks); Thunder's FSDP and fsdp2 are not wired",
     )
+    executors: str = _option(
+        "default",
+        "Thunder's executors: default; torchcompile (Thunder's torch.compile executor alone, fusing what runs between "
+        "collectives); thunder_inductor (torchcompile ahead of the defaults, as Thunder's benchmark_litgpt.py). "
+        "thunder_overlap and compute_only; fsdp2_compile is FSDP2's counterpart",
+    )
     max_norm: float | None = _option(
         None,
         "clip the gradient to this global norm before each optimizer step (thunder_overlap.clip_grad_norm_; fsdp2 and "
@@ -162,6 +174,12 @@ class BenchmarkConfig:
                 raise ValueError("--mixed_precision: Thunder's own FSDP has no mixed precision; leave it out for --impl thunder")
         if self.activation_checkpointing and self.impl in ("thunder", "fsdp2", "fsdp2_compile"):
             raise ValueError(f"--activation_checkpointing: not wired for --impl {self.impl}; leave it out")
+        _check_choice("executors", self.executors, EXECUTORS)
+        if self.executors != "default" and not (self.impl.startswith("thunder_overlap") or self.impl == "compute_only"):
+            raise ValueError(
+                f"--executors={self.executors}: wired for thunder_overlap and compute_only, not --impl {self.impl} "
+                "(Thunder's FSDP would fuse its collectives into torch.compile; FSDP2's counterpart is fsdp2_compile)"
+            )
         if self.max_norm is not None:
             if not self.max_norm > 0:
                 raise ValueError(f"--max_norm must be a positive number, got {self.max_norm!r}")
@@ -181,7 +199,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="FSDP training benchmark; launch with `torchrun --nproc_per_node=N benchmarks/benchmark_fsdp.py`.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    choices = {"impl": IMPLS, "shard_mode": SHARD_MODES, "bucketing_mode": BUCKETING_MODES, "device": DEVICES}
+    choices = {"impl": IMPLS, "shard_mode": SHARD_MODES, "bucketing_mode": BUCKETING_MODES, "device": DEVICES, "executors": EXECUTORS}
     for f in fields(BenchmarkConfig):
         if f.default is False:
             parser.add_argument(f"--{f.name}", action="store_true", help=f.metadata["help"])

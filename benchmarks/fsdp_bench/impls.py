@@ -147,6 +147,17 @@ def overlap_config(cfg: BenchmarkConfig, device: torch.device, impl: str = "thun
     return config if cfg.memory_budget_bytes is None else replace(config, memory_budget_bytes=cfg.memory_budget_bytes)
 
 
+def _jit_options(cfg: BenchmarkConfig) -> dict[str, object]:
+    """``thunder.jit``'s options for ``--executors``: none for Thunder's defaults."""
+    if cfg.executors == "default":
+        return {}
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    if cfg.executors == "torchcompile":
+        return {"executors": [torch_compile_ex]}
+    return {"executors": [torch_compile_ex, *thunder.get_default_executors()]}
+
+
 def _thunder_overlap(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, impl: str = "thunder_overlap") -> nn.Module:
     policy = thunder_overlap.MixedPrecision(torch.bfloat16, torch.float32) if cfg.mixed_precision else None
     return thunder_overlap.fsdp(
@@ -157,6 +168,7 @@ def _thunder_overlap(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, im
         config=overlap_config(cfg, ctx.device, impl),
         mixed_precision=policy,
         activation_checkpointing=cfg.activation_checkpointing,
+        jit_options=_jit_options(cfg),
     )
 
 
@@ -197,7 +209,7 @@ def _compute_only(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext) -> nn
     model = materialize(model, ctx.device)
     if cfg.activation_checkpointing:
         checkpoint_blocks(model, find_blocks(model))
-    return thunder.jit(model.to(torch.bfloat16) if cfg.mixed_precision else model)
+    return thunder.jit(model.to(torch.bfloat16) if cfg.mixed_precision else model, **_jit_options(cfg))
 
 
 _SHARDERS: dict[str, Callable[[nn.Module, BenchmarkConfig, RunContext], nn.Module]] = {

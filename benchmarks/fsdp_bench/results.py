@@ -47,6 +47,8 @@ class BenchmarkResult:
     max_norm: float | None = None
     # --activation_checkpointing: every block recomputed its activations in the backward.
     activation_checkpointing: bool = False
+    # --executors: Thunder's executors ("default" or "torchcompile").
+    executors: str = "default"
 
     @property
     def median_iter_time_ms(self) -> float:

@@ -146,6 +146,7 @@ def run_benchmark(cfg: BenchmarkConfig, ctx: RunContext) -> BenchmarkResult:
         mixed_precision=cfg.mixed_precision,
         max_norm=cfg.max_norm,
         activation_checkpointing=cfg.activation_checkpointing,
+        executors=cfg.executors,
         n_layers=spec.n_layers,
         block_size=spec.block_size,
         micro_batch_size=cfg.micro_batch_size,
