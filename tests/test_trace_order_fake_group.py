@@ -269,12 +269,28 @@ def test_already_jitted_module_is_accepted():
     assert [collective_sequence(t) for t in (forward, backward)] == [collective_sequence(t) for t in _traces("zero3")]
 
 
-def test_fusing_executor_cannot_swallow_collectives():
+def test_fusing_executor_cannot_swallow_collectives_or_the_schedule():
+    """Thunder's torchcompile executor would fuse each pass into one region after every wait
+    ([Note: fusing executors]): matmuls stay top-level, compute runs between the waits, and ZeRO3
+    re-gathers what the backward reads (the tied head's unpadded weight, here: 101 rows over 4
+    ranks), not a gathered weight kept from the forward."""
     from thunder.executors.torch_compile import torch_compile_ex
 
     torch.manual_seed(0)
-    jm = thunder_overlap.fsdp(TinyGPT(FUSED_MODEL), device="cpu", jit_options={"executors": [torch_compile_ex]})
-    _assert_moves_each_parameter_once(*_run(jm), "zero2", model=FUSED_MODEL)
+    jm = thunder_overlap.fsdp(
+        TinyGPT(FUSED_MODEL), device="cpu", sharding_strategy="zero3", jit_options={"executors": [torch_compile_ex]}
+    )
+    forward, backward = _run(jm)
+    _assert_moves_each_parameter_once(forward, backward, "zero3", model=FUSED_MODEL)
+    for trace in (forward, backward):
+        fusions = [b for b in trace.bound_symbols if b.sym.is_fusion]
+        assert fusions, "the torchcompile executor fused nothing: the test no longer tests it"
+        fused_matmuls = [s.sym.name for f in fusions for s in f.subsymbols if is_expensive(s)]
+        assert not fused_matmuls, f"matmuls fused into a region, where the schedule cannot place collectives around them: {fused_matmuls}"
+    nodes = classify_trace(forward).nodes
+    waits = [i for i, n in enumerate(nodes) if n.kind is NodeKind.WAIT]
+    matmuls = [i for i, n in enumerate(nodes) if n.kind is NodeKind.COMPUTE and is_expensive(n.bsym)]
+    assert matmuls[0] < waits[-1], "every all-gather is waited on before the forward's first matmul: nothing overlaps"
 
 
 def test_collectives_fused_by_a_prejitted_module_raise_a_clear_error():

@@ -3,7 +3,9 @@
 Thunder's ``torchcompile`` executor can fuse every op the torch executor runs, collectives
 included (on CPU, 0.2.6 fuses an all-gather with its wait), and then no scheduler can see or move
 them. Claiming all-gather, reduce-scatter and wait here, ahead of the fusion executors, gives
-them symbols no fusion executor knows (:func:`with_collectives_kept_visible`).
+them symbols no fusion executor knows (:func:`with_collectives_kept_visible`). Ahead of such an
+executor, ``fsdp()`` also keeps matmuls and the gathered parameters' epilogues out of fusions, so
+that it cannot fuse a whole pass into one region either ([Note: fusing executors]).
 
 The operators, by who puts them in the traces:
 
@@ -30,12 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import thunder.torch as ltorch
 import torch
 import torch.distributed as dist
 from thunder.core import prims
 from thunder.core.dtypes import to_dtype, to_torch_dtype
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
-from thunder.core.symbol import Symbol
+from thunder.core.symbol import BoundSymbol, Symbol
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
 from thunder.distributed import prims as dist_prims
 from thunder.executors import pythonex, torchex
 from thunder.extend import Executor, FusionExecutor, OperatorExecutor, register_executor
@@ -50,8 +54,11 @@ __all__ = [
     "PLAIN_ISSUES",
     "REDUCE_SCATTER_ISSUES",
     "BucketRuntime",
+    "compute_name",
     "numel",
+    "gathered_epilogues_unfused",
     "overlap_executor",
+    "unfused_matmuls",
     "with_collectives_kept_visible",
 ]
 
@@ -102,6 +109,27 @@ for _prim, _impl in (
 ):
     _CLAIMED[_prim] = overlap_executor.register_operator(f"overlap_{_prim.name}", meta=_prim.meta, fn=_impl)
     overlap_executor.register_implementation(_prim, _CLAIMED[_prim], checker=_always)
+
+
+# Matmuls kept out of fusions ([Note: fusing executors]), by an executor of their own that only
+# fsdp() places first, and only where a fusing executor follows: operators with the prim's meta
+# (no subsymbols, so no fusion executor can take them apart) and the torch function.
+unfused_matmuls = OperatorExecutor("thunder_overlap_matmuls")
+register_executor(unfused_matmuls)
+_UNFUSED: dict[Symbol, str] = {}
+for _prim, _fn, _claims in (
+    (prims.matmul, torch.matmul, (ltorch.matmul, prims.matmul)),
+    (prims.linear, torch.nn.functional.linear, (ltorch.linear, prims.linear)),
+):
+    _op = unfused_matmuls.register_operator(f"unfused_{_prim.name}", meta=_prim.meta, fn=_fn, tags=[prims.OpTags.MATMUL_OP])
+    _UNFUSED[_op] = _prim.name
+    for _claimed in _claims:
+        unfused_matmuls.register_implementation(_claimed, _op, checker=_always)
+
+
+def compute_name(bsym: BoundSymbol) -> str:
+    """The name of the computation ``bsym`` runs: an unfused matmul's is the op it stands for."""
+    return _UNFUSED_NAMES.get(bsym.sym.id, bsym.sym.name)
 
 
 def numel(t: TensorProxy) -> int:
@@ -320,6 +348,8 @@ COALESCED_ISSUES = _ids(coalesced_all_gather, coalesced_reduce_scatter, coalesce
 # Every issue of an all-gather, and of a reduce-scatter (any other collective is an all-reduce).
 ALL_GATHER_ISSUES = _PLAIN_ALL_GATHERS | _ids(bucket_all_gather, coalesced_all_gather, coalesced_bucket_all_gather)
 REDUCE_SCATTER_ISSUES = _PLAIN_REDUCE_SCATTERS | _ids(bucket_reduce_scatter, coalesced_reduce_scatter, coalesced_bucket_reduce_scatter)
+# This module's matmuls, by id, with the name of the op each runs.
+_UNFUSED_NAMES = {op.id: name for op, name in _UNFUSED.items()}
 # Deletions, which scheduling drops and regenerates for the new order.
 DROPPED_BY_SCHEDULING = frozenset({prims.PrimIDs.DEL, pythonex.clear_mutable_collection.id})
 
@@ -329,12 +359,45 @@ def _can_swallow_collectives(executor: Executor) -> bool:
     return isinstance(executor, FusionExecutor) and any(i in executor.implmap for i in collective_ids)
 
 
+_WAITS = _ids(dist_prims.wait, torchex.wait_prim_impl, _CLAIMED[dist_prims.wait])
+
+
+class _GatheredEpiloguesUnfused(FusionExecutor):
+    """Fuses nothing. Its pass runs before the fusing executors' and hands each op computed from
+    gathered parameters alone (the unpadding slice, a cast) to the torch executor, so that it
+    stays top-level where ZeRO3 can replay it in the backward ([Note: fusing executors])."""
+
+    def fusion_pass(self, trace: TraceCtx) -> TraceCtx:
+        gathered: set[str] = set()
+        bsyms = []
+        for bsym in trace.bound_symbols:
+            tensors = [p.name for p in bsym.flat_proxy_args if isinstance(p, TensorProxy)]
+            impl = torchex.ex.implmap.get(bsym.sym.id)
+            if bsym.sym.id in _WAITS:
+                gathered.update(p.name for p in bsym.flat_proxy_outs)
+            elif tensors and gathered.issuperset(tensors) and impl is not None and impl.symbol is not None:
+                if impl.checker is None or impl.checker(*bsym.args, **bsym.kwargs):
+                    bsym = impl.symbol.bind(*bsym.args, output=bsym.output, **bsym.kwargs)
+                    gathered.update(p.name for p in bsym.flat_proxy_outs)
+            bsyms.append(bsym)
+        unfused = from_trace(trace)
+        unfused.bound_symbols = bsyms
+        unfused.set_provenance(TraceProvenance("thunder_overlap: gathered parameters' epilogues kept out of fusions"))
+        return unfused
+
+
+gathered_epilogues_unfused = _GatheredEpiloguesUnfused("thunder_overlap_epilogues")
+register_executor(gathered_epilogues_unfused)
+
+
 def with_collectives_kept_visible(executors: list[Executor]) -> list[Executor]:
-    """``executors`` with ``overlap_executor`` first when one of them could fuse collectives.
+    """``executors`` with ``overlap_executor``, ``unfused_matmuls`` and
+    ``gathered_epilogues_unfused`` first when one of them could fuse collectives.
 
     Otherwise the list is returned unchanged, so Thunder's own passes (which know the torch
     executor's collective symbols) produce the same order as they do for Thunder's FSDP.
     """
+    ours = (overlap_executor, unfused_matmuls, gathered_epilogues_unfused)
     if any(_can_swallow_collectives(e) for e in executors):
-        return [overlap_executor, *(e for e in executors if e is not overlap_executor)]
+        return [*ours, *(e for e in executors if e not in ours)]
     return list(executors)

@@ -91,7 +91,7 @@ def _tensors(values) -> list[TensorProxy]:
 
 
 def _matmul_flops(bsym: BoundSymbol) -> int | None:
-    name = bsym.sym.name
+    name = ops.compute_name(bsym)
     ins, outs = _tensors(bsym.flat_args), _tensors(bsym.flat_outs)
     if not ins or not outs:
         return None
