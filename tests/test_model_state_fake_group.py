@@ -13,7 +13,9 @@ import thunder_overlap
 from thunder_overlap import OverlapConfig
 from thunder_overlap._transforms import _model_state
 from thunder_overlap._transforms._model_state import ModelState
+from thunder_overlap._transforms.schedule import OverlapScheduleTransform
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.report._report import unscheduled_trace
 
 MODEL = TinyGPTConfig(n_layer=2, n_embd=32)
 # Every option whose transform reads the blocks: checkpointing, sharding "auto" (its units),
@@ -47,10 +49,16 @@ def _step(jm) -> None:
     jm(torch.randint(0, 64, (2, 8))).sum().backward()
 
 
-def test_fsdp_finds_the_blocks_once(find_blocks_calls):
+def test_fsdp_finds_the_blocks_once_and_records_the_traces_it_scheduled(find_blocks_calls):
     torch.manual_seed(0)
-    _step(thunder_overlap.fsdp(TinyGPT(MODEL), **OPTIONS))
+    jm = thunder_overlap.fsdp(TinyGPT(MODEL), **OPTIONS)
+    _step(jm)
     assert find_blocks_calls == ["TinyGPT"]
+    # The report's baseline is the newest trace the schedule transform did not return.
+    scheduled = OverlapScheduleTransform.of(jm).state.scheduled
+    for history in (thunder.last_traces(jm), thunder.last_backward_traces(jm)):
+        assert [i for i, trace in enumerate(history) if trace in scheduled] == [len(history) - 1]
+        assert unscheduled_trace(jm, history) is history[-2]
 
 
 def test_fsdp_transforms_find_the_blocks_once(find_blocks_calls):

@@ -5,7 +5,6 @@ the limits from the model's block size, schedule, coalesce launches, and build t
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,23 +22,10 @@ from thunder_overlap._scheduling.scheduler import OverlapScheduler
 from thunder_overlap._scheduling.summary import ScheduleSummary
 from thunder_overlap.config import OverlapConfig
 
-__all__ = ["ScheduledTrace", "is_scheduled", "schedule_trace"]
+__all__ = ["ScheduledTrace", "schedule_trace"]
 
 logger = logging.getLogger(__name__)
 
-# The traces schedule_trace made, by identity, for what must tell them apart from the traces
-# before scheduling (the report's unscheduled baseline in Thunder's trace history).
-_SCHEDULED: weakref.WeakSet[TraceCtx] = weakref.WeakSet()
-
-
-def is_scheduled(trace: TraceCtx) -> bool:
-    """Whether :func:`schedule_trace` made ``trace`` (in any policy's order, Thunder's included)."""
-    return trace in _SCHEDULED
-
-
-def _scheduled(result: ScheduledTrace) -> ScheduledTrace:
-    _SCHEDULED.add(result.trace)
-    return result
 
 # A cost model, or a function building one for the trace: called only when a decision reads
 # estimates (the limits stretch prefetching by time, or some collectives could be coalesced).
@@ -92,7 +78,7 @@ def schedule_trace(
         order = stock_order(annotated)
         if issue_order is not None and IssueOrder.of_schedule(annotated, order) != issue_order:
             raise ValueError("the stock policy keeps Thunder's order, which does not follow the given issue order")
-        return _scheduled(ScheduledTrace(apply_order(annotated, order, provenance=_provenance(config)), annotated, order, None))
+        return ScheduledTrace(apply_order(annotated, order, provenance=_provenance(config)), annotated, order, None)
     runs_buckets = annotated.runs_buckets
     limits = resolve_limits(config, largest_block_bytes, runs_buckets=runs_buckets, caps_pool_reduce_scatters=caps_pool_reduce_scatters)
     estimates = _CostModelOnDemand(annotated, cost_model)
@@ -124,7 +110,7 @@ def schedule_trace(
             memory = estimate_memory(scheduled, layouts=annotated.layouts, after=memory_after)
     summary = scheduler.summary.describe()
     logger.info("%s %s schedule of %d collectives: %s", Pass.of(annotated.trace), config.policy, len(annotated.collectives), summary)
-    return _scheduled(ScheduledTrace(scheduled, annotated, order, scheduler.summary, tuple(planned), memory, scheduler.budget_basis))
+    return ScheduledTrace(scheduled, annotated, order, scheduler.summary, tuple(planned), memory, scheduler.budget_basis)
 
 
 def _provenance(config: OverlapConfig) -> str:

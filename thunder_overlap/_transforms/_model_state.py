@@ -8,6 +8,7 @@ rank agreement, and what the forward's schedule leaves for its backward's.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -80,6 +81,9 @@ class ModelState:
     forward: ForwardHandoff | None = None
     # The buckets' paths, chosen at the first backward that reduce-scatters them.
     bucket_paths: PathChoice | None = None
+    # The traces the schedule transform returned, by identity: what the report tells apart from
+    # the traces before scheduling in Thunder's history (its unscheduled baseline).
+    scheduled: weakref.WeakSet[TraceCtx] = field(default_factory=weakref.WeakSet)
 
     def __post_init__(self) -> None:
         self.settings = {**self.config.agreed_fields(), **self.settings}

@@ -121,6 +121,7 @@ class OverlapScheduleTransform(Transform):
             state.forward = ForwardHandoff(scheduled.memory, scheduled.budget_basis)
         else:
             self.summaries.backward = scheduled.summary
+        state.scheduled.add(scheduled.trace)
         return scheduled.trace
 
     def _warn_if_over_budget(self, pass_: Pass, summary: ScheduleSummary | None) -> None:

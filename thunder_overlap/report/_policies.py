@@ -134,7 +134,7 @@ def compare_policies(
     # The limits' unit as training resolves it (the largest block, or bucket where larger).
     schedule = OverlapScheduleTransform.of(jm)
     block_bytes = schedule.prefetch_unit_bytes if schedule is not None else largest_block_bytes(jm._model)
-    passes = [(Pass.FORWARD, unscheduled_trace(forward))] + ([(Pass.BACKWARD, unscheduled_trace(backward))] if backward else [])
+    passes = [(Pass.FORWARD, unscheduled_trace(jm, forward))] + ([(Pass.BACKWARD, unscheduled_trace(jm, backward))] if backward else [])
     layouts = module_layouts(jm)
     thunder_fsdp = thunder_fsdp if thunder_fsdp is not None else thunder_fsdp_baseline(jm)
     results = []

@@ -8,8 +8,8 @@ with one :class:`CostModel` and estimates their memory:
   one collective per parameter, and for ZeRO3 no re-gather in backward, as Thunder runs it;
 - ``unscheduled``: thunder_overlap's traces just before its scheduling pass (ZeRO3 re-gathers,
   buckets), in Thunder's order, taken from the trace history Thunder keeps
-  (``thunder.last_traces``): the newest trace thunder_overlap's scheduler did not make
-  (:func:`~thunder_overlap._scheduling.dispatch.is_scheduled`). It is what the ``stock``
+  (``thunder.last_traces``): the newest trace the schedule transform did not return (the
+  model's state records those it returned). It is what the ``stock``
   policy runs. Re-deriving it from the final trace would need to undo the scheduler, which
   keeps no inverse;
 - ``thunder_overlap``: the traces as they run.
@@ -31,9 +31,9 @@ from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
 from thunder_overlap._analysis.memory_estimate import MemoryEstimate, estimate_memory
 from thunder_overlap._analysis.passes import Pass
 from thunder_overlap._analysis.simulator import simulate
-from thunder_overlap._scheduling.dispatch import is_scheduled
 from thunder_overlap._scheduling.unsharding import UnshardingChoice
 from thunder_overlap._transforms.bucketing import BucketingTransform
+from thunder_overlap._transforms.schedule import OverlapScheduleTransform
 from thunder_overlap._transforms.zero3 import Zero3Transform
 from thunder_overlap.report._orders import (
     BASELINE,
@@ -224,10 +224,12 @@ def module_layouts(jm) -> BucketLayouts:
     return bucketing.layouts if bucketing is not None else NO_BUCKETS
 
 
-def unscheduled_trace(history: list[TraceCtx]) -> TraceCtx:
-    """The newest trace of ``history`` that thunder_overlap's scheduler did not produce."""
+def unscheduled_trace(jm, history: list[TraceCtx]) -> TraceCtx:
+    """The newest trace of ``jm``'s ``history`` that thunder_overlap's scheduler did not produce."""
+    schedule = OverlapScheduleTransform.of(jm)
+    scheduled = schedule.state.scheduled if schedule is not None else ()
     for trace in reversed(history):
-        if not is_scheduled(trace):
+        if trace not in scheduled:
             return trace
     raise ValueError("every trace in the history comes from thunder_overlap's scheduler; no baseline to compare with")
 
@@ -313,8 +315,8 @@ def report(
     if (thunder_fsdp.backward is None) != (not backward):
         raise ValueError("Thunder's FSDP traces and the module's must both have a backward, or neither")
     result = report_traces(
-        PassTraces(thunder_fsdp.forward, unscheduled_trace(forward), forward[-1]),
-        PassTraces(thunder_fsdp.backward, unscheduled_trace(backward), backward[-1]) if backward else None,
+        PassTraces(thunder_fsdp.forward, unscheduled_trace(jm, forward), forward[-1]),
+        PassTraces(thunder_fsdp.backward, unscheduled_trace(jm, backward), backward[-1]) if backward else None,
         cost_model,
         reason,
         world_size=thunder_fsdp.world_size,
