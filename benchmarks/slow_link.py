@@ -40,7 +40,8 @@ targets (against float32 thunder_overlap and against FSDP2 with the same policy)
 gets no prediction either (the simulator reads the traces, and clipping runs after them), only
 its time against its unclipped run, and the rounds' spread that puts it in or out of the noise.
 A ``:ckpt`` run gets no prediction either (C is calibrated without recomputation), only its time
-over its run without checkpointing against the recompute's measured compute time.
+over its run without checkpointing against the recompute's measured compute time. A ``:tc`` run
+(Thunder's torchcompile executor) gets none (C is calibrated with Thunder's default executors).
 
 It prints, per implementation, the median step time (median over rounds of each run's median),
 its ratio to Thunder's own FSDP, where it lands between the serial bound C + M (gap closed 0%) and
@@ -114,9 +115,9 @@ class TestbedConfig:
                 and bucketing in BUCKETING_MODES
                 and sharding in SHARD_MODES
                 and (sharding == self.shard_mode or impl == "thunder_overlap")
-                and suffix in ("", "bf16", "clip", "ckpt")
+                and suffix in ("", "bf16", "clip", "ckpt", "tc")
                 and (impl != "thunder" or not suffix)
-                and (suffix != "ckpt" or impl.startswith("thunder_overlap"))
+                and (suffix not in ("ckpt", "tc") or impl.startswith("thunder_overlap"))
             )
 
         unknown = [i for i in self.impls if not known(i)]
@@ -125,7 +126,7 @@ class TestbedConfig:
                 f"--impls {','.join(self.impls)!r}: accepted are one or more of {', '.join(TRAINING_IMPLS)}, "
                 f"each optionally with @bucketing ({', '.join(BUCKETING_MODES)}), /sharding ({', '.join(SHARD_MODES)}; "
                 "thunder_overlap only) and :bf16 for mixed precision, :clip for clipping by the global norm or :ckpt for "
-                "activation checkpointing (not thunder), "
+                "activation checkpointing (not thunder); :tc for Thunder's torchcompile executor (thunder_overlap only), "
                 "e.g. thunder_overlap@block/auto:bf16"
             )
         if self.shard_mode not in SHARD_MODES:
@@ -173,6 +174,7 @@ class TestbedConfig:
             "mixed_precision": "bf16/fp32" if is_mixed(label) else None,
             "max_norm": CLIP_MAX_NORM if is_clipped(label) else None,
             "activation_checkpointing": "" if is_checkpointed(label) else None,
+            "executors": "torchcompile" if is_torchcompiled(label) else None,
             # Runs that trace thunder_overlap (the calibration replays included) schedule for the link.
             "network": self.network if impl.startswith("thunder_overlap") or impl in ("comm_only", "compute_with_comm") else None,
         }
@@ -262,6 +264,11 @@ def is_clipped(label: str) -> bool:
 def is_checkpointed(label: str) -> bool:
     """Whether ``label`` checkpoints every block's activations (a ``:ckpt`` suffix)."""
     return label.endswith(":ckpt")
+
+
+def is_torchcompiled(label: str) -> bool:
+    """Whether ``label`` runs under Thunder's torchcompile executor (a ``:tc`` suffix)."""
+    return label.endswith(":tc")
 
 
 def checkpointing_checks(runs: dict[str, list[dict]], compute: list[dict], compute_checkpointed: list[dict] | None) -> list[str]:
@@ -441,9 +448,10 @@ def main(argv: list[str]) -> None:
     calibration_of = {impl: calibrations["none" if split_label(impl)[0] == "thunder" else split_label(impl)[1]] for impl in runs}
     first = next(iter(runs.values()))[0]
     simulated = {
-        # Calibrated for --shard-mode's float32 runs only.
+        # Calibrated for --shard-mode's float32 runs under the default executors only.
         impl: None
-        if is_mixed(impl) or is_clipped(impl) or is_checkpointed(impl) or sharding_of(impl, cfg.shard_mode) != cfg.shard_mode
+        if any(is_kind(impl) for is_kind in (is_mixed, is_clipped, is_checkpointed, is_torchcompiled))
+        or sharding_of(impl, cfg.shard_mode) != cfg.shard_mode
         else predict_testbed_step_ms(
             TestbedSetting(
                 impl=split_label(impl)[0],

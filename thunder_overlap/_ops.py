@@ -117,11 +117,12 @@ for _prim, _impl in (
 unfused_matmuls = OperatorExecutor("thunder_overlap_matmuls")
 register_executor(unfused_matmuls)
 _UNFUSED: dict[Symbol, str] = {}
-for _prim, _fn, _claims in (
-    (prims.matmul, torch.matmul, (ltorch.matmul, prims.matmul)),
-    (prims.linear, torch.nn.functional.linear, (ltorch.linear, prims.linear)),
+for _prim, _meta, _fn, _claims in (
+    (prims.matmul, prims.matmul.meta, torch.matmul, (ltorch.matmul, prims.matmul)),
+    # The bias may be left out, as torch.nn.functional.linear allows.
+    (prims.linear, lambda a, w, bias=None: prims.linear.meta(a, w, bias), torch.nn.functional.linear, (ltorch.linear, prims.linear)),
 ):
-    _op = unfused_matmuls.register_operator(f"unfused_{_prim.name}", meta=_prim.meta, fn=_fn, tags=[prims.OpTags.MATMUL_OP])
+    _op = unfused_matmuls.register_operator(f"unfused_{_prim.name}", meta=_meta, fn=_fn, tags=[prims.OpTags.MATMUL_OP])
     _UNFUSED[_op] = _prim.name
     for _claimed in _claims:
         unfused_matmuls.register_implementation(_claimed, _op, checker=_always)
@@ -391,13 +392,16 @@ register_executor(gathered_epilogues_unfused)
 
 
 def with_collectives_kept_visible(executors: list[Executor]) -> list[Executor]:
-    """``executors`` with ``overlap_executor``, ``unfused_matmuls`` and
-    ``gathered_epilogues_unfused`` first when one of them could fuse collectives.
+    """``executors`` with ``overlap_executor`` first when one of them could fuse collectives,
+    and ``unfused_matmuls`` and ``gathered_epilogues_unfused`` just before that one: executors
+    the user put before it still claim their ops first (a matmul executor's, say).
 
     Otherwise the list is returned unchanged, so Thunder's own passes (which know the torch
     executor's collective symbols) produce the same order as they do for Thunder's FSDP.
     """
     ours = (overlap_executor, unfused_matmuls, gathered_epilogues_unfused)
-    if any(_can_swallow_collectives(e) for e in executors):
-        return [*ours, *(e for e in executors if e not in ours)]
-    return list(executors)
+    theirs = [e for e in executors if e not in ours]
+    fuser = next((i for i, e in enumerate(theirs) if _can_swallow_collectives(e)), None)
+    if fuser is None:
+        return list(executors)
+    return [overlap_executor, *theirs[:fuser], unfused_matmuls, gathered_epilogues_unfused, *theirs[fuser:]]
