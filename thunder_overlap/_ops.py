@@ -55,8 +55,8 @@ __all__ = [
     "REDUCE_SCATTER_ISSUES",
     "BucketRuntime",
     "compute_name",
-    "numel",
     "gathered_epilogues_unfused",
+    "numel",
     "overlap_executor",
     "unfused_matmuls",
     "with_collectives_kept_visible",
@@ -111,9 +111,9 @@ for _prim, _impl in (
     overlap_executor.register_implementation(_prim, _CLAIMED[_prim], checker=_always)
 
 
-# Matmuls kept out of fusions ([Note: fusing executors]), by an executor of their own that only
-# fsdp() places first, and only where a fusing executor follows: operators with the prim's meta
-# (no subsymbols, so no fusion executor can take them apart) and the torch function.
+# Matmuls kept out of fusions ([Note: fusing executors]), by an executor of their own that fsdp()
+# places just before an executor that could fuse them with everything else: operators with the
+# prim's meta (no subsymbols, so no fusion executor can take them apart) and the torch function.
 unfused_matmuls = OperatorExecutor("thunder_overlap_matmuls")
 register_executor(unfused_matmuls)
 _UNFUSED: dict[Symbol, str] = {}
