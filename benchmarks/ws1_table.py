@@ -58,7 +58,9 @@ def side_by_side(results: list[dict], against: str) -> str:
         f"| sharding | impl | executors | bucketing | median ms | peak MiB | step vs {against} | peak vs {against} |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for run in sorted(results, key=lambda r: (-ord(r["shard_mode"][-1]), r["impl"] != against, r["impl"], r["bucketing_mode"])):
+    # ZeRO3 before ZeRO2 (as table()), the baseline first within each; sorts are stable.
+    rows = sorted(results, key=lambda r: (r["impl"] != against, r["impl"], r.get("executors", "default"), r["bucketing_mode"]))
+    for run in sorted(rows, key=lambda r: r["shard_mode"], reverse=True):
         base = baselines.get(run["shard_mode"])
         step = peak = "-"
         if base is not None:

@@ -61,19 +61,6 @@ def test_matmuls_kept_out_of_fusions_count_as_the_ops_they_run():
         assert ops.compute_name(kept_out) == name and op_flops(kept_out) == op_flops(plain) == 2 * 128 * 512 * 256
 
 
-def test_matmuls_and_epilogues_go_just_before_a_fuser_that_could_swallow_collectives():
-    from thunder.executors.sdpaex import sdpa_ex
-    from thunder.executors.torch_compile import torch_compile_cat_ex, torch_compile_ex
-    from thunder.executors.torchex import ex as torch_ex
-
-    ours = [ops.overlap_executor, ops.unfused_matmuls, ops.gathered_epilogues_unfused]
-    expected = [ours[0], sdpa_ex, *ours[1:], torch_compile_ex, torch_ex]
-    assert ops.with_collectives_kept_visible([sdpa_ex, torch_compile_ex, torch_ex]) == expected
-    assert ops.with_collectives_kept_visible([*ours, torch_compile_ex]) == [*ours, torch_compile_ex]
-    # No fuser of collectives (torchcompile_cat takes cat and elementwise ops only): unchanged.
-    assert ops.with_collectives_kept_visible([sdpa_ex, torch_compile_cat_ex, torch_ex]) == [sdpa_ex, torch_compile_cat_ex, torch_ex]
-
-
 def test_compute_bound_matmul_uses_the_fp32_rate_for_fp32_inputs():
     device = DeviceProfile("fp32", 2e12, 1e12, 1e15, flops_efficiency=1.0, bandwidth_efficiency=1.0, launch_overhead_s=0.0)
     flops = 2 * 1024 * 1024 * 1024

@@ -359,3 +359,21 @@ def test_executors_are_refused_where_they_are_not_wired_and_checked_by_name():
     assert [e.name for e in _jit_options(parse_args(["--executors", "torchcompile"]))["executors"]] == ["torchcompile"]
     inductor = [e.name for e in _jit_options(parse_args(["--impl", "compute_only", "--executors", "thunder_inductor"]))["executors"]]
     assert inductor[0] == "torchcompile" and len(inductor) > 1
+
+
+def test_side_by_side_table_gives_each_run_against_the_baseline_of_its_sharding():
+    from ws1_table import side_by_side
+
+    def run(impl: str, shard: str, ms: float, mib: int, executors: str = "default") -> dict:
+        return {"impl": impl, "shard_mode": shard, "executors": executors, "bucketing_mode": "none",
+                "median_iter_time_ms": ms, "peak_memory_bytes": mib * 2**20}  # fmt: skip
+
+    rows = side_by_side([run("thunder_overlap", "zero2", 66.0, 150, "torchcompile"), run("fsdp2_compile", "zero2", 60.0, 100),
+                         run("thunder_overlap", "zero3", 75.0, 90, "torchcompile"), run("fsdp2_compile", "zero3", 50.0, 120)],
+                        "fsdp2_compile").splitlines()[2:]  # fmt: skip
+    assert rows == [
+        "| zero3 | fsdp2_compile | default | none | 50.0 | 120 | 1.000x | 1.000x |",
+        "| zero3 | thunder_overlap | torchcompile | none | 75.0 | 90 | 1.500x | 0.750x |",
+        "| zero2 | fsdp2_compile | default | none | 60.0 | 100 | 1.000x | 1.000x |",
+        "| zero2 | thunder_overlap | torchcompile | none | 66.0 | 150 | 1.100x | 1.500x |",
+    ]
