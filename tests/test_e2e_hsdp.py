@@ -66,18 +66,28 @@ def _micro_batch_loss(model, rank: int, micro: int, seq_len: int | None = None) 
 
 
 def _no_sync_and_checkpoint(rank: int, directory: str) -> dict:
-    """Two micro-batches with the first under no_sync; then a checkpoint saved by one HSDP
-    configuration and loaded by another."""
+    """Two micro-batches with the first under no_sync, then an optimizer step, and a checkpoint
+    of that model (ZeRO2, block buckets) loaded by another HSDP configuration (ZeRO3, none)."""
     from thunder_overlap import checkpoint
     from thunder_overlap.checkpoint import StateDictOptions
 
     result: dict = {}
     model = _hsdp(0, "zero2", "block")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with model.no_sync():
         _micro_batch_loss(model, rank, 0).backward()
     result["grads_none_under_no_sync"] = all(p.grad is None for p in model.parameters())
     _micro_batch_loss(model, rank, 1).backward()
     result["accumulated_grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    optimizer.step()
+    full = StateDictOptions(full_state_dict=True)
+    checkpoint.save(Path(directory) / "hsdp", model, optimizer)
+    result["saved"] = checkpoint.get_state_dict(model, optimizer, options=full)
+    result["original_state_dict"] = {k: v.clone() for k, v in model.original_state_dict().items()}
+    loading = _hsdp(1, "zero3", "none")
+    loading_optimizer = torch.optim.AdamW(loading.parameters(), lr=1e-3)
+    checkpoint.load(Path(directory) / "hsdp", loading, loading_optimizer)
+    result["loaded"] = checkpoint.get_state_dict(loading, loading_optimizer, options=full)
 
     # A new sequence length retraces; the gradients still average over the whole world. Then
     # Thunder's state dict round trip keeps the live shards.
@@ -90,19 +100,6 @@ def _no_sync_and_checkpoint(rank: int, directory: str) -> dict:
     model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
     result["load_state_dict_kept_shards"] = pointers == [p.data_ptr() for p in model.parameters()]
     result["halved_original_state_dict"] = {k: v.clone() for k, v in model.original_state_dict().items()}
-
-    full = StateDictOptions(full_state_dict=True)
-    model = _hsdp(0, "zero3", "block")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    _micro_batch_loss(model, rank, 0).backward()
-    optimizer.step()
-    checkpoint.save(Path(directory) / "hsdp", model, optimizer)
-    result["saved"] = checkpoint.get_state_dict(model, optimizer, options=full)
-    result["original_state_dict"] = {k: v.clone() for k, v in model.original_state_dict().items()}
-    model = _hsdp(1, "zero2", "none")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    checkpoint.load(Path(directory) / "hsdp", model, optimizer)
-    result["loaded"] = checkpoint.get_state_dict(model, optimizer, options=full)
     return result
 
 
