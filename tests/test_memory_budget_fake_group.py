@@ -87,3 +87,18 @@ def test_the_backward_spends_the_slack_the_forward_left(fake_group_8):
     for name in ("forward", "backward"):
         scheduled = comparison.result("memory_aware", name).report.peak_bytes
         assert scheduled <= just_in_time[name] + slack, (name, scheduled, just_in_time[name], slack)
+
+
+@pytest.mark.slow
+def test_retries_that_run_out_leave_one_bucket_in_flight_not_none(fake_group_8, monkeypatch):
+    """Where the retries run out still over the budget (Llama-2-70B shapes at 1024 ranks needed a
+    fourth: each took back only the pool's overshoot, less than a bucket), the scheduler tries one
+    all-gather in flight, whose pool grows by one bucket at most, before giving up prefetching:
+    here the first attempt alone is allowed, and it overshoots."""
+    from thunder_overlap._scheduling import scheduler
+
+    monkeypatch.setattr(scheduler, "MAX_ATTEMPTS", 1)
+    jm, _ = _on_a_slow_link(1.5)
+    forward = OverlapScheduleTransform.of(jm).summaries.forward
+    assert forward.attempts == 2 and not forward.fell_back_to_just_in_time, forward.describe()
+    assert forward.baseline_peak_bytes < forward.peak_bytes <= forward.budget_bytes

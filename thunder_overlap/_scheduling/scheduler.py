@@ -20,7 +20,8 @@ The memory budget is relative to the just-in-time order (:func:`just_in_time_ord
 scheduler estimates that order's memory once (:mod:`~thunder_overlap._scheduling.memory_budget`), tracks what
 its own decisions add, and checks the final order with the memory estimator; if the model was
 optimistic it schedules again with the overshoot held back ([Note: pool growth] in
-docs/design.md), and after ``MAX_ATTEMPTS`` returns the just-in-time order itself.
+docs/design.md), then once with one all-gather in flight, and only if that too is over the budget
+returns the just-in-time order itself.
 
 The result depends only on the trace, the limits and the cost model's estimates, never on hashing
 or timing, so every rank computes the same order as long as they agree on the estimates.
@@ -37,6 +38,7 @@ from thunder.core.trace import TraceCtx
 from thunder_overlap._analysis.classify import AnnotatedTrace, NodeKind
 from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.memory_estimate import MemoryEstimate, estimate_memory
+from thunder_overlap._analysis.simulator import simulate
 from thunder_overlap._scheduling.issue_order import IssueOrder
 from thunder_overlap._scheduling.limits import JUST_IN_TIME_LIMITS, MemoryBudget, PrefetchDistance, ScheduleLimits
 from thunder_overlap._scheduling.memory_budget import MemoryProfile, baseline_profile
@@ -160,7 +162,8 @@ class OverlapScheduler:
 
     def _schedule_within_budget(self, walk: Callable[[ScheduleLimits, MemoryBudget | None], ScheduleWalk]) -> list[int]:
         """Walks until the estimator confirms an order within the budget, holding back each
-        attempt's overshoot in the next; the just-in-time order after ``MAX_ATTEMPTS``."""
+        attempt's overshoot in the next; then one all-gather in flight; the just-in-time order if
+        that too is over the budget or predicted slower."""
         baseline, baseline_memory = self.estimate_baseline_memory()
         self.budget_basis = baseline_memory
         if self.budget_after is not None:
@@ -194,6 +197,23 @@ class OverlapScheduler:
                 from_pool,
             )
             held_back += overshoot - from_pool
+        just_in_time = just_in_time_order(self.annotated, self.issue_order)
+        # [Note: pool growth]: one all-gather in flight, where the retries ran out before reaching it.
+        self.summary.attempts += 1
+        one_ahead = replace(limits, max_allgathers=1, max_allgather_bytes=None, early_allgather_bytes=None)
+        order = walk(one_ahead, MemoryBudget(MemoryProfile(baseline, budget - held_back))).builder.order
+        trace = apply_order(self.annotated, order, provenance="thunder_overlap: memory_aware schedule")
+        memory = estimate_memory(trace, layouts=self.annotated.layouts, after=self.memory_after)
+        if memory.peak_bytes <= budget and not self._slower(order, than=just_in_time):
+            self.summary.peak_bytes = memory.peak_bytes
+            self.checked_trace, self.checked_memory = trace, memory
+            return order
         self.summary.fell_back_to_just_in_time = True
         self.summary.peak_bytes = baseline_memory.peak_bytes
-        return just_in_time_order(self.annotated, self.issue_order)
+        return just_in_time
+
+    def _slower(self, order: list[int], *, than: list[int]) -> bool:
+        """Whether the cost model predicts ``order`` slower than order ``than`` (never, without one)."""
+        if self.cost_model is None:
+            return False
+        return simulate(self.annotated, order, self.cost_model).step_ms > simulate(self.annotated, than, self.cost_model).step_ms
