@@ -242,8 +242,7 @@ def _measured_peaks(jm, setup: TrainSetup, world_size: int, rows: slice, bucketi
     The measured peak is the least of ``MEASURED_STEPS`` such steps: gloo's worker thread drops
     its reference to a collective's tensors a moment after the wait returns, so where the trace
     frees one right after its wait, a loaded machine can free it later than the program does,
-    which only ever adds to a step's peak (one tensor, 17 KB of the demo's 1 MB, seen on one
-    run of three under load)."""
+    which only ever adds to a step's peak."""
     idx, targets = global_batch(setup, world_size, setup.steps)
     peaks = []
     for _ in range(MEASURED_STEPS):
