@@ -174,17 +174,12 @@ class OverlapScheduler:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             self.summary.attempts = attempt
             walked = walk(limits, MemoryBudget(MemoryProfile(baseline, budget - held_back)))
-            order = walked.builder.order
-            trace = apply_order(self.annotated, order, provenance="thunder_overlap: memory_aware schedule")
-            memory = estimate_memory(trace, layouts=self.annotated.layouts, after=self.memory_after)
-            peak = memory.peak_bytes
-            if peak <= budget:
-                self.summary.peak_bytes = peak
-                self.checked_trace, self.checked_memory = trace, memory
-                return order
+            memory = self._check(walked.builder.order)
+            if memory.peak_bytes <= budget:
+                return walked.builder.order
             # [Note: pool growth]: what the bucket pool grew by is held back from the all-gathers
             # in flight, the rest from the memory profile.
-            overshoot = peak - budget
+            overshoot = memory.peak_bytes - budget
             from_pool = min(overshoot, max(memory.pool.nbytes - baseline_memory.pool.nbytes, 0))
             if from_pool:
                 cap = walked.allgathers.in_flight.peak_bytes - from_pool
@@ -192,7 +187,7 @@ class OverlapScheduler:
             logger.debug(
                 "attempt %d: predicted peak %d B over the budget of %d B; holding back the overshoot (%d B of it the pool's)",
                 attempt,
-                peak,
+                memory.peak_bytes,
                 budget,
                 from_pool,
             )
@@ -202,15 +197,20 @@ class OverlapScheduler:
         self.summary.attempts += 1
         one_ahead = replace(limits, max_allgathers=1, max_allgather_bytes=None, early_allgather_bytes=None)
         order = walk(one_ahead, MemoryBudget(MemoryProfile(baseline, budget - held_back))).builder.order
-        trace = apply_order(self.annotated, order, provenance="thunder_overlap: memory_aware schedule")
-        memory = estimate_memory(trace, layouts=self.annotated.layouts, after=self.memory_after)
-        if memory.peak_bytes <= budget and not self._slower(order, than=just_in_time):
-            self.summary.peak_bytes = memory.peak_bytes
-            self.checked_trace, self.checked_memory = trace, memory
+        if self._check(order).peak_bytes <= budget and not self._slower(order, than=just_in_time):
             return order
         self.summary.fell_back_to_just_in_time = True
         self.summary.peak_bytes = baseline_memory.peak_bytes
+        self.checked_trace = self.checked_memory = None
         return just_in_time
+
+    def _check(self, order: list[int]) -> MemoryEstimate:
+        """Applies ``order`` and estimates its memory; the last order checked is the one kept
+        (``checked_trace``, ``checked_memory``, the summary's peak) unless the caller falls back."""
+        self.checked_trace = apply_order(self.annotated, order, provenance="thunder_overlap: memory_aware schedule")
+        self.checked_memory = estimate_memory(self.checked_trace, layouts=self.annotated.layouts, after=self.memory_after)
+        self.summary.peak_bytes = self.checked_memory.peak_bytes
+        return self.checked_memory
 
     def _slower(self, order: list[int], *, than: list[int]) -> bool:
         """Whether the cost model predicts ``order`` slower than order ``than`` (never, without one)."""
