@@ -26,11 +26,11 @@ class TinyGPTConfig:
     freeze_position_embedding: bool = True
 
 
-# The models call their layers below the blocks through these functions, not as modules: the
-# operations, parameters and names are the same, and so are the traces, but Thunder's interpreter
-# then runs no nn.Module.__call__ for them, which is most of what tracing a layer this small
-# costs. The models compile about 30% faster, and the tests compile hundreds of them. The blocks
-# stay module calls, as FSDP2's hooks and activation checkpointing need.
+# The models call their layers other than the blocks through these functions, not as modules:
+# the operations, parameters and names are the same, and so are the traces, but Thunder's
+# interpreter then runs no nn.Module.__call__ for them, which is most of what tracing a layer this
+# small costs (the tests compile hundreds of these models). The blocks stay module calls, as
+# FSDP2's hooks and activation checkpointing need.
 def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
