@@ -31,6 +31,8 @@ class TinyGPTConfig:
 # interpreter then runs no nn.Module.__call__ for them, which is most of what tracing a layer this
 # small costs (the tests compile hundreds of these models). The blocks stay module calls, as
 # FSDP2's hooks and activation checkpointing need.
+# For the same reason the models index tuples rather than unpack them (`shape[0]`, not `batch,
+# seq, width = shape`): Thunder's interpreter runs an unpacking as interpreted iteration.
 def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
@@ -51,10 +53,13 @@ class Attention(nn.Module):
 
 
 def _attention(layer: Attention, x: torch.Tensor) -> torch.Tensor:
-    batch, seq, width = x.shape
+    shape = x.shape
+    batch, seq, width = shape[0], shape[1], shape[2]
     heads = (batch, seq, layer.n_head, width // layer.n_head)
-    q, k, v = _linear(layer.qkv, x).split(width, dim=2)
-    q, k, v = q.view(heads).transpose(1, 2), k.view(heads).transpose(1, 2), v.view(heads).transpose(1, 2)
+    qkv = _linear(layer.qkv, x).split(width, dim=2)
+    q = qkv[0].view(heads).transpose(1, 2)
+    k = qkv[1].view(heads).transpose(1, 2)
+    v = qkv[2].view(heads).transpose(1, 2)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return _linear(layer.proj, y.transpose(1, 2).reshape(batch, seq, width))
 
@@ -161,12 +166,13 @@ class LlamaBlock(nn.Module):
         self.mlp_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
+        shape = x.shape
+        batch, seq, width = shape[0], shape[1], shape[2]
         head_size = width // self.n_head
-        q, k, v = _linear(self.qkv, _rms_norm(self.norm_1, x)).split((width, self.kv_width, self.kv_width), dim=2)
-        q = q.view(batch, seq, self.n_head, head_size).transpose(1, 2)
-        k = k.view(batch, seq, self.n_query_groups, head_size).transpose(1, 2)
-        v = v.view(batch, seq, self.n_query_groups, head_size).transpose(1, 2)
+        qkv = _linear(self.qkv, _rms_norm(self.norm_1, x)).split((width, self.kv_width, self.kv_width), dim=2)
+        q = qkv[0].view(batch, seq, self.n_head, head_size).transpose(1, 2)
+        k = qkv[1].view(batch, seq, self.n_query_groups, head_size).transpose(1, 2)
+        v = qkv[2].view(batch, seq, self.n_query_groups, head_size).transpose(1, 2)
         if self.n_query_groups != self.n_head:
             repeats = self.n_head // self.n_query_groups
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
