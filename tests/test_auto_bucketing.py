@@ -141,11 +141,34 @@ def test_the_memory_budget_and_bucket_cap_cap_buckets():
     assert BucketEnd.CAP in {b.ended for b in by_user.buckets}
 
 
+def test_a_memory_slack_below_a_block_keeps_each_block_whole_in_a_bucket_of_its_own():
+    # As block buckets keep it: the scheduler holds a prefetch back where the budget has no room,
+    # and pieces would each pay a launch (Llama-2-70B at 1024 ranks was 5% slower split).
+    model = TinyGPT(MODEL)
+    block = largest_block_bytes(model)
+    slack = int(0.6 * block)
+    plans, summary = _plan(LATENCY_DOMINATED, AutoBucketCaps(prefetch_bytes=4 * block, memory_slack_bytes=slack))
+    assert (summary.cap_bytes, summary.cap_source) == (slack, "memory slack")
+    holding_blocks = [b for b in summary.buckets if any(o.startswith("blocks.") for o in b.owners)]
+    # Each block once, whole (every one of its parameters), with nothing of another block.
+    assert [b.owners[0] for b in holding_blocks] == [f"blocks.{i}" for i in range(MODEL.n_layer)]
+    assert max(_blocks_per_bucket(summary)) == 1
+    for i, bucket in enumerate(holding_blocks):
+        assert set(bucket.parameters) >= {n for n, _ in model.blocks[i].named_parameters(prefix=f"blocks.{i}")}
+        assert bucket.unsharded_bytes > slack
+    # Several owners share a bucket only within the slack.
+    assert all(b.unsharded_bytes <= slack for b in summary.buckets if len(b.owners) > 1)
+    assert "by memory slack (a block above it stays whole)" in str(summary)
+    # A bucket_cap_mb or prefetch limit as small does split them.
+    _, by_user = _plan(LATENCY_DOMINATED, AutoBucketCaps(bucket_cap_bytes=slack, prefetch_bytes=4 * block))
+    assert all(b.unsharded_bytes <= slack for b in by_user.buckets)
+
+
 def test_a_cap_below_a_block_splits_each_block_into_buckets_of_its_own():
     model = TinyGPT(MODEL)
     block = largest_block_bytes(model)
     # 0.6 blocks: filling each bucket to the cap would carry a block's tail into the next block's
-    # head (Llama-2-70B at 1024 ranks, capped by the memory slack, did).
+    # head (Llama-2-70B at 1024 ranks, when the memory slack split blocks, did).
     cap = int(0.6 * block)
     _, summary = _plan(LATENCY_DOMINATED, AutoBucketCaps(bucket_cap_bytes=cap, prefetch_bytes=4 * block))
     split = [b for b in summary.buckets if any(o.startswith("blocks.") for o in b.owners)]

@@ -18,8 +18,12 @@ contiguous buckets:
   limit counted in blocks (a bucket larger than what may be in flight cannot be prefetched at
   all; the scheduler then counts that limit in buckets, so that two may be in flight) and the
   memory budget's fixed slack (prefetching a bucket holds it beside the one in use, beyond the
-  just-in-time peak); only the cap splits a block, into pieces in buckets of their own, and a
-  block that fits under the cap alone is not split across buckets to fill one;
+  just-in-time peak); only ``bucket_cap_mb`` or the prefetch limit splits a block, into pieces in
+  buckets of their own, and a block that fits under the cap alone is not split across buckets to
+  fill one. A block larger than the memory slack stays whole in a bucket of its own, as ``block``
+  buckets keep it: the scheduler holds its prefetch back where the budget has no room, and split
+  pieces would pay a launch latency each, which at scale costs more than they hide
+  (benchmarks/README.md, the Llama-2-70B row);
 - small parameters (norms, biases, embeddings) merge with their neighbours, and a small remainder
   at the end merges into the bucket before it;
 - where the backend runs a coalesced launch one collective after another (gloo), merging costs
@@ -70,12 +74,13 @@ class AutoBucketCaps:
     # The memory budget's fixed slack over the just-in-time order's peak.
     memory_slack_bytes: int | None = None
 
-    def binding(self) -> tuple[int | None, str | None]:
-        """The smallest cap and where it comes from; (None, None) when there is none."""
+    def binding(self, *, splitting_only: bool = False) -> tuple[int | None, str | None]:
+        """The smallest cap and where it comes from; (None, None) when there is none.
+        ``splitting_only``: of the caps that split a block (not the memory slack)."""
         named = [
             (self.bucket_cap_bytes, "bucket_cap_mb"),
             (self.prefetch_bytes, "prefetch limit"),
-            (self.memory_slack_bytes, "memory slack"),
+            (None if splitting_only else self.memory_slack_bytes, "memory slack"),
         ]
         present = [(size, name) for size, name in named if size is not None]
         return min(present, key=lambda c: c[0]) if present else (None, None)
@@ -153,13 +158,14 @@ def plan_auto_buckets(
         target = max(target, world_size * saturating_bytes(cost_model, replicas.count, latency_share, replicas.network))
         merge_saves_ms += 2 * cost_model.latency_ms(replicas.count, replicas.network)
     cap, cap_source = caps.binding()
+    split_cap, _ = caps.binding(splitting_only=True)
     # Bytes whose merging copy costs as much as the latency it saves.
     copy_break_even = _copy_break_even_bytes(cost_model, merge_saves_ms) if merges_copy else float("inf")
 
     planned: list[tuple[int, BucketPlan, BucketEnd]] = []
     position = {name: i for i, (name, _) in enumerate(shards)}
     for (dtype, requires_grad), stream in streams.items():
-        buckets = _pack(stream, target, cap, copy_break_even)
+        buckets = _pack(stream, target, _Caps(cap, split_cap), copy_break_even)
         for members, ended, label in _labelled(buckets):
             plan = make_plan(label, [(p.name, p.shard) for p in members], dtype, requires_grad)
             planned.append((position[members[0].name], plan, ended))
@@ -193,7 +199,15 @@ def _copy_break_even_bytes(cost_model: CostModel, latency_ms: float) -> float:
     return latency_ms / (COPY_BYTES_PER_BYTE * ms_per_byte) if ms_per_byte > 0 else float("inf")
 
 
-def _pack(stream: list[_Parameter], target: int, cap: int | None, copy_break_even: float) -> list[tuple[list[_Parameter], BucketEnd]]:
+@dataclass(frozen=True)
+class _Caps:
+    # The smallest cap: no bucket holding more than one owner exceeds it.
+    merge: int | None
+    # The smallest cap that splits a block (the memory slack does not).
+    split: int | None
+
+
+def _pack(stream: list[_Parameter], target: int, caps: _Caps, copy_break_even: float) -> list[tuple[list[_Parameter], BucketEnd]]:
     """Greedy contiguous packing of one dtype's parameters (see the module's docstring)."""
     # Bytes from each parameter to the end of its owner's run (what the rest of its block weighs),
     # and the whole run's bytes.
@@ -211,7 +225,7 @@ def _pack(stream: list[_Parameter], target: int, cap: int | None, copy_break_eve
     size = 0
     for i, parameter in enumerate(stream):
         if current:
-            ended = _end_before(stream[i - 1], parameter, size, rest_of_owner[i], owner_bytes[i - 1], owner_bytes[i], target, cap)
+            ended = _end_before(stream[i - 1], parameter, size, rest_of_owner[i], owner_bytes[i - 1], owner_bytes[i], target, caps)
             # One tensor needs no copy-out; a second makes the whole bucket copy.
             copied_by_merge = parameter.unsharded_bytes + (size if len(current) == 1 else 0)
             if ended is None and copied_by_merge > copy_break_even:
@@ -228,7 +242,7 @@ def _pack(stream: list[_Parameter], target: int, cap: int | None, copy_break_eve
         (before, _), (last, _) = buckets[-2], buckets[-1]
         merged = _bytes(before) + _bytes(last)
         copied_by_merge = _bytes(last) + (_bytes(before) if len(before) == 1 else 0)
-        if _bytes(last) < target and (cap is None or merged <= cap) and copied_by_merge <= copy_break_even:
+        if _bytes(last) < target and (caps.merge is None or merged <= caps.merge) and copied_by_merge <= copy_break_even:
             buckets[-2:] = [(before + last, BucketEnd.END)]
     return buckets
 
@@ -241,20 +255,21 @@ def _end_before(
     previous_owner_bytes: int,
     owner_bytes: int,
     target: int,
-    cap: int | None,
+    caps: _Caps,
 ) -> BucketEnd | None:
     """Whether the bucket of ``size`` bytes ends before ``parameter``, and why. ``rest``: the
     bytes from ``parameter`` to the end of its owner; ``*_owner_bytes``: each owner's total."""
     new_owner = parameter.owner != previous.owner
-    if cap is not None:
-        if new_owner and (owner_bytes > cap or previous_owner_bytes > cap):
-            # A block larger than the cap is split into pieces of its own, never shared with
-            # its neighbours: no bucket holds the tail of one block with the head of the next.
-            return BucketEnd.BLOCK_BOUNDARY
-        if size + parameter.unsharded_bytes > cap:
-            return BucketEnd.CAP
-        if new_owner and size + rest > cap:
-            return BucketEnd.BLOCK_BOUNDARY
+    cap = caps.merge
+    if cap is not None and new_owner and (owner_bytes > cap or previous_owner_bytes > cap):
+        # A block larger than the cap goes in buckets of its own (pieces, where a splitting cap
+        # binds), never shared with its neighbours: no bucket holds the tail of one block with
+        # the head of the next.
+        return BucketEnd.BLOCK_BOUNDARY
+    if caps.split is not None and size + parameter.unsharded_bytes > caps.split:
+        return BucketEnd.CAP
+    if cap is not None and new_owner and size + rest > cap:
+        return BucketEnd.CAP if size + parameter.unsharded_bytes > cap else BucketEnd.BLOCK_BOUNDARY
     # Inside a block, cut only where the rest of the block saturates on its own: a bucket then
     # never holds the tail of one block with the head of the next.
     if size >= target and (new_owner or rest >= target):
