@@ -52,6 +52,17 @@ def _run(jm) -> tuple:
     return _final_traces(jm)
 
 
+def _traced(jm) -> tuple:
+    """The final traces of a first step, built as a call builds them but not run (the report
+    traces so): the same traces as _run's, without Inductor compiling every torch.compile fusion,
+    which is most of such a test's time. test_fusing_executor_cannot_swallow_collectives_or_the_schedule
+    runs them (ZeRO3, forward and backward), as tests/test_cli_without_torch.py runs the README's
+    plugin line."""
+    torch.manual_seed(0)
+    thunder.compile_data(jm).get_computation_and_inputs(torch.randint(0, MODEL.vocab_size, (2, 8)))
+    return _final_traces(jm)
+
+
 @functools.cache
 def _stepped(sharding: str, config: OverlapConfig | None):
     """A model sharded as asked, after one step; cached, as compiling dominates this module's
@@ -230,7 +241,7 @@ def test_plugin_by_name_uses_the_defaults():
     from thunder.recipes import BaseRecipe
 
     torch.manual_seed(0)
-    forward, backward = _run(thunder.compile(TinyGPT(FUSED_MODEL), recipe=BaseRecipe(fuser="torch.compile"), plugins="fsdp-overlap"))
+    forward, backward = _traced(thunder.compile(TinyGPT(FUSED_MODEL), recipe=BaseRecipe(fuser="torch.compile"), plugins="fsdp-overlap"))
     _assert_moves_each_parameter_once(forward, backward, "zero2", model=FUSED_MODEL)  # the default is ZeRO2
 
 
@@ -245,7 +256,7 @@ def test_plugin_by_instance():
         plugins=[FSDPOverlap(sharding_strategy="zero3", device="cpu")],
     )
     # Under the torch.compile fuser's recipe the backward also re-gathers the norms' biases.
-    _assert_moves_each_parameter_once(*_run(jm), "zero3", exact_regathers=False, model=FUSED_MODEL)
+    _assert_moves_each_parameter_once(*_traced(jm), "zero3", exact_regathers=False, model=FUSED_MODEL)
 
 
 def test_transforms_compose_with_thunder_jit():
