@@ -190,6 +190,25 @@ def test_small_parameters_merge_with_their_neighbours():
     assert [b.parameters for b in summary.buckets if "frozen" in b.label] == [("wpe.weight",)]
 
 
+def test_mixed_precision_sizes_buckets_by_the_bytes_its_gathers_move():
+    # float32 masters gathered in bf16 move half their bytes: the buckets are those of the same
+    # model in bf16 (the same parameters together), and the summary counts what is gathered.
+    from thunder_overlap import MixedPrecision
+
+    policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = TinyGPT(MODEL)
+    block = largest_block_bytes(model)
+    caps = AutoBucketCaps(prefetch_bytes=block)  # one float32 block: two bf16 ones
+    plans, summary = _plan(LATENCY_DOMINATED, caps, model=model, mixed_precision=policy)
+    as_bf16, bf16_summary = _plan(LATENCY_DOMINATED, caps, model=TinyGPT(MODEL).to(torch.bfloat16))
+    assert [[s.name for s in p.slots] for p in plans] == [[s.name for s in p.slots] for p in as_bf16]
+    assert [b.unsharded_bytes for b in summary.buckets] == [b.unsharded_bytes for b in bf16_summary.buckets]
+    assert {p.dtype for p in plans} == {torch.float32}  # the buckets hold the float32 masters
+    # Not vacuous: counted in float32, each bucket would hold one block, not two.
+    _, as_float32 = _plan(LATENCY_DOMINATED, caps, model=model)
+    assert max(_blocks_per_bucket(as_float32)) == 1 < max(_blocks_per_bucket(summary)) == 2
+
+
 def test_saturating_bytes_follow_the_latency_share():
     # 1 ms of latency per step, 7 steps on 8 ranks of a ring; 100 GB/s; 10% latency share.
     bytes_needed = saturating_bytes(LATENCY_DOMINATED, WORLD_SIZE, 0.1)

@@ -128,6 +128,9 @@ def test_buckets_gather_in_the_param_dtype(gloo_group):
     bucketing = BucketingTransform.of(model)
     assert bucketing.buckets and all(b.flat_shard.dtype is FP32 and b.gather_dtype is BF16 for b in bucketing.buckets)
     assert {(layout.gather_dtype, layout.gather_itemsize) for layout in bucketing.layouts.values()} == {("torch.bfloat16", 2)}
+    # The plan counts what each all-gather moves: bf16 bytes, half the float32 buffer's.
+    gathered = [b.flat_shard.numel() * BF16.itemsize for b in bucketing.buckets]  # one rank: a shard is the bucket
+    assert [b.unsharded_bytes for b in bucketing.summaries.plan.buckets] == gathered
 
 
 def test_buckets_are_kept_where_the_policy_casts_nothing(gloo_group):

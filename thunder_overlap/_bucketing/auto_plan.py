@@ -58,7 +58,7 @@ from thunder_overlap._bucketing.plan import (
     summarize_plans,
     unsharded_bytes_of,
 )
-from thunder_overlap.options import BucketingStrategy
+from thunder_overlap.options import BucketingStrategy, MixedPrecision
 
 __all__ = ["AutoBucketCaps", "Replicas", "plan_auto_buckets", "saturating_bytes"]
 
@@ -133,13 +133,16 @@ def plan_auto_buckets(
     caps: AutoBucketCaps = AutoBucketCaps(),
     replicas: Replicas | None = None,
     merges_copy: bool = True,
+    mixed_precision: MixedPrecision | None = None,
 ) -> tuple[list[BucketPlan], BucketPlanSummary]:
     """Buckets for ``shards`` (name and sharded parameter, in first-use order, each tensor once)
     and why each was formed. ``owners`` maps a parameter to its block (or its module outside
     blocks), as :func:`~thunder_overlap._bucketing.plan.bucket_owner` gives for ``"auto"``.
 
     ``merges_copy``: whether a bucket of several tensors copies what it moves (gloo); False where
-    a coalesced launch runs as one and buckets gather in place (NCCL).
+    a coalesced launch runs as one and buckets gather in place (NCCL). ``mixed_precision``: sizes
+    and caps count the bytes each all-gather moves, in the dtype it gathers (bf16 for float32
+    masters gathered in bf16: twice the parameters per bucket).
 
     Under hybrid sharding (``replicas``), a bucket must also saturate its all-reduce across the
     replicas, which moves one shard (1 / ``world_size`` of the bucket) over the replicate group's
@@ -149,7 +152,7 @@ def plan_auto_buckets(
     for name, shard in shards:
         if name not in owners:
             raise KeyError(f"parameter {name!r} has no bucket owner; known: {sorted(owners)[:5]}...")
-        parameter = _Parameter(name, shard, owners[name], unsharded_bytes_of(shard, world_size))
+        parameter = _Parameter(name, shard, owners[name], unsharded_bytes_of(shard, world_size, mixed_precision))
         streams.setdefault((shard.dtype, shard.requires_grad), []).append(parameter)
     target = saturating_bytes(cost_model, world_size, latency_share)
     # Latency one bucket saves by merging: its all-gather's, and its all-reduce's two passes.
@@ -180,6 +183,7 @@ def plan_auto_buckets(
         cost_model=cost_model,
         target_bytes=target,
         cap=(cap, cap_source),
+        mixed_precision=mixed_precision,
     )
     return [plan for plan, _ in ordered], summary
 

@@ -19,7 +19,14 @@ from thunder_overlap._analysis.layout import BucketLayout
 from thunder_overlap._backends import backend_of
 from thunder_overlap._bucketing.auto_plan import AutoBucketCaps, Replicas, plan_auto_buckets
 from thunder_overlap._bucketing.buffers import BucketBuffers
-from thunder_overlap._bucketing.plan import BucketPlan, BucketPlanSummary, plan_buckets_with_ends, summarize_plans, unsharded_bytes_of
+from thunder_overlap._bucketing.plan import (
+    BucketPlan,
+    BucketPlanSummary,
+    gather_dtype_of,
+    plan_buckets_with_ends,
+    summarize_plans,
+    unsharded_bytes_of,
+)
 from thunder_overlap._bucketing.pool import BufferPool
 from thunder_overlap._scheduling.limits import resolve_limits
 from thunder_overlap.config import OverlapConfig
@@ -31,13 +38,15 @@ __all__ = ["ModuleBuckets", "make_buckets", "plan_module_buckets"]
 @dataclass(frozen=True)
 class ModuleBuckets:
     """What the plan needs to know of the module: its shards (name, sharded parameter, in
-    first-use order, each tensor once), the owner each is bucketed with, and where they live."""
+    first-use order, each tensor once), the owner each is bucketed with, where they live, and the
+    dtypes they are gathered in (sizes count what each all-gather moves)."""
 
     shards: list[tuple[str, torch.Tensor]]
     owners: dict[str, str]
     block_names: set[str]
     process_group: dist.ProcessGroup
     replicate_group: dist.ProcessGroup | None = None
+    mixed_precision: MixedPrecision | None = None
 
     @property
     def device(self) -> torch.device:
@@ -53,9 +62,20 @@ def plan_module_buckets(
     # compute timings still plan alike.
     cost_model = config.cost_model if config.cost_model is not None else CostModel.for_device(module.device, world_size)
     if strategy is not BucketingStrategy.AUTO:
-        planned = plan_buckets_with_ends(module.shards, module.owners, world_size=world_size, cap_bytes=cap_bytes)
+        mixed_precision = module.mixed_precision
+        planned = plan_buckets_with_ends(
+            module.shards, module.owners, world_size=world_size, cap_bytes=cap_bytes, mixed_precision=mixed_precision
+        )
         cap = (cap_bytes, "bucket_cap_mb") if cap_bytes is not None else (None, None)
-        summary = summarize_plans(planned, module.owners, strategy=strategy, world_size=world_size, cost_model=cost_model, cap=cap)
+        summary = summarize_plans(
+            planned,
+            module.owners,
+            strategy=strategy,
+            world_size=world_size,
+            cost_model=cost_model,
+            cap=cap,
+            mixed_precision=mixed_precision,
+        )
         return [plan for plan, _ in planned], summary
     replicas = None
     if module.replicate_group is not None:
@@ -69,6 +89,7 @@ def plan_module_buckets(
         caps=_auto_caps(module, cap_bytes, config),
         replicas=replicas,
         merges_copy=not backend_of(module.process_group, module.device).runs_coalesced_launch_as_one,
+        mixed_precision=module.mixed_precision,
     )
 
 
@@ -81,7 +102,7 @@ def _auto_caps(module: ModuleBuckets, cap_bytes: int | None, config: OverlapConf
     for name, shard in module.shards:
         owner = module.owners[name]
         if owner in module.block_names:
-            gathered[owner] = gathered.get(owner, 0) + unsharded_bytes_of(shard, world_size)
+            gathered[owner] = gathered.get(owner, 0) + unsharded_bytes_of(shard, world_size, module.mixed_precision)
     limits = resolve_limits(config, max(gathered.values(), default=None))
     # Only the budget's fixed slack: its ratio part follows the activations' shapes, which ranks
     # need not share, and the plan must be the same on every rank.
@@ -105,8 +126,7 @@ def make_buckets(
     for plan in plans:
         first = shards[plan.slots[0].name]
         flat = torch.empty(plan.shard_numel, dtype=plan.dtype, device=first.device)
-        cast = mixed_precision.dtypes_for(plan.dtype) if mixed_precision is not None else None
-        gather_dtype = plan.dtype if cast is None else cast[0]
+        gather_dtype = gather_dtype_of(plan.dtype, mixed_precision)
         layout = BucketLayout.default(
             plan.label,
             unsharded_numel=world_size * plan.shard_numel,

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from thunder_overlap._analysis.cost_model import CostModel
-from thunder_overlap.options import BucketingStrategy
+from thunder_overlap.options import BucketingStrategy, MixedPrecision
 
 __all__ = [
     "BucketChoice",
@@ -115,8 +115,10 @@ def plan_buckets_with_ends(
     *,
     world_size: int,
     cap_bytes: int | None = None,
+    mixed_precision: MixedPrecision | None = None,
 ) -> list[tuple[BucketPlan, BucketEnd]]:
-    """:func:`plan_buckets`, each bucket with why it ends: its group does, or the cap."""
+    """:func:`plan_buckets`, each bucket with why it ends: its group does, or the cap (counted in
+    the bytes each all-gather moves under ``mixed_precision``)."""
     groups: dict[tuple[str, torch.dtype, bool], list[tuple[str, torch.Tensor]]] = {}
     for name, shard in shards:
         if name not in owners:
@@ -128,7 +130,7 @@ def plan_buckets_with_ends(
         pieces: list[list[tuple[str, torch.Tensor]]] = [[]]
         piece_bytes = 0
         for name, shard in members:
-            unsharded = unsharded_bytes_of(shard, world_size)
+            unsharded = unsharded_bytes_of(shard, world_size, mixed_precision)
             if cap_bytes is not None and pieces[-1] and piece_bytes + unsharded > cap_bytes:
                 pieces.append([])
                 piece_bytes = 0
@@ -141,9 +143,16 @@ def plan_buckets_with_ends(
     return planned
 
 
-def unsharded_bytes_of(shard: torch.Tensor, world_size: int) -> int:
-    """What one all-gather of ``shard`` on ``world_size`` ranks produces, padding included."""
-    return shard.numel() * shard.element_size() * world_size
+def gather_dtype_of(dtype: torch.dtype, mixed_precision: MixedPrecision | None) -> torch.dtype:
+    """The dtype a parameter (or bucket) of ``dtype`` is all-gathered in."""
+    cast = mixed_precision.dtypes_for(dtype) if mixed_precision is not None else None
+    return dtype if cast is None else cast[0]
+
+
+def unsharded_bytes_of(shard: torch.Tensor, world_size: int, mixed_precision: MixedPrecision | None = None) -> int:
+    """What one all-gather of ``shard`` on ``world_size`` ranks produces, padding included, in the
+    dtype ``mixed_precision`` gathers it in: what the collective moves and a prefetch holds."""
+    return shard.numel() * _element_size(gather_dtype_of(shard.dtype, mixed_precision)) * world_size
 
 
 def make_plan(owner_label: str, members: list[tuple[str, torch.Tensor]], dtype: torch.dtype, requires_grad: bool) -> BucketPlan:
@@ -257,11 +266,13 @@ def summarize_plans(
     cost_model: CostModel,
     target_bytes: int | None = None,
     cap: tuple[int | None, str | None] = (None, None),
+    mixed_precision: MixedPrecision | None = None,
 ) -> BucketPlanSummary:
-    """The summary of ``planned`` buckets (with why each ends) under ``cost_model``."""
+    """The summary of ``planned`` buckets (with why each ends) under ``cost_model``; each bucket's
+    bytes are what its all-gather moves (in the dtype ``mixed_precision`` gathers it in)."""
     choices = []
     for plan, ended in planned:
-        size = plan.shard_numel * _element_size(plan.dtype) * world_size
+        size = plan.shard_numel * _element_size(gather_dtype_of(plan.dtype, mixed_precision)) * world_size
         bucket_owners = tuple(dict.fromkeys(owners[s.name] for s in plan.slots))
         choices.append(
             BucketChoice(

@@ -169,7 +169,7 @@ class BucketingTransform(Transform):
         block_names = [name for name, _ in state.find_blocks(model._model)]
         owners = bucket_owner(model._model, self.strategy, block_names)
         shards = list(model.named_parameters())
-        module = ModuleBuckets(shards, owners, set(block_names), self.process_group, self.replicate_group)
+        module = ModuleBuckets(shards, owners, set(block_names), self.process_group, self.replicate_group, self.mixed_precision)
         plans, self.summaries.plan = plan_module_buckets(module, self.strategy, self.cap_bytes, state.config)
         logger.info("%s", self.summaries.plan)
         numels = {name: unsharded_numel(model._model, name) for name, _ in shards}
