@@ -152,7 +152,7 @@ def gather_dtype_of(dtype: torch.dtype, mixed_precision: MixedPrecision | None) 
 def unsharded_bytes_of(shard: torch.Tensor, world_size: int, mixed_precision: MixedPrecision | None = None) -> int:
     """What one all-gather of ``shard`` on ``world_size`` ranks produces, padding included, in the
     dtype ``mixed_precision`` gathers it in: what the collective moves and a prefetch holds."""
-    return shard.numel() * _element_size(gather_dtype_of(shard.dtype, mixed_precision)) * world_size
+    return shard.numel() * gather_dtype_of(shard.dtype, mixed_precision).itemsize * world_size
 
 
 def make_plan(owner_label: str, members: list[tuple[str, torch.Tensor]], dtype: torch.dtype, requires_grad: bool) -> BucketPlan:
@@ -272,7 +272,7 @@ def summarize_plans(
     bytes are what its all-gather moves (in the dtype ``mixed_precision`` gathers it in)."""
     choices = []
     for plan, ended in planned:
-        size = plan.shard_numel * _element_size(gather_dtype_of(plan.dtype, mixed_precision)) * world_size
+        size = plan.shard_numel * gather_dtype_of(plan.dtype, mixed_precision).itemsize * world_size
         bucket_owners = tuple(dict.fromkeys(owners[s.name] for s in plan.slots))
         choices.append(
             BucketChoice(
@@ -292,6 +292,3 @@ def summarize_plans(
         digest=plan_digest(plans),
     )
 
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
