@@ -143,7 +143,7 @@ def test_the_memory_budget_and_bucket_cap_cap_buckets():
 
 def test_a_memory_slack_below_a_block_keeps_each_block_whole_in_a_bucket_of_its_own():
     # As block buckets keep it: the scheduler holds a prefetch back where the budget has no room,
-    # and pieces would each pay a launch (Llama-2-70B at 1024 ranks was 5% slower split).
+    # and pieces would each pay a launch (benchmarks/README.md, the Llama-2-70B row).
     model = TinyGPT(MODEL)
     block = largest_block_bytes(model)
     slack = int(0.6 * block)
