@@ -158,7 +158,7 @@ def test_a_memory_slack_below_a_block_keeps_each_block_whole_in_a_bucket_of_its_
         assert bucket.unsharded_bytes > slack
     # Several owners share a bucket only within the slack.
     assert all(b.unsharded_bytes <= slack for b in summary.buckets if len(b.owners) > 1)
-    assert "by memory slack (a block above it stays whole)" in str(summary)
+    assert "by memory slack (a block or parameter above it goes whole, alone)" in str(summary)
     # A bucket_cap_mb or prefetch limit as small does split them.
     _, by_user = _plan(LATENCY_DOMINATED, AutoBucketCaps(bucket_cap_bytes=slack, prefetch_bytes=4 * block))
     assert all(b.unsharded_bytes <= slack for b in by_user.buckets)

@@ -74,16 +74,20 @@ class AutoBucketCaps:
     # The memory budget's fixed slack over the just-in-time order's peak.
     memory_slack_bytes: int | None = None
 
-    def binding(self, *, splitting_only: bool = False) -> tuple[int | None, str | None]:
-        """The smallest cap and where it comes from; (None, None) when there is none.
-        ``splitting_only``: of the caps that split a block (not the memory slack)."""
+    def binding(self) -> tuple[int | None, str | None]:
+        """The smallest cap and where it comes from; (None, None) when there is none."""
         named = [
             (self.bucket_cap_bytes, "bucket_cap_mb"),
             (self.prefetch_bytes, "prefetch limit"),
-            (None if splitting_only else self.memory_slack_bytes, "memory slack"),
+            (self.memory_slack_bytes, "memory slack"),
         ]
         present = [(size, name) for size, name in named if size is not None]
         return min(present, key=lambda c: c[0]) if present else (None, None)
+
+    @property
+    def splitting(self) -> int | None:
+        """The smallest cap that splits a block (the memory slack only stops merges)."""
+        return min((c for c in (self.bucket_cap_bytes, self.prefetch_bytes) if c is not None), default=None)
 
 
 @dataclass(frozen=True)
@@ -161,14 +165,13 @@ def plan_auto_buckets(
         target = max(target, world_size * saturating_bytes(cost_model, replicas.count, latency_share, replicas.network))
         merge_saves_ms += 2 * cost_model.latency_ms(replicas.count, replicas.network)
     cap, cap_source = caps.binding()
-    split_cap, _ = caps.binding(splitting_only=True)
     # Bytes whose merging copy costs as much as the latency it saves.
     copy_break_even = _copy_break_even_bytes(cost_model, merge_saves_ms) if merges_copy else float("inf")
 
     planned: list[tuple[int, BucketPlan, BucketEnd]] = []
     position = {name: i for i, (name, _) in enumerate(shards)}
     for (dtype, requires_grad), stream in streams.items():
-        buckets = _pack(stream, target, _Caps(cap, split_cap), copy_break_even)
+        buckets = _pack(stream, target, _Caps(cap, caps.splitting), copy_break_even)
         for members, ended, label in _labelled(buckets):
             plan = make_plan(label, [(p.name, p.shard) for p in members], dtype, requires_grad)
             planned.append((position[members[0].name], plan, ended))

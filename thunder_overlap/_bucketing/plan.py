@@ -219,7 +219,8 @@ class BucketPlanSummary:
     # auto: the smallest bucket whose latency share is at most Tuning.auto_bucket_latency_share.
     target_bytes: int | None
     # The binding cap and which limit it comes from ("bucket_cap_mb", "prefetch limit", "memory
-    # slack"); a block larger than the memory slack exceeds it, whole in a bucket of its own.
+    # slack"); a block larger than the memory slack, or a parameter larger than any cap, exceeds
+    # it, whole in a bucket of its own.
     cap_bytes: int | None
     cap_source: str | None
     buckets: tuple[BucketChoice, ...]
@@ -234,7 +235,7 @@ class BucketPlanSummary:
         if self.cap_bytes is not None:
             head += f", capped at {self.cap_bytes / mib:.2f} MiB by {self.cap_source}"
             if any(b.unsharded_bytes > self.cap_bytes for b in self.buckets):
-                head += " (a block above it stays whole)"
+                head += " (a block or parameter above it goes whole, alone)"
         rows = [
             f"  {b.label:<40} {b.unsharded_bytes / mib:10.3f} MiB  latency {b.latency_share:6.1%}  {b.ended}" for b in self.buckets
         ]
