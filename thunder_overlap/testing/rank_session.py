@@ -35,7 +35,14 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from thunder_overlap.testing.local_ranks import _dead_peers, _exit_status, _forward_outputs, _free_port, refuse_if_ranks_forbidden
+from thunder_overlap.testing.local_ranks import (
+    _dead_peers,
+    _exit_status,
+    _forward_outputs,
+    _free_port,
+    collect_garbage_rarely,
+    refuse_if_ranks_forbidden,
+)
 
 __all__ = ["RankSession", "RankSessions"]
 
@@ -61,6 +68,7 @@ def _output_paths(directory: str, name: str, world_size: int, suffix: str) -> li
 def _serve(rank, world_size, port, backend, group_timeout_s, preload, jobs, results, output_dir) -> None:
     """A rank: imports, joins the process group, then runs each job until it gets None."""
     faulthandler.enable(all_threads=True)  # writes to file descriptor 2, wherever it points then
+    collect_garbage_rarely()
     idle_output = os.path.join(output_dir, f"idle.rank{rank}")
     _redirect_outputs(idle_output)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
