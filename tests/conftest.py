@@ -33,10 +33,10 @@ import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from thunder_overlap.testing.local_ranks import NO_RANKS_ENV, collect_garbage_rarely, refuse_if_ranks_forbidden  # noqa: E402
-from thunder_overlap.testing.rank_session import RankSessions  # noqa: E402
+from thunder_overlap.testing.local_ranks import NO_RANKS_ENV, refuse_if_ranks_forbidden  # noqa: E402
+from thunder_overlap.testing.rank_session import RankSessions, collect_garbage_rarely  # noqa: E402
 
-# Each worker compiles model after model: it collects garbage rarely, as the ranks do.
+# Each worker compiles model after model: it collects garbage rarely, as the sessions' ranks do.
 collect_garbage_rarely()
 
 RANKS, SLOW = "ranks", "slow"

@@ -4,6 +4,7 @@ starts fresh ranks. Its own session (torch alone preloaded: these functions need
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import signal
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from thunder_overlap.testing.rank_session import RankSession
+from thunder_overlap.testing.rank_session import GC_THRESHOLDS, RankSession
 
 pytestmark = pytest.mark.ranks
 
@@ -40,6 +41,10 @@ def _sleeps(rank: int, world_size: int, seconds: float) -> None:
     time.sleep(seconds)
 
 
+def _gc_thresholds(rank: int, world_size: int) -> tuple[int, ...]:
+    return gc.get_threshold()
+
+
 def _prints(rank: int, world_size: int) -> None:
     print(f"rank {rank} says hello")
 
@@ -63,6 +68,12 @@ def test_functions_run_on_every_rank_in_the_same_processes(session):
     assert [r[:2] for r in first] == [(0, 21.0), (1, 21.0)]
     assert [r[:2] for r in second] == [(0, 41.0), (1, 41.0)]
     assert [r[2] for r in first] == [r[2] for r in second] and session.starts == 1
+
+
+def test_ranks_and_this_worker_collect_garbage_rarely(session):
+    # Compile after compile, Python's default thresholds spend a sixth of the CPU collecting.
+    assert session.run(_gc_thresholds) == [GC_THRESHOLDS] * 2
+    assert gc.get_threshold() == GC_THRESHOLDS  # tests/conftest.py
 
 
 def test_each_runs_output_follows_it_rank_after_rank(session, capfd):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
-import gc
 import os
 import pickle
 import queue as queue_module
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["NO_RANKS_ENV", "collect_garbage_rarely", "refuse_if_ranks_forbidden", "run_local_ranks"]
+__all__ = ["NO_RANKS_ENV", "refuse_if_ranks_forbidden", "run_local_ranks"]
 
 # Set (to a test's name) by tests/conftest.py while a test not marked ``ranks`` runs: starting
 # ranks then, in that process or a child (the demo), is an error naming the test.
@@ -42,19 +41,6 @@ def refuse_if_ranks_forbidden(what: str) -> None:
         )
 
 
-# Python's collector runs a young-generation pass every 700 net allocations. Thunder's tracing
-# allocates containers by the million, so with that default a compile spends a sixth of its CPU
-# in the collector. The processes that compile model after model (these ranks, a RankSession's,
-# pytest's workers) collect every 50,000 allocations. The library itself leaves the collector
-# alone: a training process's settings are its owner's.
-GC_THRESHOLDS = (50_000, 20, 100)
-
-
-def collect_garbage_rarely() -> None:
-    """Raises this process's collector thresholds to ``GC_THRESHOLDS``."""
-    gc.set_threshold(*GC_THRESHOLDS)
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -67,7 +53,6 @@ def _worker(fn, rank, world_size, port, backend, args, results, timeout_s, outpu
     # A rank killed by a signal (a crash in native code) leaves no Python traceback for the
     # parent to raise; this writes every thread's stack to standard error first.
     faulthandler.enable(all_threads=True)
-    collect_garbage_rarely()
     sys.stdout.flush()
     output = os.open(output_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(output, 1)

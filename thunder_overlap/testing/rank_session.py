@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import importlib
 import itertools
 import os
@@ -35,20 +36,25 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from thunder_overlap.testing.local_ranks import (
-    _dead_peers,
-    _exit_status,
-    _forward_outputs,
-    _free_port,
-    collect_garbage_rarely,
-    refuse_if_ranks_forbidden,
-)
+from thunder_overlap.testing.local_ranks import _dead_peers, _exit_status, _forward_outputs, _free_port, refuse_if_ranks_forbidden
 
-__all__ = ["RankSession", "RankSessions"]
+__all__ = ["RankSession", "RankSessions", "collect_garbage_rarely"]
 
 # What every rank imports before its process group starts: what nearly every function sent needs.
 PRELOAD = ("torch", "thunder", "thunder_overlap", "thunder_overlap.testing.training")
 _READY = -1
+
+# Python's collector runs a young-generation pass every 700 net allocations. Thunder's tracing
+# allocates containers by the million, so with that default a compile spends a sixth of its CPU
+# in the collector. The test suite's processes, which compile model after model (a session's
+# ranks, pytest's workers), collect every 50,000 allocations. The library, its commands and the
+# benchmarks leave the collector alone: a training process's settings are its owner's.
+GC_THRESHOLDS = (50_000, 20, 100)
+
+
+def collect_garbage_rarely() -> None:
+    """Raises this process's collector thresholds to ``GC_THRESHOLDS``."""
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def _redirect_outputs(prefix: str) -> None:
