@@ -29,6 +29,7 @@ from collections.abc import Iterator
 # 11% less time on test_e2e_two_ranks.py and test_mixed_precision_fake_group.py on 2 cores).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import hypothesis  # noqa: E402
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -38,6 +39,18 @@ from thunder_overlap.testing.rank_session import RankSessions, collect_garbage_r
 
 # Each worker compiles model after model: it collects garbage rarely, as the sessions' ranks do.
 collect_garbage_rarely()
+
+
+# Hypothesis's first test in a process registers its random generator, which runs a full
+# collection and gc.get_referrers over the whole heap: one example here, while the heap is small,
+# instead of in whichever property test follows modules that keep compiled models (10 s then).
+@hypothesis.settings(max_examples=1, database=None)
+@hypothesis.given(hypothesis.strategies.none())
+def _register_hypothesis_random(_) -> None:
+    pass
+
+
+_register_hypothesis_random()
 
 RANKS, SLOW = "ranks", "slow"
 # Seconds (setup and call) past which an unmarked test is named at the end of the run: the fast
