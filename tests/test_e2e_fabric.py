@@ -9,9 +9,10 @@ One job per rank builds Fabric objects and returns what each check needs:
   ``setup_optimizers``); every parameter Fabric's wrapper lists is a shard the optimizer holds;
   ``precision="bf16-mixed"`` computes in bf16 and keeps float32 parameters;
   ``activation_checkpointing=True`` recomputes litgpt's blocks and trains as without;
-- a full checkpoint (``state_dict_type="full"``) loads into a plain litgpt ``GPT`` whose logits
-  are the sharded model's;
-- a sharded checkpoint restores a scheduler and the step, and returns what was not asked for;
+- a full checkpoint (``state_dict_type="full"``) of the model trained in litgpt's order loads into
+  a plain litgpt ``GPT`` whose logits are the sharded model's;
+- a sharded checkpoint of the one trained from the meta device restores a scheduler and the step,
+  and returns what was not asked for;
 - ``fabric.clip_gradients(clip_val=...)`` clamps every element; ``all_reduce``, ``broadcast``;
 - misuse gets the same clear error on both ranks, and nothing hangs.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -76,16 +78,32 @@ def _step(fabric, model, optimizer, step: int) -> float:
     return fabric.all_reduce(loss.detach(), reduce_op="mean").item()
 
 
-def _train(order: str) -> dict:
-    """Two steps of the tiny Llama, set up in ``order``; the losses and what Fabric's wrapper lists."""
+@dataclass
+class _Trained:
+    """What one order's run returns, and the objects the checkpoint and misuse checks go on with
+    (compiling dominates this module's time: they reuse trained models instead of compiling more)."""
+
+    result: dict
+    fabric: object
+    plain: torch.nn.Module
+    model: torch.nn.Module
+    optimizer: object
+
+
+def _train(order: str) -> _Trained:
+    """Two steps of the tiny Llama, set up in ``order``; the losses and what Fabric's wrapper
+    lists. litgpt's order saves full checkpoints (``state_dict_type`` changes only how
+    ``fabric.save`` writes)."""
     import thunder
 
     if order == "bf16-mixed":
         fabric = _fabric(precision="bf16-mixed")
+    elif order == "litgpt":
+        fabric = _fabric(state_dict_type="full")
     else:
         fabric = _fabric(activation_checkpointing=order == "checkpointed")
     with fabric.init_module(empty_init=order == "setup, meta"):
-        model = _tiny_llama()
+        model = plain = _tiny_llama()
     if order == "jitted, setup":
         model = thunder.jit(model)
     if order in ("litgpt", "bf16-mixed", "checkpointed"):
@@ -96,7 +114,7 @@ def _train(order: str) -> dict:
     listed = list(model.parameters())
     held = [p for group in optimizer.param_groups for p in group["params"]]
     losses = [_step(fabric, model, optimizer, step) for step in range(STEPS)]
-    return {
+    result = {
         "losses": losses,
         "listed_are_held": {id(p) for p in listed} == {id(p) for p in held},
         "sharded_are_held": {id(p) for p in model._forward_module.parameters()} == {id(p) for p in held},
@@ -106,6 +124,7 @@ def _train(order: str) -> dict:
         # The backward recomputes the blocks: it runs their linears again (otherwise it has none).
         "checkpointed": _backward_linears(model._forward_module) > 0,
     }
+    return _Trained(result, fabric, plain, model, optimizer)
 
 
 def _backward_linears(module) -> int:
@@ -114,15 +133,11 @@ def _backward_linears(module) -> int:
     return sum(b.sym.name == "linear" for b in thunder.last_backward_traces(module)[-1].bound_symbols)
 
 
-def _checkpoints(rank: int, tmp: Path) -> dict:
+def _checkpoints(rank: int, tmp: Path, full_run: _Trained, sharded_run: _Trained) -> dict:
+    """Full checkpoints of ``full_run`` (litgpt's order), sharded ones of ``sharded_run``."""
     result: dict = {}
     # Full: one file the plain model loads; its logits are the sharded model's.
-    fabric = _fabric(state_dict_type="full")
-    with fabric.init_module(empty_init=True):
-        model = _tiny_llama()
-    model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    _step(fabric, model, optimizer, 0)
+    fabric, model, optimizer = full_run.fabric, full_run.model, full_run.optimizer
     path = Path(fabric.broadcast(str(tmp / "full.pth")))
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
     probe = _tokens(fabric, 5)[:, :-1]
@@ -136,11 +151,7 @@ def _checkpoints(rank: int, tmp: Path) -> dict:
     fabric.barrier()
 
     # Sharded: a scheduler and the step come back; what was not asked for is returned.
-    fabric = _fabric()
-    with fabric.init_module(empty_init=True):
-        model = _tiny_llama()
-    model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    fabric, model, optimizer = sharded_run.fabric, sharded_run.model, sharded_run.optimizer
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
     _step(fabric, model, optimizer, 0)
     scheduler.step()
@@ -164,21 +175,19 @@ def _checkpoints(rank: int, tmp: Path) -> dict:
     return result
 
 
-def _misuse(rank: int) -> dict:
+def _misuse(rank: int, trained: _Trained) -> dict:
+    """Misuse of ``trained``'s Fabric objects, and of new ones."""
     errors: dict = {}
-    fabric = _fabric()
-    plain = _tiny_llama()
-    model = fabric.setup_module(plain)
+    fabric, plain, model, optimizer = trained.fabric, trained.plain, trained.model, trained.optimizer
     errors["setup twice"] = _error_of(lambda: fabric.setup_module(plain))
     stepped = _tiny_llama()
-    optimizer = torch.optim.SGD(stepped.parameters(), lr=0.1, momentum=0.9)
+    stepped_optimizer = torch.optim.SGD(stepped.parameters(), lr=0.1, momentum=0.9)
     stepped(_tokens(fabric, 0)[:, :-1]).sum().backward()
-    optimizer.step()
-    errors["optimizer with state"] = _error_of(lambda: fabric.setup(stepped, optimizer))
+    stepped_optimizer.step()
+    errors["optimizer with state"] = _error_of(lambda: fabric.setup(stepped, stepped_optimizer))
     other = _tiny_llama()
     errors["optimizer of another model"] = _error_of(lambda: fabric.setup(_tiny_llama(), torch.optim.SGD(other.parameters(), lr=0.1)))
 
-    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
     batch = _tokens(fabric, 0)
     with fabric.no_backward_sync(model):
         fabric.backward(model(batch[:, :-1]).float().square().mean())
@@ -212,8 +221,12 @@ def _session(rank: int, world_size: int, tmp: str) -> dict:
     assert world_size == WORLD_SIZE
     environ = dict(os.environ)
     try:
-        runs = {order: _train(order) for order in ("litgpt", "setup, meta", "jitted, setup", "bf16-mixed", "checkpointed")}
-        return {"runs": runs, "checkpoints": _checkpoints(rank, Path(tmp)), "misuse": _misuse(rank)}
+        trained = {order: _train(order) for order in ("litgpt", "setup, meta", "jitted, setup", "bf16-mixed", "checkpointed")}
+        return {
+            "runs": {order: run.result for order, run in trained.items()},
+            "checkpoints": _checkpoints(rank, Path(tmp), full_run=trained["litgpt"], sharded_run=trained["setup, meta"]),
+            "misuse": _misuse(rank, trained["litgpt"]),
+        }
     finally:
         os.environ.clear()
         os.environ.update(environ)
