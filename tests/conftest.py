@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import warnings
 from collections.abc import Iterator
 
 # One intra-op thread per process, set before torch loads (rank processes inherit it): make test
@@ -50,7 +51,11 @@ def _register_hypothesis_random(_) -> None:
     pass
 
 
-_register_hypothesis_random()
+# Hypothesis warns about strategies evaluated while conftest loads, as slow work at start-up: here
+# it is the point.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", hypothesis.errors.HypothesisSideeffectWarning)
+    _register_hypothesis_random()
 
 RANKS, SLOW = "ranks", "slow"
 # Seconds (setup and call) past which an unmarked test is named at the end of the run: the fast
