@@ -14,7 +14,7 @@ process that runs the session, not the one that started the ranks, sees them (py
 
 Functions sent must be picklable (module-level) and must not leave state behind that changes
 another function's results: each builds its own model and sets its own seeds; a function that
-patches something restores it.
+patches something restores it. The process groups a function makes are destroyed after it.
 """
 
 from __future__ import annotations
@@ -111,9 +111,9 @@ def _serve(rank, world_size, port, backend, group_timeout_s, preload, jobs, resu
                 # Pickled here, by value: torch would otherwise share tensors through file
                 # descriptors that vanish when this process exits.
                 outcome = (True, pickle.dumps(fn(rank, world_size, *args)))
+                _destroy_groups_made_since(groups_before)  # after a failure, the ranks are stopped anyway
             except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
                 outcome = (False, traceback.format_exc())
-            _destroy_groups_made_since(groups_before)
             _redirect_outputs(idle_output)  # flushes the job's output into its files first
             results.put((job_id, rank, *outcome))
     finally:
