@@ -229,7 +229,7 @@ def _measure(rank: int, world_size: int, variant: str, sharding: str, model: Tin
     for counted in ("as_run", "as_nccl"):
         optimizer.zero_grad(set_to_none=True)
         with LiveMemoryTracker(collective_buffers=counted) as memory:
-            for buffer in pool:
+            for buffer in bucketing.held_buffers() if bucketing is not None else ():
                 memory.track(buffer)
             forward_backward()
         peaks[counted] = memory.peak_bytes

@@ -184,3 +184,17 @@ def test_memory_estimate_predicts_the_measured_peak_with_reduce_scatters_in_flig
     result = local_ranks(train_rank, WORLD_SIZE, (setup,))[0]
     predicted, measured = result.predicted_peak_step_bytes, result.peak_step_bytes
     assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
+
+
+def test_memory_estimate_counts_the_cast_shards_mixed_precision_buckets_hold(local_ranks):
+    import thunder_overlap
+
+    # Gathering bf16 from float32 masters, each bucket casts its flat shard into a bf16 shard of
+    # its own, held for the module's life as the pool is: the estimate counts both from the
+    # step's start, as the tracker does (BucketingTransform.held_buffers). Without the cast
+    # shards the prediction was 7.1% under the measurement here.
+    policy = thunder_overlap.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    setup = TrainSetup(sharding="zero3", bucketing="block", model=ESTIMATES_MODEL, steps=1, mixed_precision=policy)
+    result = local_ranks(train_rank, WORLD_SIZE, (setup,))[0]
+    predicted, measured = result.predicted_peak_step_bytes, result.peak_step_bytes
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)

@@ -155,6 +155,11 @@ class BucketLayout:
         """Whether each gather first casts the flat shard into the bucket's cast shard."""
         return self.gather_dtype != self.dtype
 
+    @property
+    def cast_shard_nbytes(self) -> int:
+        """Bytes of the cast shard a casting bucket holds for the module's life (0 without a cast)."""
+        return self.gather_nbytes // self.world_size if self.casts_for_gather else 0
+
 
 # The layouts of a trace's buckets, keyed by the bucket object its operators name.
 BucketLayouts = Mapping[object, BucketLayout]

@@ -16,7 +16,8 @@ Bucketed collectives run on the bucket pool's buffers, each busy for as long as 
 (:mod:`~thunder_overlap._analysis.memory_books`, :mod:`~thunder_overlap._analysis.layout`); the
 estimate records each buffer's live interval on the step's timeline, plans the pool's slots from
 them (:mod:`~thunder_overlap._analysis.pool_slots`) and counts the plan as persistent, for the
-whole step, as the pool holds it.
+whole step, as the pool holds it. Under mixed precision each bucket also holds its cast shard (what
+its all-gather sends) for the module's life: counted as persistent too.
 
 (``thunder_overlap.testing.memory_check`` runs a trace and compares what it measures with this
 estimate.)
@@ -92,6 +93,9 @@ class MemoryEstimate:
     pool: SlotPlan = field(default_factory=SlotPlan)
     # The uses among them that are over (those still busy continue in the next trace).
     pool_intervals_done: list[PoolInterval] = field(default_factory=list, repr=False)
+    # The buckets' cast shards (mixed precision), held all along as the pool is, and included in
+    # every figure above like it.
+    cast_shard_bytes: int = 0
     # This trace's lone bucketed reduce-scatters not yet in place in the pool, for
     # :func:`~thunder_overlap._analysis.pool_slots.plan_shards_in_pool`.
     reduce_scatter_issues: list[ReduceScatterIssue] = field(default_factory=list, repr=False)
@@ -102,9 +106,15 @@ class MemoryEstimate:
 
     @property
     def peak_beyond_inputs_bytes(self) -> int:
-        """The peak less the persistent inputs this trace holds (parameters, the batch), the pool
-        kept: what a tracker started with the step counts, since the step never writes them."""
-        return self.peak_bytes - (self.persistent_bytes - self.pool.nbytes)
+        """The peak less the persistent inputs this trace holds (parameters, the batch), the
+        buckets' own buffers kept (the pool, the cast shards): what a tracker started with the
+        step counts, since the step never writes those inputs."""
+        return self.peak_bytes - (self.persistent_bytes - self.bucket_buffer_bytes)
+
+    @property
+    def bucket_buffer_bytes(self) -> int:
+        """Persistent bytes the buckets hold beyond the parameters: the pool and the cast shards."""
+        return self.pool.nbytes + self.cast_shard_bytes
 
     @property
     def timeline_end(self) -> int:
@@ -173,16 +183,18 @@ def estimate_memory(
     }
     estimate.reduce_scatter_issues = books.reduce_scatter_issues
     _count_pool(estimate, books, after)
+    estimate.cast_shard_bytes = sum(layout.cast_shard_nbytes for layout in layouts.values())
+    _count_persistent(estimate, estimate.cast_shard_bytes)
     return estimate
 
 
 def _held_not_received(after: MemoryEstimate, received: Mapping[int, int]) -> int:
-    """Bytes of ``after``'s persistent storages (its pool aside) that no input of the next trace
-    is bound to (``received``: storage ids in ``after`` -> ids in the next trace)."""
+    """Bytes of ``after``'s persistent storages (the buckets' own aside) that no input of the
+    next trace is bound to (``received``: storage ids in ``after`` -> ids in the next trace)."""
     received_bytes = {
         h.storage: h.nbytes for h in after.final_storages.values() if h.storage in received and h.persistent and h.pool_use is None
     }
-    return after.persistent_bytes - after.pool.nbytes - sum(received_bytes.values())
+    return after.persistent_bytes - after.bucket_buffer_bytes - sum(received_bytes.values())
 
 
 def _persistence(trace: TraceCtx, persistent_inputs: Iterable[str] | None):
@@ -239,11 +251,15 @@ def _count_pool(estimate: MemoryEstimate, books: StorageBooks, after: MemoryEsti
     still_busy = [replace(use, end=estimate.timeline_end) for use in books.pool_use.values()]
     estimate.pool_intervals = [*estimate.pool_intervals_done, *still_busy]
     estimate.pool = plan_slots(estimate.pool_intervals)
-    pool_bytes = estimate.pool.nbytes
-    estimate.input_bytes += pool_bytes
-    estimate.persistent_bytes += pool_bytes
-    estimate.live_after = [b + pool_bytes for b in estimate.live_after]
-    estimate.peak_during = [b + pool_bytes for b in estimate.peak_during]
+    _count_persistent(estimate, estimate.pool.nbytes)
+
+
+def _count_persistent(estimate: MemoryEstimate, nbytes: int) -> None:
+    """Adds ``nbytes`` held from before the trace to after it to every figure of ``estimate``."""
+    estimate.input_bytes += nbytes
+    estimate.persistent_bytes += nbytes
+    estimate.live_after = [b + nbytes for b in estimate.live_after]
+    estimate.peak_during = [b + nbytes for b in estimate.peak_during]
 
 
 def _unpack(bsym: BoundSymbol, books: StorageBooks, new_input) -> None:

@@ -35,6 +35,7 @@ import warnings
 from dataclasses import dataclass
 
 import thunder
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from thunder.core.trace import TraceCtx
@@ -138,11 +139,17 @@ class BucketingTransform(Transform):
         """Runs each bucket with its layout in ``layouts`` from the next step on."""
         self.state.set_layouts(layouts)
 
+    def held_buffers(self) -> list[torch.Tensor]:
+        """The buffers the buckets hold between steps besides the parameters' flat shards: the
+        pool's and, under mixed precision, the cast shards. The memory estimate counts them as
+        held all along; a tracker started at a step's start should too."""
+        casts = [b.gather_shard for b in self.buckets if b.gather_shard is not b.flat_shard]
+        return [*self.pool.buffers, *casts]
+
     def buffer_storages(self) -> set[int]:
         """Data pointers of every persistent buffer: the flat shards, their casts (mixed
         precision) and the pool."""
-        storages = {s.untyped_storage().data_ptr() for b in self.buckets for s in (b.flat_shard, b.gather_shard)}
-        return storages | {p.untyped_storage().data_ptr() for p in self.pool.buffers}
+        return {t.untyped_storage().data_ptr() for t in (*(b.flat_shard for b in self.buckets), *self.held_buffers())}
 
     def gradient_storages(self) -> set[int]:
         """Data pointers of the buffers a reduced gradient can live in: the gradient shards alive

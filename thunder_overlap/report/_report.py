@@ -252,7 +252,9 @@ def report_traces(
             continue
         reports = []
         for order, trace in traces.by_order().items():
-            r = analyze_trace(trace, cost_model, order=order, after=forward_memory.get(order), layouts=layouts)
+            # Thunder's own traces run none of thunder_overlap's buckets, nor hold their buffers.
+            own_layouts = NO_BUCKETS if order == BASELINE else layouts
+            r = analyze_trace(trace, cost_model, order=order, after=forward_memory.get(order), layouts=own_layouts)
             if name is Pass.FORWARD:
                 forward_memory[order] = r.memory
             reports.append(r)

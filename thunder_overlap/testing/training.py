@@ -248,7 +248,7 @@ def _measured_peaks(jm, setup: TrainSetup, world_size: int, rows: slice, bucketi
     for _ in range(MEASURED_STEPS):
         optimizer.zero_grad(set_to_none=True)
         with LiveMemoryTracker() as tracker:
-            for buffer in bucketing.pool.buffers if bucketing is not None else ():
+            for buffer in bucketing.held_buffers() if bucketing is not None else ():
                 tracker.track(buffer)  # held all along, as the estimate counts it
             _loss(jm(idx[rows]), targets[rows]).backward()
         peaks.append(tracker.peak_bytes)
