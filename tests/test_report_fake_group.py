@@ -352,6 +352,23 @@ def test_policy_comparison_puts_every_policy_side_by_side(jitted, thunder_fsdp):
 
 
 @pytest.mark.slow
+def test_policy_comparison_reports_the_compiled_policy_from_the_traces_that_run(jitted, thunder_fsdp):
+    import thunder
+
+    from thunder_overlap.report._policies import compare_policies
+
+    # Scheduled anew, the compiled policy could differ from what runs (a backward's bucket paths
+    # and agreed order come from the compile): its rows are the module's own final traces.
+    compiled = thunder_overlap.OverlapScheduleTransform.of(jitted).config
+    cost_model = CostModel.named("cpu", "gloo-loopback")
+    comparison = compare_policies(jitted, cost_model=cost_model, config=compiled, thunder_fsdp=thunder_fsdp)
+    runs = {"forward": thunder.last_traces(jitted)[-1], "backward": thunder.last_backward_traces(jitted)[-1]}
+    for pass_name, trace in runs.items():
+        assert comparison.result(compiled.policy.value, pass_name).report.annotated.trace is trace
+        assert comparison.result("greedy", pass_name).report.annotated.trace is not trace
+
+
+@pytest.mark.slow
 def test_baseline_is_thunder_fsdp_per_parameter_even_with_block_buckets():
     # Thunder 0.2.6 stores its bucketing strategy and never reads it: the baseline has one
     # all-gather per parameter where thunder_overlap's traces have one per bucket, and no bucket

@@ -3,7 +3,10 @@
 The traces Thunder produced before thunder_overlap's scheduling pass (see
 :func:`~thunder_overlap.report._report.unscheduled_trace`) are scheduled again by each policy of
 :class:`~thunder_overlap.config.Policy` with the same cost model the report
-simulates with, then simulated and memory-estimated like the report's own orders. The first row
+simulates with, then simulated and memory-estimated like the report's own orders; the policy the
+module was compiled with is reported from its own final traces instead, as they run (the
+backward's bucket paths and the order the ranks agreed on come from the compile, which a
+scheduling of its own would not repeat). The first row
 of each pass is Thunder's own FSDP (the report's baseline, ``thunder 0.2.6``), which every policy
 is compared with; ``stock`` is thunder_overlap's traces unscheduled. The ``just_in_time`` row is
 the memory budget's baseline; ``greedy`` shows what unbounded overlap costs in memory.
@@ -121,7 +124,8 @@ def compare_policies(
     beside Thunder's own FSDP.
 
     ``config`` supplies the limits (its ``policy`` is replaced by each compared one); the
-    prefetch byte limits are sized from ``jm``'s largest block as in training. ``thunder_fsdp``
+    prefetch byte limits are sized from ``jm``'s largest block as in training. Where that makes
+    the configuration ``jm`` was compiled with, its own final traces are reported. ``thunder_fsdp``
     as in :func:`~thunder_overlap.report._report.report` (default: traced here).
     """
     config = config if config is not None else OverlapConfig()
@@ -146,24 +150,36 @@ def compare_policies(
         if pass_name is Pass.FORWARD:
             forward_memory[BASELINE] = report.memory
         results.append(PolicyResult(BASELINE, pass_name, report, None))
+    compiled = {}  # the traces jm runs, and what its scheduler decided for them
+    if schedule is not None:
+        compiled = {Pass.FORWARD: (forward[-1], schedule.summaries.forward)}
+        if backward:
+            compiled[Pass.BACKWARD] = (backward[-1], schedule.summaries.backward)
     for policy in policies:
         label = policy.value
+        # A policy that reads no memory compares without the absolute budget (it refuses one).
+        budget = config.memory_budget_bytes if policy.reads_memory else None
+        policy_config = replace(config, policy=policy, memory_budget_bytes=budget)
+        own = compiled if schedule is not None and policy_config == schedule.config else {}
         for pass_name, trace in passes:
-            # A policy that reads no memory compares without the absolute budget (it refuses one).
-            budget = config.memory_budget_bytes if policy.reads_memory else None
-            policy_config = replace(config, policy=policy, memory_budget_bytes=budget)
-            scheduled = schedule_trace(
-                classify_trace(trace, layouts),
-                policy_config,
-                largest_block_bytes=block_bytes,
-                cost_model=cost_model,
-                memory_after=forward_memory.get(label),
-                budget_after=forward_budget_basis.get(label),
-            )
-            report = analyze_trace(scheduled.trace, cost_model, order=label, after=forward_memory.get(label), layouts=layouts)
+            if pass_name in own:
+                scheduled_trace, summary = own[pass_name]
+            else:
+                scheduled = schedule_trace(
+                    classify_trace(trace, layouts),
+                    policy_config,
+                    largest_block_bytes=block_bytes,
+                    cost_model=cost_model,
+                    memory_after=forward_memory.get(label),
+                    budget_after=forward_budget_basis.get(label),
+                )
+                scheduled_trace, summary = scheduled.trace, scheduled.summary
+                if pass_name is Pass.FORWARD:
+                    forward_budget_basis[label] = scheduled.budget_basis
+            report = analyze_trace(scheduled_trace, cost_model, order=label, after=forward_memory.get(label), layouts=layouts)
             if pass_name is Pass.FORWARD:
-                forward_memory[label], forward_budget_basis[label] = report.memory, scheduled.budget_basis
-            results.append(PolicyResult(label, pass_name, report, scheduled.summary))
+                forward_memory[label] = report.memory
+            results.append(PolicyResult(label, pass_name, report, summary))
     rows = (BASELINE, *(policy.value for policy in policies))
     results.sort(key=lambda r: (r.pass_name is not Pass.FORWARD, rows.index(r.policy)))
     # The ranks of the job: the baseline's (under hybrid sharding Thunder's FSDP takes the whole world).
