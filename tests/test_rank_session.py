@@ -45,18 +45,6 @@ def _gc_thresholds(rank: int, world_size: int) -> tuple[int, ...]:
     return gc.get_threshold()
 
 
-def _makes_a_group(rank: int, world_size: int) -> tuple[int, float]:
-    """The groups alive, and a sum over a group this function makes (and leaves alive)."""
-    group = dist.new_group(list(range(world_size)))
-    value = torch.tensor([1.0])
-    dist.all_reduce(value, group=group)
-    return len(dist.distributed_c10d._world.pg_map), value.item()
-
-
-def _groups_alive(rank: int, world_size: int) -> int:
-    return len(dist.distributed_c10d._world.pg_map)
-
-
 def _prints(rank: int, world_size: int) -> None:
     print(f"rank {rank} says hello")
 
@@ -86,13 +74,6 @@ def test_ranks_and_this_worker_collect_garbage_rarely(session):
     # Compile after compile, Python's default thresholds spend a sixth of the CPU collecting.
     assert session.run(_gc_thresholds) == [GC_THRESHOLDS] * 2
     assert gc.get_threshold() == GC_THRESHOLDS  # tests/conftest.py
-
-
-def test_groups_a_function_makes_are_destroyed_after_it(session):
-    # Each idle gloo group polls its sockets: kept, a session's groups would take a rank's CPU.
-    assert session.run(_makes_a_group) == [(2, 2.0)] * 2  # the default group and the new one
-    assert session.run(_groups_alive) == [1, 1]
-    assert session.run(_makes_a_group) == [(2, 2.0)] * 2  # the ranks still make and use groups
 
 
 def test_each_runs_output_follows_it_rank_after_rank(session, capfd):

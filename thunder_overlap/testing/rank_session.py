@@ -14,7 +14,7 @@ process that runs the session, not the one that started the ranks, sees them (py
 
 Functions sent must be picklable (module-level) and must not leave state behind that changes
 another function's results: each builds its own model and sets its own seeds; a function that
-patches something restores it. The process groups a function makes are destroyed after it.
+patches something restores it.
 """
 
 from __future__ import annotations
@@ -71,23 +71,6 @@ def _output_paths(directory: str, name: str, world_size: int, suffix: str) -> li
     return [os.path.join(directory, f"{name}.rank{rank}.{suffix}") for rank in range(world_size)]
 
 
-def _process_groups() -> set:
-    from torch.distributed import distributed_c10d
-
-    return set(distributed_c10d._world.pg_map)
-
-
-def _destroy_groups_made_since(groups_before: set) -> None:
-    """Destroys the process groups a job made (device meshes, Fabric's, HSDP's). A gloo group
-    keeps three threads, one of which polls its sockets a hundred times a second even when idle:
-    the ~80 groups a session's jobs make would otherwise take a rank an eighth of a core for
-    the rest of the run, beside whatever it computes."""
-    import torch.distributed as dist
-
-    for group in _process_groups() - groups_before:
-        dist.destroy_process_group(group)
-
-
 def _serve(rank, world_size, port, backend, group_timeout_s, preload, jobs, results, output_dir) -> None:
     """A rank: imports, joins the process group, then runs each job until it gets None."""
     faulthandler.enable(all_threads=True)  # writes to file descriptor 2, wherever it points then
@@ -105,13 +88,11 @@ def _serve(rank, world_size, port, backend, group_timeout_s, preload, jobs, resu
         while (job := jobs.get()) is not None:
             job_id, payload = job
             _redirect_outputs(os.path.join(output_dir, f"job{job_id}.rank{rank}"))
-            groups_before = _process_groups()
             try:
                 fn, args = pickle.loads(payload)
                 # Pickled here, by value: torch would otherwise share tensors through file
                 # descriptors that vanish when this process exits.
                 outcome = (True, pickle.dumps(fn(rank, world_size, *args)))
-                _destroy_groups_made_since(groups_before)  # after a failure, the ranks are stopped anyway
             except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
                 outcome = (False, traceback.format_exc())
             _redirect_outputs(idle_output)  # flushes the job's output into its files first
