@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
+from thunder_overlap._analysis.bounds import dependence_bound_ms
 from thunder_overlap._analysis.classify import (
     AnnotatedTrace,
     Collective,
@@ -326,3 +328,50 @@ def test_bucket_copies_take_their_bytes_over_memory_bandwidth_on_the_compute_str
     # Copies are compute-stream work: they count in compute and in the bound.
     assert sim.compute_ms == pytest.approx(3.0 + 2.0 + 1.0 + 4.0)
     assert sim.bound_ms == pytest.approx(10.0)
+
+
+def _gradient_tail(independent_first: bool) -> AnnotatedTrace:
+    """a (3 ms) makes a gradient g, reduce-scattered (2 ms) and waited on at the end; c (2 ms)
+    is independent of both, before a or after it in the compute order."""
+    group = _Group()
+    a = ("a", ["x"], ["g"])
+    c = ("c", ["x"], ["z"])
+    first, second = (c, a) if independent_first else (a, c)
+    nodes = [
+        _node(0, NodeKind.HEADER, "unpack_trivial", outputs=["x"]),
+        _node(1, NodeKind.COMPUTE, first[0], inputs=first[1], outputs=first[2]),
+        _node(2, NodeKind.COMPUTE, second[0], inputs=second[1], outputs=second[2]),
+        _node(3, NodeKind.COLLECTIVE, "reduce_scatter", inputs=["g"], outputs=["fr"], collective=0),
+        _node(4, NodeKind.WAIT, "wait", inputs=["fr"], outputs=["r"], collective=0),
+        _node(5, NodeKind.RETURN, "python_return", inputs=["r", "z"]),
+    ]
+    return _trace(nodes, [Collective(CollectiveKind.REDUCE_SCATTER, 3, 4, group, TWO_MS_OF_BYTES)])
+
+
+@pytest.mark.parametrize(
+    "trace, best_order, bound_ms",
+    [
+        # Every compute op reads the gathered weight: the gather (2 ms) runs alone, then a and b.
+        (_one_gather(compute_reads_gathered=True), [0, 1, 2, 3, 4, 5], 6.0),
+        # a does not: it hides the gather, and max(compute, communication) binds.
+        (_one_gather(), [0, 1, 3, 2, 4, 5], 4.0),
+        # The gradient is ready after a; c (after it in the compute order) hides its reduction.
+        (_gradient_tail(independent_first=False), [0, 1, 3, 2, 4, 5], 5.0),
+        # With c first in the compute order, nothing is left to hide the reduction.
+        (_gradient_tail(independent_first=True), [0, 1, 2, 3, 4, 5], 7.0),
+    ],
+)
+def test_dependence_bound_is_what_the_best_placement_of_the_collectives_reaches(trace, best_order, bound_ms):
+    cost_model = _cost_model()
+    assert dependence_bound_ms(trace, cost_model) == pytest.approx(bound_ms)
+    assert simulate(trace, best_order, cost_model).step_ms == pytest.approx(bound_ms)
+    # It never undercuts max(compute, communication), and no placement beats it.
+    assert simulate(trace, best_order, cost_model).bound_ms <= bound_ms
+
+
+def test_dependence_bound_leaves_links_of_concurrent_launches_to_the_busiest_link_bound():
+    trace = _gradient_tail(independent_first=True)
+    concurrent = replace(NETWORK, concurrent_launches=2)
+    device = DeviceProfile("test", 1e12, 1e12, 1e9)
+    cost_model = CostModel(device, concurrent, user_estimate=lambda bsym: COMPUTE_MS.get(bsym.sym.name, 0.0))
+    assert dependence_bound_ms(trace, cost_model) == pytest.approx(5.0)  # the compute alone

@@ -35,7 +35,7 @@ from thunder_overlap._analysis.classify import AnnotatedTrace, CollectiveKind, N
 from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.overlap import Coverage
 
-__all__ = ["CollectiveTiming", "OpTiming", "Simulation", "potentially_hideable", "simulate"]
+__all__ = ["CollectiveTiming", "OpTiming", "Simulation", "collective_ancestry", "potentially_hideable", "simulate"]
 
 _KIND_LABELS = {
     CollectiveKind.ALL_GATHER: "all_gather",
@@ -116,14 +116,13 @@ class Simulation:
         return sum(c.potentially_hideable and c.hidden for c in self.collectives)
 
 
-def potentially_hideable(annotated: AnnotatedTrace) -> list[bool]:
-    """For each collective: does some compute op neither feed its issue nor depend on its wait?"""
+def collective_ancestry(annotated: AnnotatedTrace) -> tuple[list[int], list[int]]:
+    """Per node, two bitmasks over collectives: the collectives whose issue it feeds (it is an
+    ancestor of the issue, or the issue itself), and those whose wait it depends on (a
+    descendant of the wait, or the wait itself)."""
     nodes = annotated.nodes
-    count = len(annotated.collectives)
-    everything = (1 << count) - 1
     start_bit = {c.start: 1 << i for i, c in enumerate(annotated.collectives)}
     wait_bit = {c.wait: 1 << i for i, c in enumerate(annotated.collectives) if c.wait is not None}
-
     # Descendants of waits, forward through producers.
     below = [0] * len(nodes)
     for node in nodes:
@@ -133,9 +132,8 @@ def potentially_hideable(annotated: AnnotatedTrace) -> list[bool]:
             if p is not None and p != node.index:
                 mask |= below[p]
         below[node.index] = mask
-    # Ancestors of issues, backward through consumers; compare at each compute op on the way.
+    # Ancestors of issues, backward through consumers.
     above = [0] * len(nodes)
-    unrelated_somewhere = 0
     for node in reversed(nodes):
         mask = start_bit.get(node.index, 0)
         for name in node.outputs:
@@ -143,8 +141,18 @@ def potentially_hideable(annotated: AnnotatedTrace) -> list[bool]:
                 if c != node.index:
                     mask |= above[c]
         above[node.index] = mask
+    return above, below
+
+
+def potentially_hideable(annotated: AnnotatedTrace) -> list[bool]:
+    """For each collective: does some compute op neither feed its issue nor depend on its wait?"""
+    count = len(annotated.collectives)
+    everything = (1 << count) - 1
+    above, below = collective_ancestry(annotated)
+    unrelated_somewhere = 0
+    for node in annotated.nodes:
         if node.kind is NodeKind.COMPUTE:
-            unrelated_somewhere |= everything & ~(mask | below[node.index])
+            unrelated_somewhere |= everything & ~(above[node.index] | below[node.index])
     return [bool(unrelated_somewhere >> i & 1) for i in range(count)]
 
 

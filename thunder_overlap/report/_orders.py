@@ -49,6 +49,9 @@ exposed ms: time the compute stream stands still waiting for communication.
 predicted ms: the pass simulated on one compute stream and one communication stream per group,
   each on its group's network (process groups: which network each group's collectives use).
 bound ms: max(compute, busiest communication stream): no order of these ops can be faster.
+dep. bound: also no faster than any set of one group's collectives after the compute that must
+  precede the first and before the compute that must follow the last (the first forward gather,
+  the last backward reduce-scatters): what these buckets leave exposed under any order.
 A collective's duration is its latency (latency x (ranks - 1) on a ring, x log2(ranks) on a tree)
   plus bytes / bandwidth. Each launch pays the latency; a coalesced launch of several tensors is one
   launch, so orders that coalesce differently differ in communication and bound ms.
@@ -78,6 +81,7 @@ class OrderReport:
     exposed_ms: float
     predicted_ms: float
     bound_ms: float
+    dependence_bound_ms: float
     compute_ms: float
     communication_ms: float
     peak_bytes: int
@@ -102,6 +106,7 @@ class OrderReport:
             "exposed_ms",
             "predicted_ms",
             "bound_ms",
+            "dependence_bound_ms",
             "compute_ms",
             "communication_ms",
             "peak_bytes",

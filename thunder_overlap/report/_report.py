@@ -25,6 +25,7 @@ import thunder
 from thunder.core import dtypes
 from thunder.core.trace import TraceCtx
 
+from thunder_overlap._analysis.bounds import dependence_bound_ms
 from thunder_overlap._analysis.classify import classify_trace
 from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
@@ -102,7 +103,7 @@ class Report:
     def __str__(self) -> str:
         head = (
             f"{'pass':<9} {'order':<16} {'colls':>6} {'hideable':>8} {'hidden':>6} {'exposed ms':>10} "
-            f"{'predicted ms':>12} {'bound ms':>9} {'peak MiB':>10}"
+            f"{'predicted ms':>12} {'bound ms':>9} {'dep. bound':>10} {'peak MiB':>10}"
         )
         why = f" ({self.profile_reason})" if self.profile_reason else ""
         lines = [f"world size {self.world_size}, device {self.device}, network {self.network}{why}"]
@@ -116,7 +117,7 @@ class Report:
             for r in p.orders:
                 lines.append(
                     f"{p.name:<9} {r.order:<16} {r.collectives:>6} {r.hideable:>8} {r.hidden:>6} {r.exposed_ms:>10.3f} "
-                    f"{r.predicted_ms:>12.3f} {r.bound_ms:>9.3f} {r.peak_bytes / _MIB:>10.1f}"
+                    f"{r.predicted_ms:>12.3f} {r.bound_ms:>9.3f} {r.dependence_bound_ms:>10.3f} {r.peak_bytes / _MIB:>10.1f}"
                 )
         for p in self.passes:
             lines.append(
@@ -207,6 +208,7 @@ def analyze_trace(
         exposed_ms=simulation.exposed_ms,
         predicted_ms=simulation.step_ms,
         bound_ms=simulation.bound_ms,
+        dependence_bound_ms=max(simulation.bound_ms, dependence_bound_ms(annotated, cost_model)),
         compute_ms=simulation.compute_ms,
         communication_ms=simulation.communication_ms,
         peak_bytes=memory.peak_bytes,

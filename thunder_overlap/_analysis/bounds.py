@@ -1,0 +1,77 @@
+"""The dependence bound: a lower bound on a pass's time under any placement of its collectives,
+with its compute in the order it has, tighter than max(compute, communication) where the data
+flow leaves some communication nothing to hide behind.
+
+thunder_overlap's scheduler moves collectives and keeps Thunder's compute order. A collective can
+then start no earlier than the compute up to its last input's producer has run, and what depends
+on its result computes from its first consumer on. On a link that runs one launch at a time, take
+any set S of one group's collectives: the first of them to start waits for the compute before it,
+the link runs the whole set, and the compute after the last still has to run. So no placement is
+faster than
+
+    min over S of the compute up to an issue's inputs + the set's time + min over S of the compute
+    from a result's first use
+
+for every S: the first forward all-gather (nothing computes before it) and the last backward
+reduce-scatters (little computes after them) are the sets that bind. The bound keeps the
+collectives as they are (buckets, coalesced launches): it says what no schedule of these ops can
+beat, not what other buckets or another compute order could.
+
+Local copies of bucketed collectives (lay-out, copy-out) and compute slowed by communication only
+lengthen a pass, so leaving them out keeps this a lower bound. Links that run several launches at
+once (gloo) are left to the busiest-link bound.
+"""
+
+from __future__ import annotations
+
+from thunder_overlap._analysis.classify import AnnotatedTrace, NodeKind
+from thunder_overlap._analysis.cost_model import CostModel
+from thunder_overlap._analysis.simulator import collective_ancestry
+
+__all__ = ["dependence_bound_ms"]
+
+
+def dependence_bound_ms(annotated: AnnotatedTrace, cost_model: CostModel) -> float:
+    """The largest bound over every group's sets of collectives (see the module's docstring),
+    never below the compute's total."""
+    above, below = collective_ancestry(annotated)
+    count = len(annotated.collectives)
+    compute = [(node.index, cost_model.compute_ms(node.bsym)) for node in annotated.nodes if node.kind is NodeKind.COMPUTE]
+    total = sum(ms for _, ms in compute)
+    before = [0.0] * count  # compute in order up to the last op feeding each issue
+    after = [0.0] * count  # compute in order from the first op using each result
+    done, first_use = 0.0, [None] * count
+    for index, ms in compute:
+        done += ms
+        for i in _bits(above[index]):
+            before[i] = done
+        for i in _bits(below[index]):
+            if first_use[i] is None:
+                first_use[i] = total - done + ms
+    for i, remaining in enumerate(first_use):
+        after[i] = remaining or 0.0
+    groups: dict[int, list[tuple[float, float, float]]] = {}
+    for i, coll in enumerate(annotated.collectives):
+        if cost_model.network_for(coll).concurrent_launches == 1:
+            groups.setdefault(coll.group_key, []).append((before[i], cost_model.collective_ms(coll), after[i]))
+    return max([total, *(_serial_link_bound(collectives) for collectives in groups.values())])
+
+
+def _bits(mask: int):
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _serial_link_bound(collectives: list[tuple[float, float, float]]) -> float:
+    """max over sets S of min(before) + sum(duration) + min(after), given (before, duration,
+    after) per collective: for each pair of thresholds, the set of every collective at or above
+    both is the best set for them."""
+    best = 0.0
+    for least_before in sorted({b for b, _, _ in collectives}):
+        for least_after in sorted({a for _, _, a in collectives}):
+            chosen = [d for b, d, a in collectives if b >= least_before and a >= least_after]
+            if chosen:
+                best = max(best, least_before + sum(chosen) + least_after)
+    return best
