@@ -66,12 +66,15 @@ def _bits(mask: int):
 
 def _serial_link_bound(collectives: list[tuple[float, float, float]]) -> float:
     """max over sets S of min(before) + sum(duration) + min(after), given (before, duration,
-    after) per collective: for each pair of thresholds, the set of every collective at or above
-    both is the best set for them."""
+    after) per collective: for each least ``before``, the best sets are those of every
+    collective at or above it and at or above some least ``after``."""
     best = 0.0
-    for least_before in sorted({b for b, _, _ in collectives}):
-        for least_after in sorted({a for _, _, a in collectives}):
-            chosen = [d for b, d, a in collectives if b >= least_before and a >= least_after]
-            if chosen:
-                best = max(best, least_before + sum(chosen) + least_after)
+    for least_before in {b for b, _, _ in collectives}:
+        chosen = sorted(((a, d) for b, d, a in collectives if b >= least_before), reverse=True)
+        total = 0.0
+        for i, (after, duration) in enumerate(chosen):
+            total += duration
+            # Sets end where ``after`` drops: every collective at or above it is in.
+            if i + 1 == len(chosen) or chosen[i + 1][0] < after:
+                best = max(best, least_before + total + after)
     return best
