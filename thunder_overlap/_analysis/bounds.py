@@ -40,16 +40,14 @@ def dependence_bound_ms(annotated: AnnotatedTrace, cost_model: CostModel) -> flo
     total = sum(ms for _, ms in compute)
     before = [0.0] * count  # compute in order up to the last op feeding each issue
     after = [0.0] * count  # compute in order from the first op using each result
-    done, first_use = 0.0, [None] * count
+    done, used = 0.0, 0
     for index, ms in compute:
+        for i in _bits(below[index] & ~used):
+            after[i] = total - done
+        used |= below[index]
         done += ms
         for i in _bits(above[index]):
             before[i] = done
-        for i in _bits(below[index]):
-            if first_use[i] is None:
-                first_use[i] = total - done + ms
-    for i, remaining in enumerate(first_use):
-        after[i] = remaining or 0.0
     groups: dict[int, list[tuple[float, float, float]]] = {}
     for i, coll in enumerate(annotated.collectives):
         if cost_model.network_for(coll).concurrent_launches == 1:

@@ -49,9 +49,9 @@ exposed ms: time the compute stream stands still waiting for communication.
 predicted ms: the pass simulated on one compute stream and one communication stream per group,
   each on its group's network (process groups: which network each group's collectives use).
 bound ms: max(compute, busiest communication stream): no order of these ops can be faster.
-dep. bound: also no faster than any set of one group's collectives after the compute that must
-  precede the first and before the compute that must follow the last (the first forward gather,
-  the last backward reduce-scatters): what these buckets leave exposed under any order.
+dep. bound: with the compute in its order, no faster than any set of one group's collectives
+  after the compute the first needs and before the compute that needs the last (the first forward
+  gather, the last backward reduce-scatters): what these buckets leave exposed wherever they go.
 A collective's duration is its latency (latency x (ranks - 1) on a ring, x log2(ranks) on a tree)
   plus bytes / bandwidth. Each launch pays the latency; a coalesced launch of several tensors is one
   launch, so orders that coalesce differently differ in communication and bound ms.
