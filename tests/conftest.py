@@ -141,24 +141,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # With pytest-xdist's --dist loadgroup (make test): every test on the shared rank sessions runs
     # in one worker, which starts them once; any other test runs in the worker that runs the rest
     # of its module, which sets the module's fixtures (compiled models) up once.
-    scopes: dict[str, list[pytest.Item]] = {}
     for item in items:
         shares_ranks = "local_ranks" in item.fixturenames  # directly or through a fixture
-        scope = "local_ranks" if shares_ranks else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(scope))
-        scopes.setdefault(scope, []).append(item)
-    # Longest first, so that the run ends on short groups, not with one worker idle while the
-    # other runs a long one (make test passes --no-loadscope-reorder, which keeps this order;
-    # xdist's own puts the groups of most tests first). A group's length is known only by its
-    # marks: the shared sessions' group, then groups that start processes of their own
-    # (torchrun, the demo), then groups of the most slow tests, then the fast tier.
-    items[:] = [item for scope in sorted(scopes, key=lambda s: _scope_length_rank(s, scopes[s])) for item in scopes[scope]]
-
-
-def _scope_length_rank(scope: str, items: list[pytest.Item]) -> tuple[bool, bool, int]:
-    starts_processes = any(item.get_closest_marker(RANKS) for item in items)
-    slow = sum(1 for item in items if item.get_closest_marker(SLOW) or item.get_closest_marker(RANKS))
-    return scope != "local_ranks", not starts_processes, -slow
+        item.add_marker(pytest.mark.xdist_group("local_ranks" if shares_ranks else item.nodeid.split("::")[0]))
 
 
 @pytest.hookimpl(hookwrapper=True)
