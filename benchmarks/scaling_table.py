@@ -91,8 +91,8 @@ class ScalingRow:
     bound_ms: float
     peak_bytes: int
     just_in_time_peak_bytes: int | None
-    # Whether every pass's predicted peak is within the memory budget the scheduler applies (the
-    # just-in-time peak of the same pass plus the slack); None for orders without a budget.
+    # Whether every pass's predicted peak is within the step's memory budget the scheduler applies
+    # (the just-in-time step's peak plus the slack); None for orders without a budget.
     within_budget: bool | None
     # Hybrid sharding: ranks per shard group (world_size / shard_group_size replicas); None:
     # sharded over the whole world.
@@ -143,9 +143,9 @@ def _order_row(comparison: PolicyComparison, order: str, config: OverlapConfig, 
     budget = resolve_limits(config, None).memory_budget if order == "memory_aware" else None
     within_budget = None
     if budget is not None:
-        within_budget = all(
-            r.report.peak_bytes <= budget.budget(comparison.result("just_in_time", r.pass_name).report.peak_bytes) for r in results
-        )
+        # The step's budget: relative to the just-in-time step's peak ([Note: the step's budget]).
+        step_budget = budget.budget(max(r.report.peak_bytes for r in just_in_time))
+        within_budget = all(r.report.peak_bytes <= step_budget for r in results)
     return ScalingRow(
         **setting,
         order=order,

@@ -4,12 +4,14 @@ within it. tests/test_e2e_memory_budget.py trains under the same budget on two g
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import thunder
 import torch
 
 import thunder_overlap
-from thunder_overlap import MixedPrecision, OverlapConfig, OverlapScheduleTransform
+from thunder_overlap import BucketingTransform, MixedPrecision, OverlapConfig, OverlapScheduleTransform
 from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.memory_estimate import estimate_memory
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
@@ -49,11 +51,14 @@ def test_a_tight_budget_binds_and_the_measured_peak_stays_within_it(fake_group_8
 SLOW_LINK = CostModel.named("cpu", "custom:100:0.01")  # a block's compute hides none of its all-gather
 
 
-def _on_a_slow_link(slack_blocks: float, **options):
+def _on_a_slow_link(slack_blocks: float, config_policy: str = "memory_aware", **options):
+    """TinyGPT, ZeRO3 with block buckets, on SLOW_LINK, one step; and the memory_aware config
+    with ``slack_blocks`` of the first block's bytes of slack (compiled with ``config_policy``)."""
     model = TinyGPT(MODEL)
     block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     config = OverlapConfig(memory_slack_bytes=int(slack_blocks * block_bytes), memory_slack_ratio=0.0, cost_model=SLOW_LINK)
-    jm = thunder_overlap.fsdp(model, device="cpu", sharding_strategy="zero3", bucketing_strategy="block", config=config, **options)
+    compiled = replace(config, policy=config_policy)
+    jm = thunder_overlap.fsdp(model, device="cpu", sharding_strategy="zero3", bucketing_strategy="block", config=compiled, **options)
     jm(torch.randint(0, MODEL.vocab_size, (4, 32))).float().sum().backward()
     return jm, config
 
@@ -87,6 +92,36 @@ def test_the_backward_spends_the_slack_the_forward_left(fake_group_8):
     for name in ("forward", "backward"):
         scheduled = comparison.result("memory_aware", name).report.peak_bytes
         assert scheduled <= just_in_time[name] + slack, (name, scheduled, just_in_time[name], slack)
+
+
+@pytest.mark.slow
+def test_the_forward_prefetches_within_the_steps_budget_where_its_own_holds_it_back(fake_group_8):
+    """[Note: the step's budget]: with half a block of slack no bucket can be prefetched within the
+    forward's own just-in-time peak plus the slack, but the backward's just-in-time peak is higher:
+    the forward is scheduled again against it, and the trace that runs is the one rescheduled. The
+    report schedules a step the same way."""
+    jm, config = _on_a_slow_link(0.5)
+    schedule = OverlapScheduleTransform.of(jm).summaries
+    forward, backward = schedule.forward, schedule.backward
+    slack = config.memory_slack_bytes
+    # The forward's budget is the step's: relative to the backward's just-in-time peak (after the
+    # forward's just-in-time order), which is higher than the forward's own.
+    assert forward.step_peak_bytes == backward.baseline_peak_bytes > forward.baseline_peak_bytes, forward.describe()
+    assert forward.budget_bytes == backward.budget_bytes == backward.baseline_peak_bytes + slack
+    # It prefetches beyond what its own budget allowed, and no pass goes over the step's budget.
+    assert forward.baseline_peak_bytes + slack < forward.peak_bytes <= forward.budget_bytes, forward.describe()
+    assert backward.peak_bytes <= backward.budget_bytes
+    # Thunder runs the rescheduled forward (rewritten in place after the backward compiled).
+    ran = thunder.last_traces(jm)[-1]
+    assert estimate_memory(ran, layouts=BucketingTransform.of(jm).layouts).peak_bytes == forward.peak_bytes
+    jm(torch.randint(0, MODEL.vocab_size, (4, 32))).float().sum().backward()
+    # The report schedules a step anew the same way (here for a module compiled with the stock
+    # order, which runs with the bucket paths chosen for that order).
+    stock, _ = _on_a_slow_link(0.5, config_policy="stock")
+    comparison = compare_policies(stock, cost_model=SLOW_LINK, config=config, policies=("memory_aware",))
+    reported = {name: comparison.result("memory_aware", name).summary for name in ("forward", "backward")}
+    assert reported["forward"].step_peak_bytes == reported["backward"].baseline_peak_bytes, reported["forward"].describe()
+    assert reported["forward"].baseline_peak_bytes + slack < reported["forward"].peak_bytes <= reported["forward"].budget_bytes
 
 
 @pytest.mark.slow

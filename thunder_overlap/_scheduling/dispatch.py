@@ -59,6 +59,7 @@ def schedule_trace(
     launches: list[list[int]] | None = None,
     memory_after: MemoryEstimate | None = None,
     budget_after: MemoryEstimate | None = None,
+    step_peak_bytes: int | None = None,
     caps_pool_reduce_scatters: bool = True,
 ) -> ScheduledTrace:
     """Schedules ``trace`` by ``config.policy``; limits are resolved from ``largest_block_bytes``
@@ -69,7 +70,9 @@ def schedule_trace(
     ``memory_after``: the memory estimate of the trace that produced this one's inputs (for a
     backward, its forward's :attr:`ScheduledTrace.memory`), so that the budget counts persistent
     and shared inputs as the report does; ``budget_after``: its forward's
-    :attr:`ScheduledTrace.budget_basis`, so that the budget is the just-in-time step's.
+    :attr:`ScheduledTrace.budget_basis`, so that the budget is the just-in-time step's;
+    ``step_peak_bytes``: for a forward, its backward's just-in-time peak where higher than its
+    own, which the budget is then relative to ([Note: the step's budget]).
     ``caps_pool_reduce_scatters``: see :func:`resolve_limits`."""
     annotated = trace if isinstance(trace, AnnotatedTrace) else classify_trace(trace)
     if not annotated.collectives:
@@ -91,6 +94,7 @@ def schedule_trace(
         issue_order=issue_order,
         memory_after=memory_after,
         budget_after=budget_after,
+        step_peak_bytes=step_peak_bytes,
     )
     order = scheduler.schedule()
     if launches is not None:

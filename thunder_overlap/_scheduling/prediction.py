@@ -13,7 +13,9 @@ from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
 from thunder_overlap._analysis.memory_estimate import estimate_memory
 from thunder_overlap._analysis.simulator import simulate
-from thunder_overlap._scheduling.dispatch import schedule_trace
+from thunder_overlap._scheduling.dispatch import ScheduledTrace, schedule_trace
+from thunder_overlap._scheduling.limits import resolve_limits
+from thunder_overlap._scheduling.step_budget import schedule_step
 from thunder_overlap._scheduling.unsharding import StepPrediction
 from thunder_overlap.config import OverlapConfig
 
@@ -41,27 +43,39 @@ def predict_step(
     prefetch_unit_bytes: int | None,
 ) -> StepPrediction:
     """``forward`` then ``backward`` (bucketed with ``layouts``) scheduled as a first compile
-    schedules them, less what needs the other ranks (the agreed order, the bucket paths): the
-    predicted peak and the simulated step."""
-    peak_bytes, step_ms, held_by_memory = 0, 0.0, 0
-    memory_after = budget_after = None
-    for trace in (forward, backward):
-        annotated = classify_trace(trace, layouts)
-        if not annotated.collectives:  # the same in every choice, and no collective to find its device by
-            continue
-        cost_model = cost_model_of(config, annotated)
-        scheduled = schedule_trace(
-            annotated,
+    schedules them (the forward within the step's budget), less what needs the other ranks (the
+    agreed order, the bucket paths): the predicted peak and the simulated step."""
+
+    def schedule(trace: AnnotatedTrace, after: ScheduledTrace | None, step_peak_bytes: int | None) -> ScheduledTrace:
+        return schedule_trace(
+            trace,
             config,
             largest_block_bytes=prefetch_unit_bytes,
-            cost_model=cost_model,
-            memory_after=memory_after,
-            budget_after=budget_after,
+            cost_model=cost_model_of(config, trace),
+            memory_after=after.memory if after is not None else None,
+            budget_after=after.budget_basis if after is not None else None,
+            step_peak_bytes=step_peak_bytes,
         )
+
+    # A pass without collectives is the same in every choice, and has none to find its device by.
+    forward_annotated, backward_annotated = (classify_trace(trace, layouts) for trace in (forward, backward))
+    rule = resolve_limits(config, prefetch_unit_bytes).memory_budget
+    step = schedule_step(
+        forward_annotated if forward_annotated.collectives else None,
+        backward_annotated if backward_annotated.collectives else None,
+        schedule,
+        rule,
+        lambda trace: cost_model_of(config, trace),
+    )
+    peak_bytes, step_ms, held_by_memory = 0, 0.0, 0
+    memory_after = None
+    for scheduled in step:
+        if scheduled is None:
+            continue
         memory = scheduled.memory or estimate_memory(scheduled.trace, layouts=layouts, after=memory_after)
         final = classify_trace(scheduled.trace, layouts)  # coalesced launches are one collective each
-        step_ms += simulate(final, list(range(len(final.nodes))), cost_model).step_ms
+        step_ms += simulate(final, list(range(len(final.nodes))), cost_model_of(config, scheduled.annotated)).step_ms
         peak_bytes = max(peak_bytes, memory.peak_bytes)
         held_by_memory += scheduled.summary.held_by_memory if scheduled.summary is not None else 0
-        memory_after, budget_after = memory, scheduled.budget_basis
+        memory_after = memory
     return StepPrediction(peak_bytes, step_ms, held_by_memory)

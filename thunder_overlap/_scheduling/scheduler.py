@@ -81,6 +81,7 @@ class OverlapScheduler:
         issue_order: IssueOrder | None = None,
         memory_after: MemoryEstimate | None = None,
         budget_after: MemoryEstimate | None = None,
+        step_peak_bytes: int | None = None,
     ) -> None:
         if issue_order is not None:
             issue_order.check(annotated)
@@ -95,6 +96,9 @@ class OverlapScheduler:
         # just-in-time step's, so what an earlier pass added (a pool grown in the forward) is
         # spent from the same slack, not granted again ([Note: pool growth]).
         self.budget_after = budget_after
+        # For a forward: its backward's just-in-time peak, where higher than its own; the budget
+        # is then relative to it ([Note: the step's budget]).
+        self.step_peak_bytes = step_peak_bytes
         # The just-in-time order's estimate, after ``budget_after``: what the budget is relative to.
         self.budget_basis: MemoryEstimate | None = None
         self.nodes = annotated.nodes
@@ -168,8 +172,10 @@ class OverlapScheduler:
         self.budget_basis = baseline_memory
         if self.budget_after is not None:
             self.budget_basis = estimate_memory(baseline_memory.trace, layouts=self.annotated.layouts, after=self.budget_after)
-        budget = self.limits.memory_budget.budget(self.budget_basis.peak_bytes)
+        budget = self.limits.memory_budget.budget(max(self.budget_basis.peak_bytes, self.step_peak_bytes or 0))
         self.summary.baseline_peak_bytes, self.summary.budget_bytes = self.budget_basis.peak_bytes, budget
+        if (self.step_peak_bytes or 0) > self.budget_basis.peak_bytes:
+            self.summary.step_peak_bytes = self.step_peak_bytes
         limits, held_back = self.limits, 0
         for attempt in range(1, MAX_ATTEMPTS + 1):
             self.summary.attempts = attempt

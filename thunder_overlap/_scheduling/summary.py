@@ -34,6 +34,9 @@ class ScheduleSummary:
     baseline_peak_bytes: int | None = None
     budget_bytes: int | None = None
     peak_bytes: int | None = None
+    # A forward's budget relative to its backward's just-in-time peak, where higher than its own
+    # (that peak; else None): [Note: the step's budget].
+    step_peak_bytes: int | None = None
     attempts: int = 0
     fell_back_to_just_in_time: bool = False
     # Coalesced launches in the final trace and the collectives they carry (scheduling/launches.py).
@@ -61,6 +64,8 @@ class ScheduleSummary:
                 f"; peak {self.peak_bytes} B of budget {self.budget_bytes} B (just-in-time {self.baseline_peak_bytes} B)"
                 f" after {self.attempts} attempt(s)"
             )
+            if self.step_peak_bytes is not None:
+                line += f", relative to the backward's just-in-time peak {self.step_peak_bytes} B"
         if self.coalesced_launches:
             line += f"; {self.coalesced_collectives} collectives coalesced into {self.coalesced_launches} launches"
         if self.fell_back_to_just_in_time:

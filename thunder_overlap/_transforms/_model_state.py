@@ -24,6 +24,7 @@ from thunder_overlap._bucketing.buffers import BucketBuffers
 from thunder_overlap._bucketing.path_choice import PathChoice
 from thunder_overlap._bucketing.plan import BucketPlanSummary
 from thunder_overlap._bucketing.trace_rewrite import BucketIndex, forward_input_names, rewrite_bucket_collectives
+from thunder_overlap._scheduling.dispatch import ScheduledTrace
 from thunder_overlap._scheduling.rank_agreement import IssueOrderAgreement, agree_settings
 from thunder_overlap.config import OverlapConfig
 
@@ -35,10 +36,12 @@ class ForwardHandoff:
     """What the backward's schedule takes from its forward's: Thunder compiles a backward right
     after its forward, whose outputs are the backward's inputs. ``memory`` is the forward's
     estimate as scheduled, ``budget_basis`` its just-in-time order's, which the budget is
-    relative to."""
+    relative to, and ``schedule`` the forward's schedule, which the backward's compile may redo
+    within the step's budget ([Note: the step's budget])."""
 
     memory: MemoryEstimate
     budget_basis: MemoryEstimate | None
+    schedule: ScheduledTrace | None = None
 
 
 @dataclass(eq=False)

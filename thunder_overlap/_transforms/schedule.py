@@ -10,8 +10,9 @@ Retraces schedule once, in the agreed order, with the final layouts.
 
 from __future__ import annotations
 
+import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from thunder.core.trace import TraceCtx
 from thunder.core.transform_common import Transform
@@ -25,14 +26,18 @@ from thunder_overlap._analysis.passes import Pass
 from thunder_overlap._bucketing.path_choice import PathChoice, choose_bucket_paths
 from thunder_overlap._scheduling.dispatch import ScheduledTrace, schedule_trace
 from thunder_overlap._scheduling.issue_order import IssueOrder, issue_order_of
+from thunder_overlap._scheduling.limits import resolve_limits
 from thunder_overlap._scheduling.prediction import cost_model_of
 from thunder_overlap._scheduling.rank_agreement import IssueOrderAgreement, agreed_subset, collective_keys
+from thunder_overlap._scheduling.step_budget import forward_within_step_budget
 from thunder_overlap._scheduling.summary import ScheduleSummary
 from thunder_overlap._transforms._lookup import transform_of
 from thunder_overlap._transforms._model_state import ForwardHandoff, ModelState
 from thunder_overlap.config import OverlapConfig
 
 __all__ = ["OverlapScheduleTransform", "ScheduleSummaries"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -114,15 +119,41 @@ class OverlapScheduleTransform(Transform):
             return computation_trace
         group = state.agreement_group_of(annotated)
         state.agree_settings_once(group)
+        if pass_ is Pass.BACKWARD and state.forward is not None and state.forward.schedule is not None:
+            self._forward_within_step_budget(state.forward.schedule, annotated)
         scheduled = self._schedule_pass(annotated, pass_, group)
         self._warn_if_over_budget(pass_, scheduled.summary)
         if pass_ is Pass.FORWARD:
             self.summaries.forward = scheduled.summary
-            state.forward = ForwardHandoff(scheduled.memory, scheduled.budget_basis)
+            state.forward = ForwardHandoff(scheduled.memory, scheduled.budget_basis, scheduled)
         else:
             self.summaries.backward = scheduled.summary
         state.scheduled.add(scheduled.trace)
         return scheduled.trace
+
+    def _forward_within_step_budget(self, forward: ScheduledTrace, backward: AnnotatedTrace) -> None:
+        """Schedules the forward again within the step's budget where that pays
+        ([Note: the step's budget]), in its agreed issue order and launches, and rewrites the
+        forward trace Thunder holds in place: Thunder builds its callable after the backward's
+        transforms, and the schedule transform is the last to see the forward."""
+        rule = resolve_limits(self.config, self.prefetch_unit_bytes).memory_budget
+        if rule is None:
+            return
+        keys = collective_keys(forward.annotated)
+        order, launches = self.agreement.agreed_order(Pass.FORWARD, keys), self.agreement.agreed_launches(Pass.FORWARD, keys)
+
+        def reschedule(step_peak_bytes: int) -> ScheduledTrace:
+            return self._schedule(forward.annotated, order, launches, step_peak_bytes=step_peak_bytes)
+
+        widened = forward_within_step_budget(forward, backward, rule, reschedule, self._cost_model(forward.annotated))
+        if widened is None:
+            return
+        forward.trace.bound_symbols = widened.trace.bound_symbols
+        forward.trace.names |= widened.trace.names  # the names of coalesced launches
+        widened = replace(widened, trace=forward.trace)
+        logger.info("forward rescheduled within the step's memory budget: %s", widened.summary.describe())
+        self.summaries.forward = widened.summary
+        self.state.forward = ForwardHandoff(widened.memory, widened.budget_basis, widened)
 
     def _warn_if_over_budget(self, pass_: Pass, summary: ScheduleSummary | None) -> None:
         """Says so where even no prefetch at all is over ``memory_budget_bytes``: the pass then
@@ -161,8 +192,11 @@ class OverlapScheduleTransform(Transform):
             return self._schedule(classify_trace(annotated.trace, layouts), agreed, launches)
 
         tuning = self.config.tuning
+        forward = state.forward
+        # A policy without a budget (stock) estimated no memory for its forward.
+        forward_trace = forward.memory.trace if forward.memory is not None else forward.schedule.trace
         state.bucket_paths = choose_bucket_paths(
-            state.forward.memory.trace,
+            forward_trace,
             scheduled,
             state.layouts,
             max_slowdowns=(tuning.reduce_from_copy_max_slowdown, tuning.per_tensor_gather_max_slowdown)
@@ -174,7 +208,7 @@ class OverlapScheduleTransform(Transform):
             reschedule=reschedule if uncapped else None,
         )
         state.set_layouts(state.bucket_paths.layouts)
-        state.forward = ForwardHandoff(state.bucket_paths.forward_memory, state.forward.budget_basis)
+        state.forward = ForwardHandoff(state.bucket_paths.forward_memory, forward.budget_basis, forward.schedule)
         return state.bucket_paths.backward
 
     def _chooses_paths(self, annotated: AnnotatedTrace) -> bool:
@@ -183,7 +217,13 @@ class OverlapScheduleTransform(Transform):
         return first and annotated.runs_buckets and not get_skip_data_parallel_grad_sync()
 
     def _schedule(
-        self, annotated: AnnotatedTrace, issue_order: list[int] | None, launches: list[list[int]] | None, *, caps: bool = True
+        self,
+        annotated: AnnotatedTrace,
+        issue_order: list[int] | None,
+        launches: list[list[int]] | None,
+        *,
+        caps: bool = True,
+        step_peak_bytes: int | None = None,
     ) -> ScheduledTrace:
         forward = self.state.forward if Pass.of(annotated.trace) is Pass.BACKWARD else None
         return schedule_trace(
@@ -195,6 +235,7 @@ class OverlapScheduleTransform(Transform):
             launches=launches,
             memory_after=forward.memory if forward is not None else None,
             budget_after=forward.budget_basis if forward is not None else None,
+            step_peak_bytes=step_peak_bytes,
             caps_pool_reduce_scatters=caps,
         )
 

@@ -19,13 +19,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import thunder
+from thunder.core.trace import TraceCtx
 
 from thunder_overlap._analysis.blocks import largest_block_bytes
-from thunder_overlap._analysis.classify import classify_trace
+from thunder_overlap._analysis.classify import AnnotatedTrace, classify_trace
 from thunder_overlap._analysis.cost_model import CostModel
-from thunder_overlap._analysis.memory_estimate import MemoryEstimate
+from thunder_overlap._analysis.layout import BucketLayouts
 from thunder_overlap._analysis.passes import Pass
-from thunder_overlap._scheduling.dispatch import schedule_trace
+from thunder_overlap._scheduling.dispatch import ScheduledTrace, schedule_trace
+from thunder_overlap._scheduling.limits import resolve_limits
+from thunder_overlap._scheduling.step_budget import schedule_step
 from thunder_overlap._scheduling.summary import ScheduleSummary
 from thunder_overlap._transforms.schedule import OverlapScheduleTransform
 from thunder_overlap.config import OverlapConfig, Policy
@@ -112,6 +115,30 @@ class PolicyComparison:
         return data
 
 
+def _schedule_step(
+    unscheduled: dict[Pass, TraceCtx], layouts: BucketLayouts, config: OverlapConfig, block_bytes: int | None, cost_model: CostModel
+) -> dict[Pass, tuple[TraceCtx, ScheduleSummary | None]]:
+    """Each pass of ``unscheduled`` (bucketed with ``layouts``) scheduled by ``config`` as a
+    compile schedules them (the forward within the step's budget): the trace and what the
+    scheduler decided."""
+
+    def schedule(trace: AnnotatedTrace, after: ScheduledTrace | None, step_peak_bytes: int | None) -> ScheduledTrace:
+        return schedule_trace(
+            trace,
+            config,
+            largest_block_bytes=block_bytes,
+            cost_model=cost_model,
+            memory_after=after.memory if after is not None else None,
+            budget_after=after.budget_basis if after is not None else None,
+            step_peak_bytes=step_peak_bytes,
+        )
+
+    rule = resolve_limits(config, block_bytes).memory_budget
+    forward, backward = (classify_trace(unscheduled[p], layouts) if p in unscheduled else None for p in (Pass.FORWARD, Pass.BACKWARD))
+    step = schedule_step(forward, backward, schedule, rule, lambda _: cost_model)
+    return {pass_: (s.trace, s.summary) for pass_, s in zip((Pass.FORWARD, Pass.BACKWARD), step, strict=True) if s is not None}
+
+
 def compare_policies(
     jm,
     *,
@@ -138,17 +165,18 @@ def compare_policies(
     # The limits' unit as training resolves it (the largest block, or bucket where larger).
     schedule = OverlapScheduleTransform.of(jm)
     block_bytes = schedule.prefetch_unit_bytes if schedule is not None else largest_block_bytes(jm._model)
-    passes = [(Pass.FORWARD, unscheduled_trace(jm, forward))] + ([(Pass.BACKWARD, unscheduled_trace(jm, backward))] if backward else [])
     layouts = module_layouts(jm)
+    unscheduled = {Pass.FORWARD: unscheduled_trace(jm, forward)}
+    if backward:
+        unscheduled[Pass.BACKWARD] = unscheduled_trace(jm, backward)
     thunder_fsdp = thunder_fsdp if thunder_fsdp is not None else thunder_fsdp_baseline(jm)
     results = []
-    forward_memory: dict[str, MemoryEstimate] = {}
-    forward_budget_basis: dict[str, MemoryEstimate | None] = {}
     baseline_passes = [(Pass.FORWARD, thunder_fsdp.forward)] + ([(Pass.BACKWARD, thunder_fsdp.backward)] if backward else [])
+    baseline_forward = None
     for pass_name, trace in baseline_passes:
-        report = analyze_trace(trace, cost_model, order=BASELINE, after=forward_memory.get(BASELINE))
+        report = analyze_trace(trace, cost_model, order=BASELINE, after=baseline_forward)
         if pass_name is Pass.FORWARD:
-            forward_memory[BASELINE] = report.memory
+            baseline_forward = report.memory
         results.append(PolicyResult(BASELINE, pass_name, report, None))
     compiled = {}  # the traces jm runs, and what its scheduler decided for them
     if schedule is not None:
@@ -156,30 +184,19 @@ def compare_policies(
         if backward:
             compiled[Pass.BACKWARD] = (backward[-1], schedule.summaries.backward)
     for policy in policies:
-        label = policy.value
         # A policy that reads no memory compares without the absolute budget (it refuses one).
         budget = config.memory_budget_bytes if policy.reads_memory else None
         policy_config = replace(config, policy=policy, memory_budget_bytes=budget)
-        own = compiled if schedule is not None and policy_config == schedule.config else {}
-        for pass_name, trace in passes:
-            if pass_name in own:
-                scheduled_trace, summary = own[pass_name]
-            else:
-                scheduled = schedule_trace(
-                    classify_trace(trace, layouts),
-                    policy_config,
-                    largest_block_bytes=block_bytes,
-                    cost_model=cost_model,
-                    memory_after=forward_memory.get(label),
-                    budget_after=forward_budget_basis.get(label),
-                )
-                scheduled_trace, summary = scheduled.trace, scheduled.summary
-                if pass_name is Pass.FORWARD:
-                    forward_budget_basis[label] = scheduled.budget_basis
-            report = analyze_trace(scheduled_trace, cost_model, order=label, after=forward_memory.get(label), layouts=layouts)
+        if schedule is not None and policy_config == schedule.config:
+            passes = compiled
+        else:
+            passes = _schedule_step(unscheduled, layouts, policy_config, block_bytes, cost_model)
+        forward_memory = None
+        for pass_name, (scheduled_trace, summary) in passes.items():
+            report = analyze_trace(scheduled_trace, cost_model, order=policy.value, after=forward_memory, layouts=layouts)
             if pass_name is Pass.FORWARD:
-                forward_memory[label] = report.memory
-            results.append(PolicyResult(label, pass_name, report, summary))
+                forward_memory = report.memory
+            results.append(PolicyResult(policy.value, pass_name, report, summary))
     rows = (BASELINE, *(policy.value for policy in policies))
     results.sort(key=lambda r: (r.pass_name is not Pass.FORWARD, rows.index(r.policy)))
     # The ranks of the job: the baseline's (under hybrid sharding Thunder's FSDP takes the whole world).
