@@ -157,8 +157,8 @@ class OverlapConfig:
     prefetch_blocks: float = 2.0
     # A byte cap on all-gathers in flight instead of prefetch_blocks.
     max_in_flight_allgather_bytes: int | None = None
-    # Memory budget: predicted peak <= the just-in-time order's peak + max(slack_bytes,
-    # slack_ratio x that peak) (Inductor's defaults).
+    # Memory budget: predicted peak <= the just-in-time step's peak + max(slack_bytes,
+    # slack_ratio x that peak) (Inductor's defaults; [Note: the step's budget]).
     memory_slack_bytes: int = _GIB
     memory_slack_ratio: float = 0.05
     # An absolute budget on the predicted peak of a step's traces per rank (shards, activations,
