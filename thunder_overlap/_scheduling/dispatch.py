@@ -71,8 +71,8 @@ def schedule_trace(
     backward, its forward's :attr:`ScheduledTrace.memory`), so that the budget counts persistent
     and shared inputs as the report does; ``budget_after``: its forward's
     :attr:`ScheduledTrace.budget_basis`, so that the budget is the just-in-time step's;
-    ``step_peak_bytes``: for a forward, its backward's just-in-time peak where higher than its
-    own, which the budget is then relative to ([Note: the step's budget]).
+    ``step_peak_bytes``: for a forward, its backward's just-in-time peak, its budget where higher
+    than its own ([Note: the step's budget]).
     ``caps_pool_reduce_scatters``: see :func:`resolve_limits`."""
     annotated = trace if isinstance(trace, AnnotatedTrace) else classify_trace(trace)
     if not annotated.collectives:

@@ -14,7 +14,6 @@ from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
 from thunder_overlap._analysis.memory_estimate import estimate_memory
 from thunder_overlap._analysis.simulator import simulate
 from thunder_overlap._scheduling.dispatch import ScheduledTrace, schedule_trace
-from thunder_overlap._scheduling.limits import resolve_limits
 from thunder_overlap._scheduling.step_budget import schedule_step
 from thunder_overlap._scheduling.unsharding import StepPrediction
 from thunder_overlap.config import OverlapConfig
@@ -59,12 +58,10 @@ def predict_step(
 
     # A pass without collectives is the same in every choice, and has none to find its device by.
     forward_annotated, backward_annotated = (classify_trace(trace, layouts) for trace in (forward, backward))
-    rule = resolve_limits(config, prefetch_unit_bytes).memory_budget
     step = schedule_step(
         forward_annotated if forward_annotated.collectives else None,
         backward_annotated if backward_annotated.collectives else None,
         schedule,
-        rule,
         lambda trace: cost_model_of(config, trace),
     )
     peak_bytes, step_ms, held_by_memory = 0, 0.0, 0

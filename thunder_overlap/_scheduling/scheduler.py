@@ -96,8 +96,8 @@ class OverlapScheduler:
         # just-in-time step's, so what an earlier pass added (a pool grown in the forward) is
         # spent from the same slack, not granted again ([Note: pool growth]).
         self.budget_after = budget_after
-        # For a forward: its backward's just-in-time peak, where higher than its own; the budget
-        # is then relative to it ([Note: the step's budget]).
+        # For a forward: its backward's just-in-time peak, which is its budget where higher than
+        # its own ([Note: the step's budget]).
         self.step_peak_bytes = step_peak_bytes
         # The just-in-time order's estimate, after ``budget_after``: what the budget is relative to.
         self.budget_basis: MemoryEstimate | None = None
@@ -172,10 +172,10 @@ class OverlapScheduler:
         self.budget_basis = baseline_memory
         if self.budget_after is not None:
             self.budget_basis = estimate_memory(baseline_memory.trace, layouts=self.annotated.layouts, after=self.budget_after)
-        budget = self.limits.memory_budget.budget(max(self.budget_basis.peak_bytes, self.step_peak_bytes or 0))
+        budget = self.limits.memory_budget.budget(self.budget_basis.peak_bytes)
+        if (self.step_peak_bytes or 0) > budget:  # [Note: the step's budget]
+            budget = self.summary.step_peak_bytes = self.step_peak_bytes
         self.summary.baseline_peak_bytes, self.summary.budget_bytes = self.budget_basis.peak_bytes, budget
-        if (self.step_peak_bytes or 0) > self.budget_basis.peak_bytes:
-            self.summary.step_peak_bytes = self.step_peak_bytes
         limits, held_back = self.limits, 0
         for attempt in range(1, MAX_ATTEMPTS + 1):
             self.summary.attempts = attempt

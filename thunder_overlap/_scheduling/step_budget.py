@@ -1,11 +1,13 @@
-"""The forward's memory budget is the step's ([Note: the step's budget] in docs/design.md).
+"""A forward may use the memory its backward needs anyway ([Note: the step's budget] in
+docs/design.md).
 
-The budget bounds a step's predicted peak by its just-in-time order's plus the slack. Thunder
-compiles a forward before its backward, so the forward is first scheduled against its own
-just-in-time peak. Where the backward's just-in-time order peaks higher, memory up to that peak is
-memory the step needs anyway: a forward whose prefetching its own budget held back is scheduled
-again against the step's, and kept where it is faster and the backward still fits after it (the
-pool buffers a forward adds are held through the backward).
+The budget bounds each pass's predicted peak by its just-in-time order's plus the slack. Thunder
+compiles a forward before its backward, so the forward is first scheduled against its own. Where
+the backward's just-in-time order peaks higher than that budget, memory up to the backward's peak
+is memory the step needs anyway: a forward whose prefetching its own budget held back is
+scheduled again with that peak as its budget, and kept where it is faster and the backward's
+just-in-time order needs no more after it (the pool buffers a forward adds are held through the
+backward), so that the step's peak does not grow.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.memory_estimate import MemoryEstimate
 from thunder_overlap._analysis.simulator import simulate
 from thunder_overlap._scheduling.dispatch import ScheduledTrace
-from thunder_overlap._scheduling.limits import JUST_IN_TIME_LIMITS, MemoryBudgetRule
+from thunder_overlap._scheduling.limits import JUST_IN_TIME_LIMITS
 from thunder_overlap._scheduling.scheduler import OverlapScheduler
 
 __all__ = ["PassScheduler", "forward_within_step_budget", "schedule_step"]
@@ -30,46 +32,45 @@ def schedule_step(
     forward: AnnotatedTrace | None,
     backward: AnnotatedTrace | None,
     schedule: PassScheduler,
-    rule: MemoryBudgetRule | None,
     cost_model: Callable[[AnnotatedTrace], CostModel],
 ) -> tuple[ScheduledTrace | None, ScheduledTrace | None]:
     """A forward and its backward (None: not scheduled) scheduled as a compile schedules them:
-    the forward, within the step's budget (``rule``) where that pays, then the backward after it."""
+    the forward, in the memory its backward needs anyway where a budget applies and that pays,
+    then the backward after it."""
     scheduled_forward = schedule(forward, None, None) if forward is not None else None
     if backward is None:
         return scheduled_forward, None
-    if scheduled_forward is not None and rule is not None:
+    if scheduled_forward is not None:
 
         def reschedule(step_peak_bytes: int) -> ScheduledTrace:
             return schedule(forward, None, step_peak_bytes)
 
-        widened = forward_within_step_budget(scheduled_forward, backward, rule, reschedule, cost_model(forward))
+        widened = forward_within_step_budget(scheduled_forward, backward, reschedule, cost_model(forward))
         scheduled_forward = widened or scheduled_forward
     return scheduled_forward, schedule(backward, scheduled_forward, None)
 
 
 def forward_within_step_budget(
-    forward: ScheduledTrace,
-    backward: AnnotatedTrace,
-    rule: MemoryBudgetRule,
-    reschedule: Callable[[int], ScheduledTrace],
-    cost_model: CostModel,
+    forward: ScheduledTrace, backward: AnnotatedTrace, reschedule: Callable[[int], ScheduledTrace], cost_model: CostModel
 ) -> ScheduledTrace | None:
-    """``forward`` scheduled again by ``reschedule(step_peak_bytes)`` within the step's budget
-    (``rule`` relative to ``backward``'s just-in-time peak after the forward's just-in-time
-    order), where the forward's own budget held its prefetching back and that peak is higher
-    than the forward's own; None where there is nothing to gain, the result is not predicted
-    faster, or ``backward``'s just-in-time order would no longer fit the step's budget after it."""
+    """``forward`` scheduled again by ``reschedule(step_peak_bytes)`` with ``backward``'s
+    just-in-time peak (after the forward's just-in-time order) as its budget, where its own
+    budget held its prefetching back and is lower; None where there is nothing to gain, the
+    result is not predicted faster, or ``backward``'s just-in-time order would need more memory
+    after it than after ``forward``."""
     summary, basis = forward.summary, forward.budget_basis
     if summary is None or summary.budget_bytes is None or basis is None or forward.memory is None:
         return None
     if not (summary.held_by_memory or summary.fell_back_to_just_in_time):
         return None
     step_peak = _just_in_time_memory(backward, after=basis).peak_bytes
-    if step_peak <= basis.peak_bytes:
+    if step_peak <= summary.budget_bytes:
         return None
     widened = reschedule(step_peak)
-    if widened.memory is None or _just_in_time_memory(backward, after=widened.memory).peak_bytes > rule.budget(step_peak):
+    if widened.memory is None:
+        return None
+    backward_needs = _just_in_time_memory(backward, after=forward.memory).peak_bytes
+    if _just_in_time_memory(backward, after=widened.memory).peak_bytes > backward_needs:
         return None
     if _step_ms(widened, cost_model) >= _step_ms(forward, cost_model):
         return None

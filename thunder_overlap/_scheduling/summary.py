@@ -34,7 +34,7 @@ class ScheduleSummary:
     baseline_peak_bytes: int | None = None
     budget_bytes: int | None = None
     peak_bytes: int | None = None
-    # A forward's budget relative to its backward's just-in-time peak, where higher than its own
+    # A forward's budget where its backward's just-in-time peak is higher than its own budget
     # (that peak; else None): [Note: the step's budget].
     step_peak_bytes: int | None = None
     attempts: int = 0
@@ -65,7 +65,7 @@ class ScheduleSummary:
                 f" after {self.attempts} attempt(s)"
             )
             if self.step_peak_bytes is not None:
-                line += f", relative to the backward's just-in-time peak {self.step_peak_bytes} B"
+                line += ", the backward's just-in-time peak"
         if self.coalesced_launches:
             line += f"; {self.coalesced_collectives} collectives coalesced into {self.coalesced_launches} launches"
         if self.fell_back_to_just_in_time:

@@ -26,7 +26,6 @@ from thunder_overlap._analysis.passes import Pass
 from thunder_overlap._bucketing.path_choice import PathChoice, choose_bucket_paths
 from thunder_overlap._scheduling.dispatch import ScheduledTrace, schedule_trace
 from thunder_overlap._scheduling.issue_order import IssueOrder, issue_order_of
-from thunder_overlap._scheduling.limits import resolve_limits
 from thunder_overlap._scheduling.prediction import cost_model_of
 from thunder_overlap._scheduling.rank_agreement import IssueOrderAgreement, agreed_subset, collective_keys
 from thunder_overlap._scheduling.step_budget import forward_within_step_budget
@@ -132,20 +131,17 @@ class OverlapScheduleTransform(Transform):
         return scheduled.trace
 
     def _forward_within_step_budget(self, forward: ScheduledTrace, backward: AnnotatedTrace) -> None:
-        """Schedules the forward again within the step's budget where that pays
+        """Schedules the forward again in the memory its backward needs anyway where that pays
         ([Note: the step's budget]), in its agreed issue order and launches, and rewrites the
         forward trace Thunder holds in place: Thunder builds its callable after the backward's
         transforms, and the schedule transform is the last to see the forward."""
-        rule = resolve_limits(self.config, self.prefetch_unit_bytes).memory_budget
-        if rule is None:
-            return
         keys = collective_keys(forward.annotated)
         order, launches = self.agreement.agreed_order(Pass.FORWARD, keys), self.agreement.agreed_launches(Pass.FORWARD, keys)
 
         def reschedule(step_peak_bytes: int) -> ScheduledTrace:
             return self._schedule(forward.annotated, order, launches, step_peak_bytes=step_peak_bytes)
 
-        widened = forward_within_step_budget(forward, backward, rule, reschedule, self._cost_model(forward.annotated))
+        widened = forward_within_step_budget(forward, backward, reschedule, self._cost_model(forward.annotated))
         if widened is None:
             return
         forward.trace.bound_symbols = widened.trace.bound_symbols

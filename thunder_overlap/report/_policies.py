@@ -27,7 +27,6 @@ from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.layout import BucketLayouts
 from thunder_overlap._analysis.passes import Pass
 from thunder_overlap._scheduling.dispatch import ScheduledTrace, schedule_trace
-from thunder_overlap._scheduling.limits import resolve_limits
 from thunder_overlap._scheduling.step_budget import schedule_step
 from thunder_overlap._scheduling.summary import ScheduleSummary
 from thunder_overlap._transforms.schedule import OverlapScheduleTransform
@@ -133,9 +132,8 @@ def _schedule_step(
             step_peak_bytes=step_peak_bytes,
         )
 
-    rule = resolve_limits(config, block_bytes).memory_budget
     forward, backward = (classify_trace(unscheduled[p], layouts) if p in unscheduled else None for p in (Pass.FORWARD, Pass.BACKWARD))
-    step = schedule_step(forward, backward, schedule, rule, lambda _: cost_model)
+    step = schedule_step(forward, backward, schedule, lambda _: cost_model)
     return {pass_: (s.trace, s.summary) for pass_, s in zip((Pass.FORWARD, Pass.BACKWARD), step, strict=True) if s is not None}
 
 
