@@ -13,7 +13,6 @@ from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
 from thunder_overlap._analysis.memory_estimate import estimate_memory
 from thunder_overlap._analysis.simulator import simulate
-from thunder_overlap._scheduling.dispatch import ScheduledTrace, schedule_trace
 from thunder_overlap._scheduling.step_budget import schedule_step
 from thunder_overlap._scheduling.unsharding import StepPrediction
 from thunder_overlap.config import OverlapConfig
@@ -44,25 +43,14 @@ def predict_step(
     """``forward`` then ``backward`` (bucketed with ``layouts``) scheduled as a first compile
     schedules them (the forward within the step's budget), less what needs the other ranks (the
     agreed order, the bucket paths): the predicted peak and the simulated step."""
-
-    def schedule(trace: AnnotatedTrace, after: ScheduledTrace | None, step_peak_bytes: int | None) -> ScheduledTrace:
-        return schedule_trace(
-            trace,
-            config,
-            largest_block_bytes=prefetch_unit_bytes,
-            cost_model=cost_model_of(config, trace),
-            memory_after=after.memory if after is not None else None,
-            budget_after=after.budget_basis if after is not None else None,
-            step_peak_bytes=step_peak_bytes,
-        )
-
     # A pass without collectives is the same in every choice, and has none to find its device by.
     forward_annotated, backward_annotated = (classify_trace(trace, layouts) for trace in (forward, backward))
     step = schedule_step(
         forward_annotated if forward_annotated.collectives else None,
         backward_annotated if backward_annotated.collectives else None,
-        schedule,
-        lambda trace: cost_model_of(config, trace),
+        config,
+        largest_block_bytes=prefetch_unit_bytes,
+        cost_model=lambda trace: cost_model_of(config, trace),
     )
     peak_bytes, step_ms, held_by_memory = 0, 0.0, 0
     memory_after = None

@@ -18,36 +18,48 @@ from thunder_overlap._analysis.classify import AnnotatedTrace, classify_trace
 from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.memory_estimate import MemoryEstimate
 from thunder_overlap._analysis.simulator import simulate
-from thunder_overlap._scheduling.dispatch import ScheduledTrace
+from thunder_overlap._scheduling.dispatch import ScheduledTrace, schedule_trace
 from thunder_overlap._scheduling.limits import JUST_IN_TIME_LIMITS
 from thunder_overlap._scheduling.scheduler import OverlapScheduler
+from thunder_overlap.config import OverlapConfig
 
-__all__ = ["PassScheduler", "forward_within_step_budget", "schedule_step"]
-
-# Schedules a pass: (its trace, its forward's schedule for a backward else None, step_peak_bytes).
-PassScheduler = Callable[[AnnotatedTrace, ScheduledTrace | None, int | None], ScheduledTrace]
+__all__ = ["forward_within_step_budget", "schedule_step"]
 
 
 def schedule_step(
     forward: AnnotatedTrace | None,
     backward: AnnotatedTrace | None,
-    schedule: PassScheduler,
+    config: OverlapConfig,
+    *,
+    largest_block_bytes: int | None,
     cost_model: Callable[[AnnotatedTrace], CostModel],
 ) -> tuple[ScheduledTrace | None, ScheduledTrace | None]:
-    """A forward and its backward (None: not scheduled) scheduled as a compile schedules them:
-    the forward, in the memory its backward needs anyway where a budget applies and that pays,
-    then the backward after it."""
-    scheduled_forward = schedule(forward, None, None) if forward is not None else None
+    """A forward and its backward (None: not scheduled) scheduled by ``config`` as a compile
+    schedules them: the forward, in the memory its backward needs anyway where a budget applies
+    and that pays, then the backward after it. ``cost_model`` gives each pass's."""
+
+    def schedule(trace: AnnotatedTrace, after: ScheduledTrace | None = None, step_peak_bytes: int | None = None) -> ScheduledTrace:
+        return schedule_trace(
+            trace,
+            config,
+            largest_block_bytes=largest_block_bytes,
+            cost_model=cost_model(trace),
+            memory_after=after.memory if after is not None else None,
+            budget_after=after.budget_basis if after is not None else None,
+            step_peak_bytes=step_peak_bytes,
+        )
+
+    scheduled_forward = schedule(forward) if forward is not None else None
     if backward is None:
         return scheduled_forward, None
     if scheduled_forward is not None:
 
         def reschedule(step_peak_bytes: int) -> ScheduledTrace:
-            return schedule(forward, None, step_peak_bytes)
+            return schedule(forward, step_peak_bytes=step_peak_bytes)
 
         widened = forward_within_step_budget(scheduled_forward, backward, reschedule, cost_model(forward))
         scheduled_forward = widened or scheduled_forward
-    return scheduled_forward, schedule(backward, scheduled_forward, None)
+    return scheduled_forward, schedule(backward, scheduled_forward)
 
 
 def forward_within_step_budget(

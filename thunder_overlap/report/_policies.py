@@ -22,11 +22,10 @@ import thunder
 from thunder.core.trace import TraceCtx
 
 from thunder_overlap._analysis.blocks import largest_block_bytes
-from thunder_overlap._analysis.classify import AnnotatedTrace, classify_trace
+from thunder_overlap._analysis.classify import classify_trace
 from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.layout import BucketLayouts
 from thunder_overlap._analysis.passes import Pass
-from thunder_overlap._scheduling.dispatch import ScheduledTrace, schedule_trace
 from thunder_overlap._scheduling.step_budget import schedule_step
 from thunder_overlap._scheduling.summary import ScheduleSummary
 from thunder_overlap._transforms.schedule import OverlapScheduleTransform
@@ -120,20 +119,8 @@ def _schedule_step(
     """Each pass of ``unscheduled`` (bucketed with ``layouts``) scheduled by ``config`` as a
     compile schedules them (the forward within the step's budget): the trace and what the
     scheduler decided."""
-
-    def schedule(trace: AnnotatedTrace, after: ScheduledTrace | None, step_peak_bytes: int | None) -> ScheduledTrace:
-        return schedule_trace(
-            trace,
-            config,
-            largest_block_bytes=block_bytes,
-            cost_model=cost_model,
-            memory_after=after.memory if after is not None else None,
-            budget_after=after.budget_basis if after is not None else None,
-            step_peak_bytes=step_peak_bytes,
-        )
-
     forward, backward = (classify_trace(unscheduled[p], layouts) if p in unscheduled else None for p in (Pass.FORWARD, Pass.BACKWARD))
-    step = schedule_step(forward, backward, schedule, lambda _: cost_model)
+    step = schedule_step(forward, backward, config, largest_block_bytes=block_bytes, cost_model=lambda _: cost_model)
     return {pass_: (s.trace, s.summary) for pass_, s in zip((Pass.FORWARD, Pass.BACKWARD), step, strict=True) if s is not None}
 
 
