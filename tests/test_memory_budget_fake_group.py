@@ -84,7 +84,7 @@ def test_the_backward_spends_the_slack_the_forward_left(fake_group_8):
     so a budget from the backward's own just-in-time order, after that forward, would grant the
     slack again. Each pass's peak stays within one slack of the just-in-time step's."""
     jm, config = _on_a_slow_link(1.5, mixed_precision=MixedPrecision(torch.bfloat16))
-    comparison = compare_policies(jm, cost_model=SLOW_LINK, config=config, policies=("memory_aware",))
+    comparison = compare_policies(jm, cost_model=SLOW_LINK, config=config, policies=("memory_aware",), baseline=False)
     slack = config.memory_slack_bytes
     just_in_time = {name: comparison.result("just_in_time", name).report.peak_bytes for name in ("forward", "backward")}
     backward = comparison.result("memory_aware", "backward").summary
@@ -119,7 +119,7 @@ def test_the_forward_prefetches_in_the_memory_its_backward_needs_anyway(fake_gro
     # The report schedules a step anew the same way (here for a module compiled with the stock
     # order, which runs with the bucket paths chosen for that order).
     stock, _ = _on_a_slow_link(0.5, config_policy="stock")
-    comparison = compare_policies(stock, cost_model=SLOW_LINK, config=config, policies=("memory_aware",))
+    comparison = compare_policies(stock, cost_model=SLOW_LINK, config=config, policies=("memory_aware",), baseline=False)
     reported = {name: comparison.result("memory_aware", name).summary for name in ("forward", "backward")}
     assert reported["forward"].budget_bytes == reported["backward"].baseline_peak_bytes, reported["forward"].describe()
     assert reported["forward"].baseline_peak_bytes + slack < reported["forward"].peak_bytes <= reported["forward"].budget_bytes

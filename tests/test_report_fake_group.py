@@ -22,7 +22,7 @@ from thunder_overlap.report._cli import DEFAULT_OUT, main
 from thunder_overlap.report._models import trace_model
 from thunder_overlap.report._report import BASELINE, LEGEND, OVERLAP, UNSCHEDULED, report, speed_change
 from thunder_overlap.report._schedule_view import schedule_stats
-from thunder_overlap.report._thunder_baseline import ThunderFSDPTraces, thunder_fsdp_baseline
+from thunder_overlap.report._thunder_baseline import ThunderFSDPTraces
 
 # The command creates (and destroys) its own fake process group; the module's traced model
 # (the ``jitted`` fixture) destroys its group before the tests read it, so any order works.
@@ -194,9 +194,17 @@ def jitted():
 
 
 @pytest.fixture(scope="module")
-def thunder_fsdp(jitted) -> ThunderFSDPTraces:
-    """Thunder's own FSDP traces of the same model, traced once for the tests that pass them."""
-    return thunder_fsdp_baseline(jitted)
+def reported(jitted):
+    """``jitted``'s report on a slow network (1 GB/s, so that communication matters at this
+    size), with no baseline given: the report traces Thunder's own FSDP of the same model."""
+    return report(jitted, device_profile="h100", network="custom:5:1")
+
+
+@pytest.fixture(scope="module")
+def thunder_fsdp(reported) -> ThunderFSDPTraces:
+    """Thunder's own FSDP traces of the same model, as the report traced them, for the tests
+    that pass them (tracing them takes as long as compiling the model)."""
+    return ThunderFSDPTraces(reported["forward"].baseline.trace, reported["backward"].baseline.trace, reported.world_size, "zero3")
 
 
 @pytest.mark.slow
@@ -216,13 +224,19 @@ def test_coalescing_trades_overlap_for_latency(jitted, thunder_fsdp):
     forward = coalesced.result("greedy", "forward")
     assert forward.summary.coalesced_launches >= 1
     assert forward.report.communication_ms < separate.result("greedy", "forward").report.communication_ms
+    # Without the baseline: the same rows less Thunder's own FSDP's, for the same ranks.
+    alone = compare_policies(jitted, cost_model=cost_model, policies=("greedy",), baseline=False)
+    assert [(r.policy, r.pass_name, r.report.predicted_ms) for r in alone.results] == [
+        (r.policy, r.pass_name, r.report.predicted_ms) for r in coalesced.results if r.policy != BASELINE
+    ]
+    assert alone.world_size == coalesced.world_size == 8
+    with pytest.raises(ValueError, match="thunder_fsdp= with baseline=False"):
+        compare_policies(jitted, cost_model=cost_model, baseline=False, thunder_fsdp=thunder_fsdp)
 
 
 @pytest.mark.slow
-def test_report_compares_thunder_fsdp_with_thunder_overlap(jitted):
-    # A slow network (1 GB/s) so that communication matters at this size. No baseline given:
-    # the report traces Thunder's own FSDP of the same model.
-    result = report(jitted, device_profile="h100", network="custom:5:1")
+def test_report_compares_thunder_fsdp_with_thunder_overlap(reported):
+    result = reported
     assert result.world_size == 8
     for p in result.passes:
         # thunder_overlap's traces before and after scheduling: the same work in another order.

@@ -31,7 +31,7 @@ from thunder_overlap._scheduling.summary import ScheduleSummary
 from thunder_overlap._transforms.schedule import OverlapScheduleTransform
 from thunder_overlap.config import OverlapConfig, Policy
 from thunder_overlap.report._report import BASELINE, LEGEND, OrderReport, analyze_trace, module_layouts, speed_change, unscheduled_trace
-from thunder_overlap.report._thunder_baseline import ThunderFSDPTraces, thunder_fsdp_baseline
+from thunder_overlap.report._thunder_baseline import ThunderFSDPTraces, thunder_fsdp_baseline, world_size_of
 
 __all__ = ["COMPARED_POLICIES", "PolicyComparison", "PolicyResult", "compare_policies"]
 
@@ -131,15 +131,18 @@ def compare_policies(
     config: OverlapConfig | None = None,
     policies: tuple[Policy | str, ...] = COMPARED_POLICIES,
     thunder_fsdp: ThunderFSDPTraces | None = None,
+    baseline: bool = True,
 ) -> PolicyComparison:
     """Schedules ``jm``'s last forward and backward traces with each policy and reports them
-    beside Thunder's own FSDP.
+    beside Thunder's own FSDP (``baseline=False``: without it, so it is not traced).
 
     ``config`` supplies the limits (its ``policy`` is replaced by each compared one); the
     prefetch byte limits are sized from ``jm``'s largest block as in training. Where that makes
     the configuration ``jm`` was compiled with, its own final traces are reported. ``thunder_fsdp``
     as in :func:`~thunder_overlap.report._report.report` (default: traced here).
     """
+    if not baseline and thunder_fsdp is not None:
+        raise ValueError("compare_policies() got thunder_fsdp= with baseline=False; pass either, not both")
     config = config if config is not None else OverlapConfig()
     policies = tuple(Policy.parse(p) for p in policies)
     if Policy.JUST_IN_TIME not in policies:
@@ -154,9 +157,12 @@ def compare_policies(
     unscheduled = {Pass.FORWARD: unscheduled_trace(jm, forward)}
     if backward:
         unscheduled[Pass.BACKWARD] = unscheduled_trace(jm, backward)
-    thunder_fsdp = thunder_fsdp if thunder_fsdp is not None else thunder_fsdp_baseline(jm)
+    if baseline and thunder_fsdp is None:
+        thunder_fsdp = thunder_fsdp_baseline(jm)
     results = []
-    baseline_passes = [(Pass.FORWARD, thunder_fsdp.forward)] + ([(Pass.BACKWARD, thunder_fsdp.backward)] if backward else [])
+    baseline_passes = []
+    if baseline:
+        baseline_passes = [(Pass.FORWARD, thunder_fsdp.forward)] + ([(Pass.BACKWARD, thunder_fsdp.backward)] if backward else [])
     baseline_forward = None
     for pass_name, trace in baseline_passes:
         report = analyze_trace(trace, cost_model, order=BASELINE, after=baseline_forward)
@@ -185,4 +191,5 @@ def compare_policies(
     rows = (BASELINE, *(policy.value for policy in policies))
     results.sort(key=lambda r: (r.pass_name is not Pass.FORWARD, rows.index(r.policy)))
     # The ranks of the job: the baseline's (under hybrid sharding Thunder's FSDP takes the whole world).
-    return PolicyComparison(tuple(results), cost_model.device.name, cost_model.network.name, thunder_fsdp.world_size)
+    world_size = thunder_fsdp.world_size if baseline else world_size_of(jm)
+    return PolicyComparison(tuple(results), cost_model.device.name, cost_model.network.name, world_size)

@@ -43,6 +43,7 @@ __all__ = [
     "thunder_fsdp_baseline",
     "thunder_fsdp_traces_of",
     "trace_thunder_fsdp",
+    "world_size_of",
 ]
 
 # The report's name for Thunder's own FSDP, with the version whose behaviour it describes.
@@ -185,6 +186,12 @@ def thunder_fsdp_traces_of(jm) -> ThunderFSDPTraces | None:
     return trace_thunder_fsdp(twin, world_size=_world_size_of(jm, transform), sharding=sharding, args=args, kwargs=kwargs)
 
 
+def world_size_of(jm) -> int:
+    """The ranks ``jm``'s job runs on (1 where it is not sharded by FSDP), as its baseline counts them."""
+    transform = _fsdp_transform(jm)
+    return _world_size_of(jm, transform) if transform is not None else 1
+
+
 def _world_size_of(jm, transform: FSDPTransform) -> int:
     """The ranks ``jm`` runs on: its FSDP group's, or under hybrid sharding the whole mesh's
     (Thunder 0.2.6 has no hybrid sharding: its baseline shards over every rank)."""
@@ -208,6 +215,5 @@ def thunder_fsdp_baseline(jm) -> ThunderFSDPTraces:
     if not forward:
         raise ValueError("the module has not been run or traced yet: call it once (or trace it) first")
     transform = _fsdp_transform(jm)
-    world_size = _world_size_of(jm, transform) if transform is not None else 1
     sharding = ShardingStrategy(transform.sharding_strategy.name.lower()) if transform is not None else ShardingStrategy.ZERO2
-    return ThunderFSDPTraces(forward[-1], backward[-1] if backward else None, world_size, sharding)
+    return ThunderFSDPTraces(forward[-1], backward[-1] if backward else None, world_size_of(jm), sharding)
