@@ -13,7 +13,9 @@ from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 
 pytestmark = pytest.mark.slow
 
-MODEL = TinyGPTConfig(n_layer=4, n_embd=64)
+# Three blocks: the fewest for which the halfway budget keeps some blocks and re-gathers others
+# (with two it keeps all four candidates); each block more is seconds of every compile here.
+MODEL = TinyGPTConfig(n_layer=3, n_embd=64)
 
 
 def _model(sharding: str, budget: int | None = None):
