@@ -7,6 +7,8 @@ matmul ``MATMUL_MS`` and everything else nothing.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
@@ -187,6 +189,30 @@ def test_budget_forces_the_oldest_reduce_scatter_waits():
     g_annotated, g_order, _, _ = _schedule(program, OverlapConfig(policy="greedy"))
     greedy_peak = estimate_memory(apply_order(g_annotated, g_order, provenance="test")).peak_bytes
     assert greedy_peak > loose_summary.budget_bytes
+
+
+def test_the_summary_counts_the_forced_waits_of_the_order_kept_not_of_every_attempt(monkeypatch):
+    """An attempt the estimator rejects is discarded with its waits: the summary counts the
+    waits the kept order forces, not the sum over the budget's attempts."""
+    program = _backward_like(5)
+    tight = OverlapConfig(memory_slack_bytes=0, memory_slack_ratio=0.0, _tuning=Tuning(max_in_flight_reduce_scatter_bytes=None))
+    _, order, first_kept, _ = _schedule(program, tight)
+    assert first_kept.attempts == 1 and first_kept.forced_waits_for_memory > 0
+    # The estimator finds the first attempt one byte over the budget (as where the walk's profile
+    # under-counts), so a second walks one byte tighter.
+    check, rejected = OverlapScheduler._check, []
+
+    def one_byte_over_once(self, candidate):
+        memory = check(self, candidate)
+        if not rejected:
+            rejected.append(candidate)
+            return SimpleNamespace(peak_bytes=self.summary.budget_bytes + 1, pool=memory.pool)
+        return memory
+
+    monkeypatch.setattr(OverlapScheduler, "_check", one_byte_over_once)
+    _, retried_order, retried, _ = _schedule(program, tight)
+    assert retried.attempts == 2 and rejected == [order] and retried_order == order  # the same order, walked twice
+    assert (retried.forced_waits, retried.forced_waits_for_memory) == (first_kept.forced_waits, first_kept.forced_waits_for_memory)
 
 
 def _most_in_flight(annotated, order, kind: CollectiveKind) -> int:

@@ -152,10 +152,12 @@ class OverlapScheduler:
             walk.run()
             return walk
 
-        if self.limits.memory_budget is None:
-            order = walk(self.limits, None).builder.order
+        kept = walk(self.limits, None) if self.limits.memory_budget is None else self._schedule_within_budget(walk)
+        if kept is None:  # the just-in-time order: every wait at its first use
+            order = just_in_time_order(self.annotated, self.issue_order)
         else:
-            order = self._schedule_within_budget(walk)
+            order = kept.builder.order
+            self.summary.forced_waits, self.summary.forced_waits_for_memory = kept.forced_waits, kept.forced_waits_for_memory
         logger.debug(
             "scheduled %d collectives around %d compute ops: %s",
             len(self.annotated.collectives),
@@ -164,10 +166,10 @@ class OverlapScheduler:
         )
         return order
 
-    def _schedule_within_budget(self, walk: Callable[[ScheduleLimits, MemoryBudget | None], ScheduleWalk]) -> list[int]:
+    def _schedule_within_budget(self, walk: Callable[[ScheduleLimits, MemoryBudget | None], ScheduleWalk]) -> ScheduleWalk | None:
         """Walks until the estimator confirms an order within the budget, holding back each
-        attempt's overshoot in the next; then one all-gather in flight; the just-in-time order if
-        that too is over the budget or predicted slower."""
+        attempt's overshoot in the next; then one all-gather in flight; None (the just-in-time
+        order) if that too is over the budget or predicted slower."""
         baseline, baseline_memory = self.estimate_baseline_memory()
         self.budget_basis = baseline_memory
         if self.budget_after is not None:
@@ -182,7 +184,7 @@ class OverlapScheduler:
             walked = walk(limits, MemoryBudget(MemoryProfile(baseline, budget - held_back)))
             memory = self._check(walked.builder.order)
             if memory.peak_bytes <= budget:
-                return walked.builder.order
+                return walked
             # [Note: pool growth]: what the bucket pool grew by is held back from the all-gathers
             # in flight, the rest from the memory profile.
             overshoot = memory.peak_bytes - budget
@@ -202,13 +204,13 @@ class OverlapScheduler:
         # [Note: pool growth]: one all-gather in flight, where the retries ran out before reaching it.
         self.summary.attempts += 1
         one_ahead = replace(limits, max_allgathers=1, max_allgather_bytes=None, early_allgather_bytes=None)
-        order = walk(one_ahead, MemoryBudget(MemoryProfile(baseline, budget - held_back))).builder.order
-        if self._check(order).peak_bytes <= budget and not self._slower(order, than=just_in_time):
-            return order
+        walked = walk(one_ahead, MemoryBudget(MemoryProfile(baseline, budget - held_back)))
+        if self._check(walked.builder.order).peak_bytes <= budget and not self._slower(walked.builder.order, than=just_in_time):
+            return walked
         self.summary.fell_back_to_just_in_time = True
         self.summary.peak_bytes = baseline_memory.peak_bytes
         self.checked_trace = self.checked_memory = None
-        return just_in_time
+        return None
 
     def _check(self, order: list[int]) -> MemoryEstimate:
         """Applies ``order`` and estimates its memory; the last order checked is the one kept

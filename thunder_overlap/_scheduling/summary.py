@@ -10,7 +10,8 @@ __all__ = ["HeldBack", "ScheduleSummary"]
 @dataclass
 class HeldBack:
     """Collectives (indices into ``AnnotatedTrace.collectives``) that each limit kept from being
-    issued earlier than they were. One collective can be held by several limits in turn."""
+    issued earlier, in any of the budget's attempts (so a pass that fell back to the just-in-time
+    order still says what held it). One collective can be held by several limits in turn."""
 
     # Too many expensive compute ops before its first use (PrefetchDistance).
     distance: set[int] = field(default_factory=set)
@@ -26,7 +27,8 @@ class HeldBack:
 class ScheduleSummary:
     """What the scheduler decided and why, for reports and tests."""
 
-    # Waits emitted before their first use to get under a limit (bytes/count, or the budget).
+    # Waits the chosen order places before their first use to get under a limit (bytes/count, or
+    # the budget); none in the just-in-time order.
     forced_waits: int = 0
     forced_waits_for_memory: int = 0
     # Predicted peaks (estimate_memory) of the just-in-time order the budget is relative to (for a

@@ -75,6 +75,8 @@ class ScheduleWalk:
         self.reduce_scatters = _ReduceScatterLimits(annotated, limits)
         self.issue_order = IssueOrderCursor(issue_order, annotated) if issue_order is not None else None
         self.position = 0  # the compute op emitted next
+        # Waits this walk forced before their first use (the summary takes the kept walk's).
+        self.forced_waits = self.forced_waits_for_memory = 0
         self._ready = _ReadyQueue(annotated)
         self.builder = OrderBuilder(annotated, self, self.issue_order)
         self.chained = _ChainedWaits(annotated, limits.chained_wait_compute_ops)
@@ -178,14 +180,14 @@ class ScheduleWalk:
         if self.memory is not None:
             in_flight = self.reduce_scatters.all.in_flight
             forced = self._force_waits(lambda: self.memory.wait_to_fit_op(self.position, in_flight), "memory")
-            self.summary.forced_waits_for_memory += forced
+            self.forced_waits_for_memory += forced
 
     def _force_waits(self, next_wait: Callable[[], int | None], reason: str) -> int:
         """Waits on ``next_wait()`` until it answers None; how many waits that took."""
         forced = 0
         while (c := next_wait()) is not None:
             logger.debug("forced wait on collective %d before compute op %d (%s)", c, self.position, reason)
-            self.summary.forced_waits += 1
+            self.forced_waits += 1
             self.builder.wait_on(c)
             forced += 1
         return forced
