@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"wrote {cfg.json_path}")
             else:
                 print(json.dumps(result.to_json()))
+        # Both ranks done before either tears its groups down: a gloo rank destroyed while its
+        # peer still held the connection aborted at exit once ("terminate called without an
+        # active exception", FSDP2's run). Not on an error, where the peer may never arrive.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
