@@ -7,7 +7,6 @@ accounting, not numerics (tests/test_e2e_two_ranks.py checks numerics on real gl
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 import pytest
 import thunder
@@ -22,18 +21,18 @@ from thunder_overlap.config import Tuning
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.testing.training import collective_sequence
 
-MODEL = TinyGPTConfig(n_layer=3, n_embd=32)
-# The tests under torch.compile's fuser (the slowest to compile here) check no schedule, only that
-# every collective stays out of the fusions: two blocks still put one block's all-gathers among
-# the other's compute, where a fusion could swallow them.
-FUSED_MODEL = replace(MODEL, n_layer=2)
+# Two blocks: one block's all-gathers can go out among the other's compute (where a fusion could
+# also swallow them), and the limits below bind within and across blocks.
+MODEL = TinyGPTConfig(n_layer=2, n_embd=32)
 COLLECTIVE_WORDS = ("all_gather", "reduce_scatter", "wait")
+# Half a block each way: more than any one parameter, less than what the default prefetches.
+BYTE_LIMIT = largest_block_bytes(TinyGPT(MODEL)) // 2
 # Configurations whose schedules every order test below checks: the default, each limit alone
 # pushed until it binds, and the policies at both ends.
 CONFIGS = {
     "default": None,
     "count limit": OverlapConfig(_tuning=Tuning(max_in_flight_allgathers=2)),
-    "byte limit": OverlapConfig(max_in_flight_allgather_bytes=10_000, _tuning=Tuning(max_in_flight_reduce_scatter_bytes=10_000)),
+    "byte limit": OverlapConfig(max_in_flight_allgather_bytes=BYTE_LIMIT, _tuning=Tuning(max_in_flight_reduce_scatter_bytes=BYTE_LIMIT)),
     "greedy": OverlapConfig(policy="greedy"),
     "just_in_time": OverlapConfig(policy="just_in_time"),
 }
@@ -117,10 +116,8 @@ def _expected_collectives(model: torch.nn.Module) -> tuple[list[str], int, list[
     return forward, trainable, regathered
 
 
-def _assert_moves_each_parameter_once(
-    forward, backward, sharding: str, *, exact_regathers: bool = True, model: TinyGPTConfig = MODEL
-) -> None:
-    expected_forward, trainable, regathered = _expected_collectives(TinyGPT(model))
+def _assert_moves_each_parameter_once(forward, backward, sharding: str, *, exact_regathers: bool = True) -> None:
+    expected_forward, trainable, regathered = _expected_collectives(TinyGPT(MODEL))
     forward_annotated, backward_annotated = classify_trace(forward), classify_trace(backward)
     assert sorted(_gathered(forward_annotated)) == expected_forward
     assert not _reduce_scatters(forward_annotated)
@@ -198,7 +195,7 @@ def test_allgather_waits_sit_right_before_first_use(name):
 
 
 def test_count_limit_bounds_allgathers_in_flight():
-    unlimited = [schedule_stats(t) for t in _traces(config=OverlapConfig(max_in_flight_allgather_bytes=10**12))]
+    unlimited = [schedule_stats(t) for t in _traces(config=CONFIGS["greedy"])]
     limited = _traces(config=CONFIGS["count limit"])
     assert max(s.max_allgathers_in_flight for s in unlimited) > 2, "the limit would not be exercised"
     for trace in limited:
@@ -211,14 +208,14 @@ def test_count_limit_bounds_allgathers_in_flight():
 
 
 def test_byte_limits_bound_bytes_in_flight():
-    limit = largest_block_bytes(TinyGPT(MODEL)) // 2
-    config = OverlapConfig(max_in_flight_allgather_bytes=limit, _tuning=Tuning(max_in_flight_reduce_scatter_bytes=limit))
-    forward, backward = (schedule_stats(t) for t in _traces(config=config))
+    forward, backward = (schedule_stats(t) for t in _traces(config=CONFIGS["byte limit"]))
+    unlimited = [schedule_stats(t) for t in _traces(config=CONFIGS["greedy"])]
+    assert max(s.peak_allgather_bytes_in_flight for s in unlimited) > BYTE_LIMIT, "the limit would not be exercised"
     largest_param = max(p.numel() * p.element_size() for p in TinyGPT(MODEL).parameters())
     # A single collective larger than the limit is still issued (alone); everything else fits.
     for stats in (forward, backward):
-        assert stats.peak_allgather_bytes_in_flight <= max(limit, largest_param)
-    assert 0 < backward.peak_reduce_scatter_bytes_in_flight <= max(limit, largest_param)
+        assert stats.peak_allgather_bytes_in_flight <= max(BYTE_LIMIT, largest_param)
+    assert 0 < backward.peak_reduce_scatter_bytes_in_flight <= max(BYTE_LIMIT, largest_param)
 
 
 def test_stock_policy_keeps_thunder_order():
@@ -231,18 +228,12 @@ def test_stock_policy_keeps_thunder_order():
     assert all(c.start > last_matmul for c in _reduce_scatters(backward))
 
 
-def test_identical_models_get_identical_schedules():
-    first = [collective_sequence(t) for t in _traces("zero3")]
-    second = [collective_sequence(t) for t in _final_traces(_stepped.__wrapped__("zero3", None))]
-    assert first == second
-
-
 def test_plugin_by_name_uses_the_defaults():
     from thunder.recipes import BaseRecipe
 
     torch.manual_seed(0)
-    forward, backward = _traced(thunder.compile(TinyGPT(FUSED_MODEL), recipe=BaseRecipe(fuser="torch.compile"), plugins="fsdp-overlap"))
-    _assert_moves_each_parameter_once(forward, backward, "zero2", model=FUSED_MODEL)  # the default is ZeRO2
+    forward, backward = _traced(thunder.compile(TinyGPT(MODEL), recipe=BaseRecipe(fuser="torch.compile"), plugins="fsdp-overlap"))
+    _assert_moves_each_parameter_once(forward, backward, "zero2")  # the default is ZeRO2
 
 
 def test_plugin_by_instance():
@@ -251,12 +242,12 @@ def test_plugin_by_instance():
     torch.manual_seed(0)
     # On CPU the only fuser is torch.compile, which would otherwise swallow the collectives.
     jm = thunder.compile(
-        TinyGPT(FUSED_MODEL),
+        TinyGPT(MODEL),
         recipe=BaseRecipe(fuser="torch.compile"),
         plugins=[FSDPOverlap(sharding_strategy="zero3", device="cpu")],
     )
     # Under the torch.compile fuser's recipe the backward also re-gathers the norms' biases.
-    _assert_moves_each_parameter_once(*_traced(jm), "zero3", exact_regathers=False, model=FUSED_MODEL)
+    _assert_moves_each_parameter_once(*_traced(jm), "zero3", exact_regathers=False)
 
 
 def test_transforms_compose_with_thunder_jit():
@@ -269,6 +260,7 @@ def test_transforms_compose_with_thunder_jit():
     forward, backward = _run(thunder.jit(TinyGPT(MODEL), transforms=transforms))
     _assert_moves_each_parameter_once(forward, backward, "zero3")
     assert schedule_stats(forward).max_allgathers_in_flight < schedule_stats(forward).allgathers
+    # Another compile of the same model, through another entry point: the same schedule.
     assert [collective_sequence(t) for t in (forward, backward)] == [collective_sequence(t) for t in _traces("zero3")]
 
 
@@ -293,10 +285,10 @@ def test_fusing_executor_cannot_swallow_collectives_or_the_schedule(monkeypatch)
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     torch.manual_seed(0)
     jm = thunder_overlap.fsdp(
-        TinyGPT(FUSED_MODEL), device="cpu", sharding_strategy="zero3", jit_options={"executors": [torch_compile_ex]}
+        TinyGPT(MODEL), device="cpu", sharding_strategy="zero3", jit_options={"executors": [torch_compile_ex]}
     )
     forward, backward = _run(jm)
-    _assert_moves_each_parameter_once(forward, backward, "zero3", model=FUSED_MODEL)
+    _assert_moves_each_parameter_once(forward, backward, "zero3")
     for trace in (forward, backward):
         fusions = [b for b in trace.bound_symbols if b.sym.is_fusion]
         assert fusions, "the torchcompile executor fused nothing: the test no longer tests it"
@@ -312,7 +304,7 @@ def test_collectives_fused_by_a_prejitted_module_raise_a_clear_error():
     from thunder.executors.torch_compile import torch_compile_ex
 
     torch.manual_seed(0)
-    jm = thunder_overlap.fsdp(thunder.jit(TinyGPT(FUSED_MODEL), executors=[torch_compile_ex]), device="cpu")
+    jm = thunder_overlap.fsdp(thunder.jit(TinyGPT(MODEL), executors=[torch_compile_ex]), device="cpu")
     with pytest.raises(RuntimeError, match="collectives were fused into .*torchcompile"):
         _run(jm)
 
