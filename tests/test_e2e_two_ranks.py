@@ -17,7 +17,7 @@ from thunder_overlap.testing.training import TrainSetup, check_against_reference
 pytestmark = pytest.mark.ranks
 
 WORLD_SIZE = 2
-MODEL = TinyGPTConfig(n_layer=4)
+MODEL = TinyGPTConfig(n_layer=2)
 STRATEGIES = ("zero2", "zero3")
 
 
