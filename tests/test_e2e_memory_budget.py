@@ -11,7 +11,7 @@ from thunder_overlap.testing.training import TrainSetup, check_against_reference
 
 pytestmark = pytest.mark.ranks
 
-MODEL = TinyGPTConfig(n_layer=4, n_embd=64)
+MODEL = TinyGPTConfig(n_layer=3, n_embd=64)
 # No slack: the budget is the just-in-time order's own predicted peak.
 TIGHT = OverlapConfig(memory_slack_bytes=0, memory_slack_ratio=0.0)
 

@@ -18,7 +18,7 @@ from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.report._policies import compare_policies
 from thunder_overlap.testing.memory_check import measure_step
 
-MODEL = TinyGPTConfig(n_layer=4, n_embd=64)
+MODEL = TinyGPTConfig(n_layer=3, n_embd=64)
 # No slack: the budget is the just-in-time order's own predicted peak, so any prefetch that
 # would raise the peak is held back.
 TIGHT = OverlapConfig(memory_slack_bytes=0, memory_slack_ratio=0.0)
