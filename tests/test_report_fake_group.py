@@ -271,23 +271,23 @@ def test_report_compares_thunder_fsdp_with_thunder_overlap(reported):
 
 
 @pytest.mark.slow
-def test_report_of_a_cpu_model_simulates_its_device_and_says_why():
+def test_report_of_a_cpu_model_simulates_its_device_and_says_why(thunder_fsdp):
     # The process group must be alive for report() to read its backend, so this test traces
-    # its own model instead of the module's (whose group is gone before the tests run).
+    # its own model instead of the module's (whose group is gone before the tests run); Thunder's
+    # FSDP of the same model is the module's.
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
         torch.manual_seed(0)
         jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3")
         jm(torch.randint(0, MODEL.vocab_size, (2, 16))).sum().backward()
-        result = report(jm)  # TinyGPT on cpu, fake process group of 8 ranks (Thunder's FSDP traced on it)
+        result = report(jm, thunder_fsdp=thunder_fsdp)  # TinyGPT on cpu, fake process group of 8 ranks
     finally:
         dist.destroy_process_group()
-    traced = ThunderFSDPTraces(result["forward"].baseline.trace, result["backward"].baseline.trace, 8, "zero3")
     assert (result.device, result.network) == ("cpu", "gloo-loopback")
     assert str(result).startswith(
         "world size 8, device cpu, network gloo-loopback (the model's parameters are on cpu and its process group is fake)"
     )
-    explicit = report(jm, device_profile="h100", network="custom:5:1", thunder_fsdp=traced)
+    explicit = report(jm, device_profile="h100", network="custom:5:1", thunder_fsdp=thunder_fsdp)
     assert (explicit.device, explicit.network) == ("h100", "custom:5:1")
 
 
