@@ -65,6 +65,23 @@ class _MixedPrecisionModel(nn.Module):
         return self.bf16(torch.relu(self.fp32(x)).to(torch.bfloat16)).float()
 
 
+def test_block_buckets_of_a_model_without_blocks_are_layer_buckets_and_say_so(one_rank_gloo_group):
+    import thunder_overlap
+    from thunder_overlap._transforms import BucketingTransform
+
+    def labels(bucketing: str, **options) -> list[str]:
+        jm = thunder_overlap.fsdp(TinyGPT(TinyGPTConfig(n_layer=1)), device="cpu", bucketing_strategy=bucketing, **options)
+        return [p.label for p in BucketingTransform.of(jm).plans]
+
+    # One block is not a stack of blocks: find_blocks finds none.
+    said = r"bucketing_strategy='block' found no blocks in TinyGPT .* as with 'layer'\. Name the blocks with block_types="
+    with pytest.warns(UserWarning, match=said):
+        without_blocks = labels("block")
+    assert without_blocks == labels("layer")
+    # Named, the one block is one bucket.
+    assert "blocks.0" in labels("block", block_types="Block") and "blocks.0" not in without_blocks
+
+
 @pytest.mark.parametrize("sharding", ["zero2", "zero3"])
 def test_mixed_dtypes_get_buckets_of_their_own_and_train_like_eager(one_rank_gloo_group, sharding):
     import thunder_overlap

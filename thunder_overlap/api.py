@@ -204,7 +204,8 @@ def fsdp(
         block_types: the module classes (or class names, such as litgpt's ``"Block"`` or
             transformers' ``"LlamaDecoderLayer"``) whose outermost instances are the blocks that
             size prefetching and form block buckets; None: the children of the model's largest
-            ``nn.ModuleList``/``nn.Sequential``. A type that matches no module is an error.
+            ``nn.ModuleList``/``nn.Sequential`` of two or more modules (a model with none, such as
+            one of a single layer, warns). A type that matches no module is an error.
         jit_options: keywords for ``thunder.jit`` (e.g. ``{"executors": [...]}``), when ``model``
             is a plain module; ``transforms`` there run before the FSDP transforms. Any other
             keyword is an error naming the accepted ones: a misspelled option is never ignored.

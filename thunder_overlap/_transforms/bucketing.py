@@ -174,6 +174,13 @@ class BucketingTransform(Transform):
     def transform_module(self, model) -> None:
         state = self.state
         block_names = [name for name, _ in state.find_blocks(model._model)]
+        if self.strategy is BucketingStrategy.BLOCK and not block_names:
+            warnings.warn(
+                f"thunder_overlap: bucketing_strategy='block' found no blocks in {type(model._model).__name__} (no "
+                "nn.ModuleList/nn.Sequential of two or more modules): each module's parameters form a bucket, as with "
+                "'layer'. Name the blocks with block_types=",
+                stacklevel=2,
+            )
         owners = bucket_owner(model._model, self.strategy, block_names)
         shards = list(model.named_parameters())
         module = ModuleBuckets(shards, owners, set(block_names), self.process_group, self.replicate_group, self.mixed_precision)
