@@ -33,7 +33,7 @@ CONFIGS = {
     "default": None,
     "count limit": OverlapConfig(_tuning=Tuning(max_in_flight_allgathers=2)),
     # Below the largest parameters: they go out with a limit they exceed (test_byte_limits_bound_bytes_in_flight
-    # checks the bound itself, with BYTE_LIMIT).
+    # checks the bound with it and with BYTE_LIMIT).
     "byte limit": OverlapConfig(max_in_flight_allgather_bytes=10_000, _tuning=Tuning(max_in_flight_reduce_scatter_bytes=10_000)),
     "greedy": OverlapConfig(policy="greedy"),
     "just_in_time": OverlapConfig(policy="just_in_time"),
@@ -209,16 +209,30 @@ def test_count_limit_bounds_allgathers_in_flight():
     assert sum(hidden) >= len(gathers) - 2, hidden
 
 
-def test_byte_limits_bound_bytes_in_flight():
-    config = OverlapConfig(max_in_flight_allgather_bytes=BYTE_LIMIT, _tuning=Tuning(max_in_flight_reduce_scatter_bytes=BYTE_LIMIT))
+def _largest_module_bytes(model: torch.nn.Module) -> int:
+    """The most parameter bytes one module holds itself: what one of its ops (a linear's weight and
+    bias) reads at once, so what must be gathered together whatever a limit says."""
+    return max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules())
+
+
+@pytest.mark.parametrize("limit", [BYTE_LIMIT, 10_000], ids=["half a block", "below one module"])
+def test_byte_limits_bound_bytes_in_flight(limit):
+    config = OverlapConfig(max_in_flight_allgather_bytes=limit, _tuning=Tuning(max_in_flight_reduce_scatter_bytes=limit))
+    if limit == 10_000:
+        assert config == CONFIGS["byte limit"]  # the same compile as the ordering checks'
     forward, backward = (schedule_stats(t) for t in _traces(config=config))
     unlimited = [schedule_stats(t) for t in _traces(config=CONFIGS["greedy"])]
-    assert max(s.peak_allgather_bytes_in_flight for s in unlimited) > BYTE_LIMIT, "the limit would not be exercised"
-    largest_param = max(p.numel() * p.element_size() for p in TinyGPT(MODEL).parameters())
-    # A single collective larger than the limit is still issued (alone); everything else fits.
+    assert max(s.peak_allgather_bytes_in_flight for s in unlimited) > limit, "the limit would not be exercised"
+    model = TinyGPT(MODEL)
+    largest_param = max(p.numel() * p.element_size() for p in model.parameters())
+    # Within the limit, except where one op reads more than it: a linear's weight and bias are
+    # gathered for it together, whatever the limit.
     for stats in (forward, backward):
-        assert stats.peak_allgather_bytes_in_flight <= max(BYTE_LIMIT, largest_param)
-    assert 0 < backward.peak_reduce_scatter_bytes_in_flight <= max(BYTE_LIMIT, largest_param)
+        assert stats.peak_allgather_bytes_in_flight <= max(limit, _largest_module_bytes(model))
+    if limit < largest_param:  # and what exceeds the limit alone still goes out
+        assert forward.peak_allgather_bytes_in_flight > limit
+    # A reduce-scatter larger than the limit goes out alone: each has its own wait.
+    assert 0 < backward.peak_reduce_scatter_bytes_in_flight <= max(limit, largest_param)
 
 
 def test_stock_policy_keeps_thunder_order():

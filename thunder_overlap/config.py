@@ -155,7 +155,8 @@ class OverlapConfig:
     # buckets hold several blocks): the next two arrive while the current one computes
     # ([Note: prefetch depth]).
     prefetch_blocks: float = 2.0
-    # A byte cap on all-gathers in flight instead of prefetch_blocks.
+    # A byte cap on all-gathers in flight instead of prefetch_blocks (what one op reads at once is
+    # gathered for it even beyond the cap).
     max_in_flight_allgather_bytes: int | None = None
     # Memory budget: predicted peak <= the just-in-time step's peak + max(slack_bytes,
     # slack_ratio x that peak) (Inductor's defaults; [Note: the step's budget]).
