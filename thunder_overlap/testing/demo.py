@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import textwrap
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -66,16 +65,35 @@ class DemoResults:
     predictions: list[PredictedStep]
 
 
-def _train_both(rank: int, world_size: int, setups: tuple[TrainSetup, ...]) -> list[RankResult]:
-    """Runs on each rank: both implementations, one after the other, in one process group."""
+@dataclass(frozen=True)
+class RankWork:
+    """What one rank runs: the trainings in order, then its share of the predictions."""
+
+    setups: tuple[TrainSetup, ...]
+    predictions: tuple[PredictionSetup, ...]
+
+
+def _train_then_predict(rank: int, world_size: int, work: RankWork) -> tuple[list[RankResult], list[PredictedStep]]:
+    """Runs on each rank: both implementations, one after the other, in one process group; then,
+    with that group gone, every ``world_size``-th prediction from this rank's. The ranks have
+    imported torch and Thunder already: a fresh process per prediction would import them again."""
+    import torch.distributed as dist
+
     from thunder_overlap.testing.training import train_rank
 
     results = []
-    for setup in setups:
+    for setup in work.setups:
         if rank == 0:
             progress(f"compiling forward and backward, rank 0: {setup.impl} ...")
         results.append(train_rank(rank, world_size, setup))
-    return results
+    mine = work.predictions[rank::world_size]
+    # The peers meet before the group goes: none may leave while another still communicates.
+    dist.barrier()
+    dist.destroy_process_group()  # predict_step traces in a fake group of its own
+    if rank == 0 and work.predictions:
+        scales = " and ".join(str(p.world_size) for p in work.predictions)
+        progress(f"predicting the step at {scales} GPUs (tracing on the meta device) ...")
+    return results, [predict_step(p) for p in mine]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -97,8 +115,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _run(args: argparse.Namespace) -> DemoResults:
-    import torch.multiprocessing as mp
-
     from thunder_overlap.report._builtin_models import TinyGPTConfig
     from thunder_overlap.testing.local_ranks import run_local_ranks
     from thunder_overlap.testing.training import TrainSetup
@@ -117,18 +133,15 @@ def _run(args: argparse.Namespace) -> DemoResults:
         )
         for impl in IMPLS
     )
+    requests = () if args.no_prediction else tuple(
+        PredictionSetup(model, args.sharding, args.bucketing, world_size, network) for world_size, network in PREDICTED_SCALES
+    )
     with children_without_known_warnings(), filter_known_output():
-        with Heartbeat(f"compiling and training on {args.world_size} ranks"):
-            ranks = run_local_ranks(_train_both, args.world_size, (setups,))
-        thunder, overlap = ranks[0]
-        predictions = []
-        if not args.no_prediction:
-            progress(f"predicting the step at {' and '.join(str(w) for w, _ in PREDICTED_SCALES)} GPUs (tracing on the meta device) ...")
-            requests = [
-                PredictionSetup(model, args.sharding, args.bucketing, world_size, network) for world_size, network in PREDICTED_SCALES
-            ]
-            with Heartbeat("tracing"), ProcessPoolExecutor(len(requests), mp_context=mp.get_context("spawn")) as pool:
-                predictions = list(pool.map(predict_step, requests))
+        with Heartbeat(f"compiling, training and predicting on {args.world_size} ranks"):
+            ranks = run_local_ranks(_train_then_predict, args.world_size, (RankWork(setups, requests),))
+    thunder, overlap = ranks[0][0]
+    # Rank r predicted requests r, r + world_size, ...: back in the order asked.
+    predictions = [ranks[i % args.world_size][1][i // args.world_size] for i in range(len(requests))]
     return DemoResults(thunder, overlap, predictions)
 
 

@@ -79,7 +79,7 @@ def _traced_report(setup: PredictionSetup, cost_model):
 
 
 def predict_step(setup: PredictionSetup) -> PredictedStep:
-    """Traces and simulates; call where no process group is initialised (a fresh process)."""
+    """Traces and simulates; call where no process group is initialised (it makes a fake one)."""
     from thunder_overlap._analysis.cost_model import CostModel
     from thunder_overlap.report._report import BASELINE, OVERLAP, UNSCHEDULED
 
