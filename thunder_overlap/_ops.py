@@ -52,6 +52,7 @@ __all__ = [
     "COALESCED_ISSUES",
     "DROPPED_BY_SCHEDULING",
     "PLAIN_ISSUES",
+    "PLAIN_REDUCE_SCATTERS",
     "REDUCE_SCATTER_ISSUES",
     "BucketRuntime",
     "compute_name",
@@ -340,6 +341,7 @@ def _ids(*symbols: Symbol) -> frozenset:
 _PLAIN_ALL_GATHERS = _ids(dist_prims.all_gather, torchex.all_gather_prim_impl, _CLAIMED[dist_prims.all_gather])
 _PLAIN_REDUCE_SCATTERS = _ids(dist_prims.reduce_scatter, torchex.reduce_scatter_prim_impl, _CLAIMED[dist_prims.reduce_scatter])
 PLAIN_ISSUES = _PLAIN_ALL_GATHERS | _PLAIN_REDUCE_SCATTERS
+PLAIN_REDUCE_SCATTERS = _PLAIN_REDUCE_SCATTERS
 # The bucketed collectives' issue operators (the members a bucket coalesced launch takes in).
 BUCKET_ISSUES = _ids(bucket_all_gather, bucket_reduce_scatter)
 # Issues that move buckets, alone or coalesced.

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from thunder.core import prims
+from thunder.core.devices import to_torch_device
 from thunder.core.proxies import CollectionProxy, FutureTensorProxy, Proxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
@@ -39,8 +40,9 @@ from thunder_overlap._analysis.aliasing import alias_source, contiguous_strides
 from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
 from thunder_overlap._analysis.memory_books import DONE, StorageBooks, run_bucket_op
 from thunder_overlap._analysis.pool_slots import PoolInterval, ReduceScatterIssue, SlotPlan, plan_slots
+from thunder_overlap._backends import backend_of
 
-__all__ = ["CUDA_ALLOCATION_GRANULARITY", "HandedOver", "MemoryEstimate", "estimate_memory"]
+__all__ = ["CUDA_ALLOCATION_GRANULARITY", "HandedOver", "MemoryEstimate", "backend_copied_inputs", "estimate_memory"]
 
 # The CUDA caching allocator rounds every block up to a multiple of 512 bytes (kMinBlockSize in
 # c10/cuda/CUDACachingAllocator.cpp); estimates compared with CUDA counters round the same way.
@@ -311,7 +313,27 @@ def _run_op(bsym: BoundSymbol, books: StorageBooks, layouts: BucketLayouts) -> N
             books.bind(out.name, books.storage_of[source], strides)
     if is_collective:
         held = [books.storage_of[a.name] for a in args if a.name in books.storage_of] if pool_holds is None else pool_holds
+        if (copied := backend_copied_inputs(bsym)) is not None:
+            copies = [books.new_storage(t) for t in copied]
+            # A plain launch keeps no view of its input (the trace may free it at once); a
+            # coalesced one's launch object keeps its members' inputs besides (_ops.CoalescedLaunch).
+            held = copies if bsym.sym.id in ops.PLAIN_REDUCE_SCATTERS else [*held, *copies]
         for storage in held:
             books.refs[storage] += 1
         for out in bsym.flat_proxy_outs:
             books.held_by_future[out.name] = held
+
+
+def backend_copied_inputs(bsym: BoundSymbol) -> list[TensorProxy] | None:
+    """The inputs of a reduce-scatter of Thunder's (alone, or coalesced) whose backend copies each
+    at the launch and holds the copy until the wait (gloo; see :class:`~thunder_overlap._backends.Backend`),
+    None for any other op or backend. Bucketed ones are the bucket paths' (``memory_books``)."""
+    if bsym.sym.id in ops.PLAIN_REDUCE_SCATTERS:
+        tensors, group = [bsym.args[0]], bsym.args[2]
+    elif bsym.sym.id == ops.coalesced_reduce_scatter.id:
+        group, _, tensors = bsym.args[:3]
+    else:
+        return None
+    if not backend_of(group, to_torch_device(tensors[0].device)).copies_reduce_scatter_input:
+        return None
+    return list(tensors)

@@ -6,9 +6,11 @@ function separately and runs them in order in one namespace, so a caller can loo
 time after every step. ``del`` and ``clear_mutable_collection`` run as written, so tensors die
 exactly where they die in Thunder's function.
 
-Collective inputs are held for as long as the collective's future: NCCL and gloo keep them alive
-in the ``Work`` object the future owns, the ``fake`` process group (tracing and tests) may not,
-and the memory verifier must see what a real backend does.
+Collective inputs are held for as long as the collective's future, as NCCL keeps them alive in the
+``Work`` object the future owns (the ``fake`` process group may not, and the memory verifier must
+see what a real backend does), except where the backend copies them at the launch and keeps no
+view (gloo's reduce-scatters of Thunder's: ``memory_estimate.backend_copied_inputs``; the
+tracker counts the copy).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from thunder.core.proxies import FutureTensorProxy, Proxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, tracectx
 
+from thunder_overlap import _ops as ops
 from thunder_overlap._analysis.calibration import random_tensor
+from thunder_overlap._analysis.memory_estimate import backend_copied_inputs
 
 __all__ = ["TraceStepper", "materialize_inputs", "random_tensor"]
 
@@ -63,6 +67,11 @@ def materialize_inputs(trace: TraceCtx, device: torch.device | str, known: dict[
         return []  # a collection the trace never unpacks
 
     return [build(name) for name in _argument_names(trace)]
+
+
+def _launch_keeps_no_view(bsym: BoundSymbol) -> bool:
+    """A plain reduce-scatter whose backend reduces a copy of its input (gloo)."""
+    return bsym.sym.id in ops.PLAIN_REDUCE_SCATTERS and backend_copied_inputs(bsym) is not None
 
 
 def _collective_inputs(bsym: BoundSymbol, namespace: dict[str, Any]) -> dict[str, list[Any]]:
@@ -117,7 +126,7 @@ class TraceStepper:
             for index, (bsym, code) in enumerate(zip(self.trace.bound_symbols, self._code, strict=True)):
                 if code is not None:
                     exec(code, self._globals, namespace)  # noqa: S102 - the trace's own generated line
-                if any(isinstance(o, FutureTensorProxy) for o in bsym.flat_proxy_outs):
+                if any(isinstance(o, FutureTensorProxy) for o in bsym.flat_proxy_outs) and not _launch_keeps_no_view(bsym):
                     # No local variable: one would keep the last collective's input alive.
                     held.update(_collective_inputs(bsym, namespace))
                 elif bsym.sym.id is prims.PrimIDs.DEL:
