@@ -339,9 +339,8 @@ def _ids(*symbols: Symbol) -> frozenset:
 # Thunder's one-tensor all-gather and reduce-scatter: the prims and their torch and overlap
 # implementations (the members a plain coalesced launch takes in).
 _PLAIN_ALL_GATHERS = _ids(dist_prims.all_gather, torchex.all_gather_prim_impl, _CLAIMED[dist_prims.all_gather])
-_PLAIN_REDUCE_SCATTERS = _ids(dist_prims.reduce_scatter, torchex.reduce_scatter_prim_impl, _CLAIMED[dist_prims.reduce_scatter])
-PLAIN_ISSUES = _PLAIN_ALL_GATHERS | _PLAIN_REDUCE_SCATTERS
-PLAIN_REDUCE_SCATTERS = _PLAIN_REDUCE_SCATTERS
+PLAIN_REDUCE_SCATTERS = _ids(dist_prims.reduce_scatter, torchex.reduce_scatter_prim_impl, _CLAIMED[dist_prims.reduce_scatter])
+PLAIN_ISSUES = _PLAIN_ALL_GATHERS | PLAIN_REDUCE_SCATTERS
 # The bucketed collectives' issue operators (the members a bucket coalesced launch takes in).
 BUCKET_ISSUES = _ids(bucket_all_gather, bucket_reduce_scatter)
 # Issues that move buckets, alone or coalesced.
@@ -350,7 +349,7 @@ BUCKETED_ISSUES = BUCKET_ISSUES | _ids(coalesced_bucket_all_gather, coalesced_bu
 COALESCED_ISSUES = _ids(coalesced_all_gather, coalesced_reduce_scatter, coalesced_bucket_all_gather, coalesced_bucket_reduce_scatter)
 # Every issue of an all-gather, and of a reduce-scatter (any other collective is an all-reduce).
 ALL_GATHER_ISSUES = _PLAIN_ALL_GATHERS | _ids(bucket_all_gather, coalesced_all_gather, coalesced_bucket_all_gather)
-REDUCE_SCATTER_ISSUES = _PLAIN_REDUCE_SCATTERS | _ids(bucket_reduce_scatter, coalesced_reduce_scatter, coalesced_bucket_reduce_scatter)
+REDUCE_SCATTER_ISSUES = PLAIN_REDUCE_SCATTERS | _ids(bucket_reduce_scatter, coalesced_reduce_scatter, coalesced_bucket_reduce_scatter)
 # This module's matmuls, by id, with the name of the op each runs.
 _UNFUSED_NAMES = {op.id: name for op, name in _UNFUSED.items()}
 # Deletions, which scheduling drops and regenerates for the new order.
