@@ -56,11 +56,22 @@ def backend_of(group: dist.ProcessGroup, device: torch.device) -> Backend:
     """The backend that moves ``device``'s tensors on ``group``: NCCL for CUDA tensors on a group
     with NCCL, the fake group as NCCL, gloo otherwise (CPU tensors go through gloo whatever else
     the group has)."""
-    import torch.distributed as dist
-
-    name = str(dist.get_backend(group))
+    name = _backend_name(group)
     if name == "fake":
         return FAKE
     if device.type == "cuda" and "nccl" in name:
         return NCCL
     return GLOO
+
+
+def _backend_name(group: dist.ProcessGroup) -> str:
+    """``dist.get_backend``'s name of ``group``'s backend. A group destroyed since (a trace whose
+    memory is estimated after its fake group is gone) is no longer registered; the group object
+    still names its backend, the fake group's as a custom one."""
+    import torch.distributed as dist
+
+    try:
+        return str(dist.get_backend(group))
+    except ValueError:  # not in the world's group map any more
+        name = group.name()
+        return "fake" if name == "custom" else name
