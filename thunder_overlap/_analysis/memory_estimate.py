@@ -42,7 +42,7 @@ from thunder_overlap._analysis.memory_books import DONE, StorageBooks, run_bucke
 from thunder_overlap._analysis.pool_slots import PoolInterval, ReduceScatterIssue, SlotPlan, plan_slots
 from thunder_overlap._backends import backend_of
 
-__all__ = ["CUDA_ALLOCATION_GRANULARITY", "HandedOver", "MemoryEstimate", "backend_copied_inputs", "estimate_memory"]
+__all__ = ["CUDA_ALLOCATION_GRANULARITY", "HandedOver", "MemoryEstimate", "BackendCopy", "backend_copy", "estimate_memory"]
 
 # The CUDA caching allocator rounds every block up to a multiple of 512 bytes (kMinBlockSize in
 # c10/cuda/CUDACachingAllocator.cpp); estimates compared with CUDA counters round the same way.
@@ -313,27 +313,37 @@ def _run_op(bsym: BoundSymbol, books: StorageBooks, layouts: BucketLayouts) -> N
             books.bind(out.name, books.storage_of[source], strides)
     if is_collective:
         held = [books.storage_of[a.name] for a in args if a.name in books.storage_of] if pool_holds is None else pool_holds
-        if (copied := backend_copied_inputs(bsym)) is not None:
-            copies = [books.new_storage(t) for t in copied]
-            # A plain launch keeps no view of its input (the trace may free it at once); a
-            # coalesced one's launch object keeps its members' inputs besides (_ops.CoalescedLaunch).
-            held = copies if bsym.sym.id in ops.PLAIN_REDUCE_SCATTERS else [*held, *copies]
+        if (copy := backend_copy(bsym)) is not None:
+            copies = [books.new_storage(t) for t in copy.copied_inputs]
+            held = [*held, *copies] if copy.keeps_inputs else copies
         for storage in held:
             books.refs[storage] += 1
         for out in bsym.flat_proxy_outs:
             books.held_by_future[out.name] = held
 
 
-def backend_copied_inputs(bsym: BoundSymbol) -> list[TensorProxy] | None:
-    """The inputs of a reduce-scatter of Thunder's (alone, or coalesced) whose backend copies each
-    at the launch and holds the copy until the wait (gloo; see :class:`~thunder_overlap._backends.Backend`),
-    None for any other op or backend. Bucketed ones are the bucket paths' (``memory_books``)."""
+@dataclass(frozen=True)
+class BackendCopy:
+    """What the backend holds from a reduce-scatter's launch to its wait when it reduces copies of
+    the inputs (gloo; see :class:`~thunder_overlap._backends.Backend`): the copies, and the inputs
+    themselves only where the launch keeps them too. A plain launch keeps no view of its input (the
+    trace may free it at once); a coalesced one's launch object keeps its members' inputs besides
+    (_ops.CoalescedLaunch)."""
+
+    copied_inputs: list[TensorProxy]
+    keeps_inputs: bool
+
+
+def backend_copy(bsym: BoundSymbol) -> BackendCopy | None:
+    """The copies the backend makes of the inputs of a reduce-scatter of Thunder's (alone, or
+    coalesced); None for any other op, or a backend that reduces in place. Bucketed ones are the
+    bucket paths' (``memory_books``)."""
     if bsym.sym.id in ops.PLAIN_REDUCE_SCATTERS:
-        tensors, group = [bsym.args[0]], bsym.args[2]
+        tensors, group, keeps_inputs = [bsym.args[0]], bsym.args[2], False
     elif bsym.sym.id == ops.coalesced_reduce_scatter.id:
-        group, _, tensors = bsym.args[:3]
+        (group, _, tensors), keeps_inputs = bsym.args[:3], True
     else:
         return None
     if not backend_of(group, to_torch_device(tensors[0].device)).copies_reduce_scatter_input:
         return None
-    return list(tensors)
+    return BackendCopy(list(tensors), keeps_inputs)

@@ -9,7 +9,7 @@ exactly where they die in Thunder's function.
 Collective inputs are held for as long as the collective's future, as NCCL keeps them alive in the
 ``Work`` object the future owns (the ``fake`` process group may not, and the memory verifier must
 see what a real backend does), except where the backend copies them at the launch and keeps no
-view (gloo's reduce-scatters of Thunder's: ``memory_estimate.backend_copied_inputs``; the
+view (gloo's reduce-scatters of Thunder's: ``memory_estimate.backend_copy``; the
 tracker counts the copy).
 """
 
@@ -25,9 +25,8 @@ from thunder.core.proxies import FutureTensorProxy, Proxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, tracectx
 
-from thunder_overlap import _ops as ops
 from thunder_overlap._analysis.calibration import random_tensor
-from thunder_overlap._analysis.memory_estimate import backend_copied_inputs
+from thunder_overlap._analysis.memory_estimate import backend_copy
 
 __all__ = ["TraceStepper", "materialize_inputs", "random_tensor"]
 
@@ -70,8 +69,9 @@ def materialize_inputs(trace: TraceCtx, device: torch.device | str, known: dict[
 
 
 def _launch_keeps_no_view(bsym: BoundSymbol) -> bool:
-    """A plain reduce-scatter whose backend reduces a copy of its input (gloo)."""
-    return bsym.sym.id in ops.PLAIN_REDUCE_SCATTERS and backend_copied_inputs(bsym) is not None
+    """A launch whose backend reduces copies of its inputs and keeps no view of them (gloo)."""
+    copy = backend_copy(bsym)
+    return copy is not None and not copy.keeps_inputs
 
 
 def _collective_inputs(bsym: BoundSymbol, namespace: dict[str, Any]) -> dict[str, list[Any]]:
