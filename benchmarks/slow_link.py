@@ -42,6 +42,9 @@ its time against its unclipped run, and the rounds' spread that puts it in or ou
 A ``:ckpt`` run gets no prediction either (C is calibrated without recomputation), only its time
 over its run without checkpointing against the recompute's measured compute time. A ``:tc`` run
 (Thunder's torchcompile executor) gets none (C is calibrated with Thunder's default executors).
+``hand_prefetch@block`` (ZeRO2 only) is a hand-written loop in eager PyTorch
+(fsdp_bench/hand_loop.py); it too is placed between Thunder's bounds, though it computes eagerly,
+faster than Thunder's default executors on CPU (benchmarks/compute_executors.py): compare its time.
 
 It prints, per implementation, the median step time (median over rounds of each run's median),
 its ratio to Thunder's own FSDP, where it lands between the serial bound C + M (gap closed 0%) and
@@ -116,7 +119,8 @@ class TestbedConfig:
                 and sharding in SHARD_MODES
                 and (sharding == self.shard_mode or impl == "thunder_overlap")
                 and suffix in ("", "bf16", "clip", "ckpt", "tc")
-                and (impl != "thunder" or not suffix)
+                and (impl not in ("thunder", "hand_prefetch") or not suffix)
+                and (impl != "hand_prefetch" or sharding == "zero2")
                 and (suffix not in ("ckpt", "tc") or impl.startswith("thunder_overlap"))
             )
 
@@ -127,7 +131,7 @@ class TestbedConfig:
                 f"each optionally with @bucketing ({', '.join(BUCKETING_MODES)}), /sharding ({', '.join(SHARD_MODES)}; "
                 "thunder_overlap only) and :bf16 for mixed precision, :clip for clipping by the global norm or :ckpt for "
                 "activation checkpointing (not thunder); :tc for Thunder's torchcompile executor (thunder_overlap only), "
-                "e.g. thunder_overlap@block/auto:bf16"
+                "e.g. thunder_overlap@block/auto:bf16; hand_prefetch is ZeRO2 with no suffix"
             )
         if self.shard_mode not in SHARD_MODES:
             raise ValueError(f"--shard-mode={self.shard_mode!r}; accepted: {', '.join(SHARD_MODES)}")
@@ -320,6 +324,30 @@ def clipping_checks(runs: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
+# The issue's target: thunder_overlap's ZeRO2 step at most the hand-written loop's.
+MAX_OVER_HAND_LOOP = 1.0
+HAND_LOOP = "hand_prefetch@block"
+
+
+def hand_loop_checks(runs: dict[str, list[dict]]) -> list[str]:
+    """Each thunder_overlap ZeRO2 run against the hand-written loop, round by round (they ran in
+    the same rounds): the median of the rounds' ratios of median step times."""
+    if HAND_LOOP not in runs:
+        return []
+    hand = [statistics.median(r["iter_times_ms"]) for r in runs[HAND_LOOP]]
+    lines = []
+    for label, label_runs in runs.items():
+        if not label.startswith("thunder_overlap") or label_runs[0]["shard_mode"] != "zero2":
+            continue
+        ratios = [statistics.median(r["iter_times_ms"]) / h for r, h in zip(label_runs, hand, strict=True)]
+        ratio = statistics.median(ratios)
+        lines.append(
+            f"{'PASS' if ratio <= MAX_OVER_HAND_LOOP else 'FAIL'} {label} takes {ratio:.3f}x {HAND_LOOP}'s step (median of "
+            f"{len(ratios)} rounds' ratios: {', '.join(f'{r:.3f}' for r in ratios)}; <= {MAX_OVER_HAND_LOOP})"
+        )
+    return lines
+
+
 def mixed_precision_checks(summaries: list) -> list[str]:
     """Each ``:bf16`` thunder_overlap run against its float32 run (at most 0.8x) and against FSDP2
     with the same policy (faster), all in the same rounds."""
@@ -481,6 +509,7 @@ def main(argv: list[str]) -> None:
         + mixed_precision_checks(summaries)
         + unsharding_checks(summaries, cfg.shard_mode)
         + clipping_checks(runs)
+        + hand_loop_checks(runs)
         + checkpointing_checks(runs, compute_runs, checkpointed_compute_runs)
     )
     print("\n".join(checks))

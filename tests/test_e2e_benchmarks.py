@@ -91,6 +91,55 @@ def test_benchmark_writes_sane_json(tmp_path, impl):
         assert result["bucket_pool_bytes"] == result["bucket_pool_plan_bytes"] == []
 
 
+def _tokens(step: int, rank: int, config: TinyGPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=torch.Generator().manual_seed(10 * step + rank))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+HAND_LOOP_MODEL = TinyGPTConfig(n_embd=16, n_head=2, n_layer=2, block_size=8)
+HAND_LOOP_STEPS = 2
+
+
+def _hand_loop_parameters(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    from fsdp_bench.bench_models import loss_fn
+    from fsdp_bench.hand_loop import HandPrefetchZero2
+
+    torch.manual_seed(0)
+    model = TinyGPT(HAND_LOOP_MODEL).double()
+    hand = HandPrefetchZero2(model)
+    optimizer = torch.optim.SGD(hand.parameters(), lr=0.5)
+    for step in range(HAND_LOOP_STEPS):
+        idx, targets = _tokens(step, rank, HAND_LOOP_MODEL)
+        loss_fn(hand(idx), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    hand(_tokens(0, rank, HAND_LOOP_MODEL)[0])  # gathers the stepped shards into the model's parameters
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.ranks
+def test_hand_prefetch_loop_trains_as_one_process_averaging_the_ranks_gradients(local_ranks):
+    """The benchmark's hand-written ZeRO2 baseline computes what it claims to: its parameters after
+    two SGD steps equal one process's, stepped on the mean of the ranks' losses (float64: the
+    two only sum in another order)."""
+    from fsdp_bench.bench_models import loss_fn
+
+    per_rank = local_ranks(_hand_loop_parameters, 2)
+    torch.manual_seed(0)
+    reference = TinyGPT(HAND_LOOP_MODEL).double()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(HAND_LOOP_STEPS):
+        batches = [_tokens(step, rank, HAND_LOOP_MODEL) for rank in range(2)]
+        (sum(loss_fn(reference(idx), targets) for idx, targets in batches) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    expected = dict(reference.named_parameters())
+    for parameters in per_rank:
+        assert parameters.keys() == expected.keys()
+        for name, value in parameters.items():
+            torch.testing.assert_close(value, expected[name].detach(), rtol=1e-12, atol=1e-12, msg=name)
+
+
 def test_bad_options_name_the_value_and_the_accepted_ones():
     accepted = (
         "thunder_overlap, thunder_overlap_uncoalesced, thunder_overlap_two_ahead, thunder_overlap_own_shards, "
@@ -106,6 +155,8 @@ def test_bad_options_name_the_value_and_the_accepted_ones():
         BenchmarkConfig(device="cpu", cuda_peak_json="peak.json")
     with pytest.raises(SystemExit):
         parse_args(["--shard_mode", "zero1"])
+    with pytest.raises(ValueError, match=r"--impl hand_prefetch is a ZeRO2 loop; --shard_mode=zero3 is not wired, use zero2"):
+        BenchmarkConfig(impl="hand_prefetch", shard_mode="zero3")
     assert parse_args(["--impl", "fsdp2", "--n_layers", "3"]) == BenchmarkConfig(impl="fsdp2", n_layers=3)
 
 
@@ -159,6 +210,31 @@ def test_mixed_precision_runs_are_named_and_refused_where_they_cannot_run():
     for label in ("thunder:bf16", "fsdp2:fp8"):
         with pytest.raises(ValueError, match=r":bf16 for mixed precision, :clip for clipping .* or :ckpt .*\(not thunder\)"):
             TestbedConfig(impls=(label,))
+
+
+def test_hand_loop_runs_are_zero2_only_and_each_zero2_run_is_compared_with_them_round_by_round():
+    from slow_link import TestbedConfig, hand_loop_checks
+
+    assert TestbedConfig(impls=("thunder_overlap@block", "hand_prefetch@block"), shard_mode="zero2").bucketings == ("none", "block")
+    for label, shard_mode in (("hand_prefetch@block", "zero3"), ("hand_prefetch@block:bf16", "zero2")):
+        with pytest.raises(ValueError, match=r"hand_prefetch is ZeRO2 with no suffix"):
+            TestbedConfig(impls=(label,), shard_mode=shard_mode)
+
+    def rounds(shard_mode: str, *medians: float) -> list[dict]:
+        return [{"iter_times_ms": [m - 1, m, m + 5], "shard_mode": shard_mode} for m in medians]
+
+    runs = {
+        "thunder_overlap@block": rounds("zero2", 90.0, 120.0, 100.0),
+        "thunder_overlap@block/zero3": rounds("zero3", 300.0, 300.0, 300.0),
+        "hand_prefetch@block": rounds("zero2", 100.0, 100.0, 80.0),
+    }
+    # Ratios 0.9, 1.2, 1.25: the median of the rounds' ratios, not the ratio of the medians (1.2 / 1.0).
+    assert hand_loop_checks(runs) == [
+        "FAIL thunder_overlap@block takes 1.200x hand_prefetch@block's step (median of 3 rounds' ratios: 0.900, 1.200, 1.250; <= 1.0)"
+    ]
+    runs["thunder_overlap@block"] = rounds("zero2", 90.0, 95.0, 100.0)
+    assert hand_loop_checks(runs)[0].startswith("PASS thunder_overlap@block takes 0.950x")
+    assert hand_loop_checks({"thunder_overlap@block": runs["thunder_overlap@block"]}) == []
 
 
 def test_clipped_runs_are_named_refused_where_they_cannot_run_and_compared_with_their_unclipped_run():
@@ -351,16 +427,16 @@ def test_cpu_peak_counts_the_bucket_pool_as_held_and_gradient_shards_only_while_
 
 
 def test_executors_are_refused_where_they_are_not_wired_and_checked_by_name():
-    from fsdp_bench.impls import _jit_options
+    from fsdp_bench.impls import jit_options
 
     for impl in ("thunder", "fsdp2", "fsdp2_compile", "comm_only"):
         with pytest.raises(ValueError, match=rf"--executors=torchcompile: wired for thunder_overlap and compute_only, not --impl {impl}"):
             BenchmarkConfig(impl=impl, executors="torchcompile")
     with pytest.raises(ValueError, match=r"--executors='nvfuser' is not supported; accepted: default, torchcompile, thunder_inductor"):
         BenchmarkConfig(executors="nvfuser")
-    assert _jit_options(parse_args([])) == {}
-    assert [e.name for e in _jit_options(parse_args(["--executors", "torchcompile"]))["executors"]] == ["torchcompile"]
-    inductor = [e.name for e in _jit_options(parse_args(["--impl", "compute_only", "--executors", "thunder_inductor"]))["executors"]]
+    assert jit_options(parse_args([]).executors) == {}
+    assert [e.name for e in jit_options(parse_args(["--executors", "torchcompile"]).executors)["executors"]] == ["torchcompile"]
+    inductor = [e.name for e in jit_options("thunder_inductor")["executors"]]
     assert inductor[0] == "torchcompile" and len(inductor) > 1
 
 

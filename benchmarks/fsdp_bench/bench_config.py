@@ -58,8 +58,8 @@ def variant_config(impl: str, cost_model: CostModel | None) -> OverlapConfig:
 
 
 # What is being compared: thunder_overlap's variants, Thunder's own FSDP, PyTorch FSDP2 (eager,
-# and with each block torch.compile'd).
-TRAINING_IMPLS = (*OVERLAP_OPTIONS, "thunder", "fsdp2", "fsdp2_compile")
+# and with each block torch.compile'd), and a hand-written ZeRO2 loop that gathers a block ahead.
+TRAINING_IMPLS = (*OVERLAP_OPTIONS, "thunder", "fsdp2", "fsdp2_compile", "hand_prefetch")
 # Calibration runs of the slow-link testbed: the same per-rank compute with no communication,
 # thunder_overlap's collectives with no compute, and both at once with no dependencies between
 # them (see fsdp_bench.impls).
@@ -172,7 +172,11 @@ class BenchmarkConfig:
             _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
             if self.impl == "thunder":
                 raise ValueError("--mixed_precision: Thunder's own FSDP has no mixed precision; leave it out for --impl thunder")
-        if self.activation_checkpointing and self.impl in ("thunder", "fsdp2", "fsdp2_compile"):
+        if self.impl == "hand_prefetch" and self.shard_mode != "zero2":
+            raise ValueError(f"--impl hand_prefetch is a ZeRO2 loop; --shard_mode={self.shard_mode} is not wired, use zero2")
+        if self.mixed_precision is not None and self.impl == "hand_prefetch":
+            raise ValueError("--mixed_precision: --impl hand_prefetch computes in the parameters' dtype; leave it out")
+        if self.activation_checkpointing and self.impl in ("thunder", "fsdp2", "fsdp2_compile", "hand_prefetch"):
             raise ValueError(f"--activation_checkpointing: not wired for --impl {self.impl}; leave it out")
         _check_choice("executors", self.executors, EXECUTORS)
         if self.executors != "default" and not (self.impl.startswith("thunder_overlap") or self.impl == "compute_only"):

@@ -21,6 +21,8 @@ Training implementations (same model, data, optimizer and initialisation scheme)
 - ``fsdp2``: PyTorch ``fully_shard`` on every transformer block, then on the root (eager);
   ZeRO3 is ``reshard_after_forward=True``, ZeRO2 ``False``.
 - ``fsdp2_compile``: the same with every block ``torch.compile``'d before sharding (torchtitan's way).
+- ``hand_prefetch``: a hand-written ZeRO2 loop in eager PyTorch, each block's flat buffer gathered
+  one block ahead and reduce-scattered as its gradients are ready (:mod:`fsdp_bench.hand_loop`).
 
 Calibration runs of the slow-link testbed:
 
@@ -59,9 +61,10 @@ from fsdp_bench.bench_config import OVERLAP_OPTIONS, BenchmarkConfig, variant_co
 from fsdp_bench.bench_models import loss_fn, materialize
 from fsdp_bench.comm_replay import CommReplay
 from fsdp_bench.distributed import RunContext
+from fsdp_bench.hand_loop import HandPrefetchZero2
 from fsdp_bench.profiling import nvtx_range
 
-__all__ = ["Step", "ModelStep", "ConcurrentStep", "make_step"]
+__all__ = ["Step", "ModelStep", "ConcurrentStep", "make_step", "jit_options"]
 
 # Thunder's benchmark_litgpt.py optimizer settings.
 _LEARNING_RATE = 5e-4
@@ -147,13 +150,13 @@ def overlap_config(cfg: BenchmarkConfig, device: torch.device, impl: str = "thun
     return config if cfg.memory_budget_bytes is None else replace(config, memory_budget_bytes=cfg.memory_budget_bytes)
 
 
-def _jit_options(cfg: BenchmarkConfig) -> dict[str, object]:
-    """``thunder.jit``'s options for ``--executors``: none for Thunder's defaults."""
-    if cfg.executors == "default":
+def jit_options(executors: str) -> dict[str, object]:
+    """``thunder.jit``'s options for ``--executors`` (``EXECUTORS``): none for Thunder's defaults."""
+    if executors == "default":
         return {}
     from thunder.executors.torch_compile import torch_compile_ex
 
-    if cfg.executors == "torchcompile":
+    if executors == "torchcompile":
         return {"executors": [torch_compile_ex]}
     return {"executors": [torch_compile_ex, *thunder.get_default_executors()]}
 
@@ -168,7 +171,7 @@ def _thunder_overlap(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, im
         config=overlap_config(cfg, ctx.device, impl),
         mixed_precision=policy,
         activation_checkpointing=cfg.activation_checkpointing,
-        jit_options=_jit_options(cfg),
+        jit_options=jit_options(cfg.executors),
     )
 
 
@@ -204,12 +207,20 @@ def _fsdp2(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext, *, compile_b
     return materialize(model, ctx.device)
 
 
+def _hand_prefetch(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext) -> nn.Module:
+    if cfg.bucketing_mode != "block":
+        warnings.warn(
+            f"hand_prefetch communicates one flat buffer per block; --bucketing_mode={cfg.bucketing_mode} is ignored", stacklevel=2
+        )
+    return HandPrefetchZero2(materialize(model, ctx.device))
+
+
 def _compute_only(model: nn.Module, cfg: BenchmarkConfig, ctx: RunContext) -> nn.Module:
     # With mixed precision a rank computes on bf16 parameters: a bf16 copy computes the same.
     model = materialize(model, ctx.device)
     if cfg.activation_checkpointing:
         checkpoint_blocks(model, find_blocks(model))
-    return thunder.jit(model.to(torch.bfloat16) if cfg.mixed_precision else model, **_jit_options(cfg))
+    return thunder.jit(model.to(torch.bfloat16) if cfg.mixed_precision else model, **jit_options(cfg.executors))
 
 
 _SHARDERS: dict[str, Callable[[nn.Module, BenchmarkConfig, RunContext], nn.Module]] = {
@@ -217,6 +228,7 @@ _SHARDERS: dict[str, Callable[[nn.Module, BenchmarkConfig, RunContext], nn.Modul
     "thunder": _thunder,
     "fsdp2": lambda m, cfg, ctx: _fsdp2(m, cfg, ctx, compile_blocks=False),
     "fsdp2_compile": lambda m, cfg, ctx: _fsdp2(m, cfg, ctx, compile_blocks=True),
+    "hand_prefetch": _hand_prefetch,
     "compute_only": _compute_only,
     # Sharded like thunder_overlap; make_step then swaps the training step for the replay.
     "comm_only": _thunder_overlap,
