@@ -237,6 +237,20 @@ def test_hand_loop_runs_are_zero2_only_and_each_zero2_run_is_compared_with_them_
     assert hand_loop_checks({"thunder_overlap@block": runs["thunder_overlap@block"]}) == []
 
 
+def test_exposure_is_simulated_with_the_calibration_the_testbed_measured():
+    from testbed_exposure import setting_of_run
+
+    run_dir = BENCHMARKS / "measured" / "slow_link" / "grad_clip"
+    block = json.loads((run_dir / "summary.json").read_text())["calibration_by_bucketing"]["block"]
+    setting = setting_of_run(run_dir, "thunder_overlap@block", "layer")
+    assert (setting.compute_ms, setting.comm_ms, setting.concurrent_ms) == (block["compute_ms"], block["comm_ms"], block["concurrent_ms"])
+    assert setting.bucketing == "layer" and setting.comm_ms_by_bucketing.keys() == {"none", "block"}
+    assert (setting.impl, setting.shard_mode, setting.n_layers) == ("thunder_overlap", "zero3", 4)
+    assert setting.network == "custom:1000:0.05:ring:2"
+    with pytest.raises(ValueError, match=r"no communication-only run for bucketing 'auto'; it has \['block', 'none'\]"):
+        setting_of_run(run_dir, "thunder_overlap@auto", "auto")
+
+
 def test_clipped_runs_are_named_refused_where_they_cannot_run_and_compared_with_their_unclipped_run():
     from slow_link import CLIP_MAX_NORM, TestbedConfig, clipping_checks
 

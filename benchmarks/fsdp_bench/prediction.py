@@ -38,7 +38,7 @@ from thunder_overlap._analysis.cost_model import (
     device_profile,
     network_profile,
 )
-from thunder_overlap._analysis.simulator import simulate
+from thunder_overlap._analysis.simulator import Simulation, simulate
 from thunder_overlap._backends import GLOO
 from thunder_overlap.options import parse_sharding_strategy
 from thunder_overlap.report._models import trace_model
@@ -47,7 +47,7 @@ from thunder_overlap.report._report import module_layouts
 from fsdp_bench.bench_config import OVERLAP_OPTIONS, variant_config
 from fsdp_bench.bench_models import build_model, math_sdpa
 
-__all__ = ["LinkFit", "TestbedSetting", "fit_link", "fit_overlap_slowdown", "predict_testbed_step_ms"]
+__all__ = ["LinkFit", "TestbedSetting", "fit_link", "fit_overlap_slowdown", "predict_testbed_step_ms", "simulate_testbed"]
 
 # The replay is positively homogeneous in (latency, 1 / bandwidth): scaling both scales every
 # time. So the fit searches one ratio, latency x bandwidth (bytes), in this range, and solves the
@@ -222,9 +222,10 @@ def fit_overlap_slowdown(compute_ms: float, comm_ms: float, concurrent_ms: float
     return comm_ms / progressed_ms - 1
 
 
-def predict_testbed_step_ms(setting: TestbedSetting) -> float | None:
-    """Predicted forward+backward step of ``setting.impl``; None for implementations whose
-    schedule is not a Thunder trace (FSDP2)."""
+def simulate_testbed(setting: TestbedSetting) -> list[Simulation] | None:
+    """The calibrated simulation of ``setting.impl``'s forward and backward traces (each
+    collective's timing and exposure in them); None for implementations whose schedule is not a
+    Thunder trace (FSDP2, the hand-written loop)."""
     if setting.impl not in (*OVERLAP_OPTIONS, "thunder"):
         return None
     _, spec = build_model(setting.model_name, setting.n_layers or None, setting.block_size or None)
@@ -243,4 +244,10 @@ def predict_testbed_step_ms(setting: TestbedSetting) -> float | None:
         user_estimate=lambda bsym: compute_scale * reference.compute_ms(bsym),
         overlap_compute_slowdown=fit_overlap_slowdown(setting.compute_ms, setting.comm_ms, setting.concurrent_ms),
     )
-    return sum(simulate(a, list(range(len(a.nodes))), calibrated).step_ms for a in annotated)
+    return [simulate(a, list(range(len(a.nodes))), calibrated) for a in annotated]
+
+
+def predict_testbed_step_ms(setting: TestbedSetting) -> float | None:
+    """Predicted forward+backward step of ``setting.impl`` (see :func:`simulate_testbed`)."""
+    simulations = simulate_testbed(setting)
+    return None if simulations is None else sum(s.step_ms for s in simulations)
