@@ -157,6 +157,8 @@ def test_bad_options_name_the_value_and_the_accepted_ones():
         parse_args(["--shard_mode", "zero1"])
     with pytest.raises(ValueError, match=r"--impl hand_prefetch is a ZeRO2 loop; --shard_mode=zero3 is not wired, use zero2"):
         BenchmarkConfig(impl="hand_prefetch", shard_mode="zero3")
+    with pytest.raises(ValueError, match=r"--max_norm: --impl hand_prefetch's gradients are flat shards, whose norm is local"):
+        BenchmarkConfig(impl="hand_prefetch", max_norm=1.0)
     assert parse_args(["--impl", "fsdp2", "--n_layers", "3"]) == BenchmarkConfig(impl="fsdp2", n_layers=3)
 
 

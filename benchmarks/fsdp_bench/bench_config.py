@@ -189,6 +189,8 @@ class BenchmarkConfig:
                 raise ValueError(f"--max_norm must be a positive number, got {self.max_norm!r}")
             if self.impl in ("thunder", "comm_only"):
                 raise ValueError(f"--max_norm: --impl {self.impl} has no gradient to clip by its global norm; leave it out")
+            if self.impl == "hand_prefetch":
+                raise ValueError("--max_norm: --impl hand_prefetch's gradients are flat shards, whose norm is local; leave it out")
         if (self.shard_mode == "auto" or self.memory_budget_bytes is not None) and not self.impl.startswith("thunder_overlap"):
             raise ValueError(
                 f"--shard_mode={self.shard_mode} --memory_budget_bytes={self.memory_budget_bytes}: sharding auto and its "
