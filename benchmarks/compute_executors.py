@@ -51,6 +51,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.micro_batch_size < 1 or args.rounds < 1:
         parser.error(f"--micro-batch-size={args.micro_batch_size} and --rounds={args.rounds} must be at least 1")
+    if args.core not in os.sched_getaffinity(0):
+        parser.error(f"--core={args.core} is not one this process may run on: {sorted(os.sched_getaffinity(0))}")
     os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
 

@@ -72,7 +72,7 @@ from fsdp_bench.launch import run_on_link
 from fsdp_bench.netns import LinkSpec, SlowLink
 from fsdp_bench.prediction import TestbedSetting, predict_testbed_step_ms
 from fsdp_bench.results import load_results
-from fsdp_bench.testbed_summary import calibrate, format_table, summarize, target_checks
+from fsdp_bench.testbed_summary import SlowLinkCalibration, calibrate, format_table, summarize, target_checks
 
 _REQUIRED_TOOLS = ("ip", "tc", "taskset")
 # A ``:clip`` run's --max_norm: litgpt's default.
@@ -200,6 +200,37 @@ def file_label(label: str) -> str:
 def sharding_of(label: str, default: str) -> str:
     """``"thunder_overlap@block/auto:bf16"`` -> "auto"; ``default`` without a ``/`` part."""
     return label.partition(":")[0].partition("/")[2] or default
+
+
+def prediction_setting(
+    cfg: TestbedConfig,
+    label: str,
+    out: Path,
+    run: dict,
+    calibration: SlowLinkCalibration,
+    comm_ms_by_bucketing: dict[str, float],
+    bucketing: str | None = None,
+) -> TestbedSetting:
+    """What the simulator needs to predict ``label``'s run (``run``: one round's result JSON) from
+    the testbed's calibration; ``bucketing`` simulates another strategy under it."""
+    impl, measured = split_label(label)
+    return TestbedSetting(
+        impl=impl,
+        bucketing=bucketing or measured,
+        shard_mode=sharding_of(label, cfg.shard_mode),
+        model_name=cfg.model_name,
+        n_layers=run["n_layers"],
+        block_size=run["block_size"],
+        micro_batch_size=cfg.micro_batch_size,
+        world_size=SlowLink.WORLD_SIZE,
+        rate_mbit=cfg.rate_mbit,
+        network=cfg.network,
+        compute_ms=calibration.compute_ms,
+        comm_ms=calibration.comm_ms,
+        result_json=str(out / "runs" / f"round0_{file_label(label)}.json"),
+        comm_ms_by_bucketing=comm_ms_by_bucketing,
+        concurrent_ms=calibration.concurrent_ms,
+    )
 
 
 def midway_budget(cfg: TestbedConfig, bucketing: str) -> int:
@@ -480,25 +511,7 @@ def main(argv: list[str]) -> None:
         impl: None
         if any(is_kind(impl) for is_kind in (is_mixed, is_clipped, is_checkpointed, is_torchcompiled))
         or sharding_of(impl, cfg.shard_mode) != cfg.shard_mode
-        else predict_testbed_step_ms(
-            TestbedSetting(
-                impl=split_label(impl)[0],
-                bucketing=split_label(impl)[1],
-                shard_mode=cfg.shard_mode,
-                model_name=cfg.model_name,
-                n_layers=first["n_layers"],
-                block_size=first["block_size"],
-                micro_batch_size=cfg.micro_batch_size,
-                world_size=SlowLink.WORLD_SIZE,
-                rate_mbit=cfg.rate_mbit,
-                network=cfg.network,
-                compute_ms=calibration_of[impl].compute_ms,
-                comm_ms=calibration_of[impl].comm_ms,
-                result_json=str(out / "runs" / f"round0_{file_label(impl)}.json"),
-                comm_ms_by_bucketing=comm_ms_by_bucketing,
-                concurrent_ms=calibration_of[impl].concurrent_ms,
-            )
-        )
+        else predict_testbed_step_ms(prediction_setting(cfg, impl, out, first, calibration_of[impl], comm_ms_by_bucketing))
         for impl in runs
     }
     summaries = summarize(runs, calibration_of, simulated)

@@ -18,9 +18,11 @@ import argparse
 import json
 from pathlib import Path
 
-from slow_link import TestbedConfig, file_label, sharding_of, split_label
+from slow_link import TestbedConfig, file_label, prediction_setting, split_label
 
+from fsdp_bench.bench_config import BUCKETING_MODES
 from fsdp_bench.prediction import TestbedSetting, simulate_testbed
+from fsdp_bench.testbed_summary import SlowLinkCalibration
 
 
 def setting_of_run(run_dir: Path, label: str, bucketing: str) -> TestbedSetting:
@@ -28,28 +30,16 @@ def setting_of_run(run_dir: Path, label: str, bucketing: str) -> TestbedSetting:
     measurements, simulating ``bucketing`` buckets."""
     summary = json.loads((run_dir / "summary.json").read_text())
     config = TestbedConfig(**{**summary["config"], "impls": tuple(summary["config"]["impls"])})
+    if label not in config.impls:
+        raise ValueError(f"--impl {label!r}: {run_dir} measured {', '.join(config.impls)}")
+    if bucketing not in BUCKETING_MODES:
+        raise ValueError(f"--bucketings: {bucketing!r} is not a bucketing strategy; accepted: {', '.join(BUCKETING_MODES)}")
+    # The testbed measured communication alone with every measured label's bucketing.
     calibrations = summary["calibration_by_bucketing"]
     measured = split_label(label)[1]
-    if measured not in calibrations:
-        raise ValueError(f"{label!r}: {run_dir} has no communication-only run for bucketing {measured!r}; it has {sorted(calibrations)}")
     run = json.loads((run_dir / "runs" / f"round0_{file_label(label)}.json").read_text())
-    return TestbedSetting(
-        impl=split_label(label)[0],
-        bucketing=bucketing,
-        shard_mode=sharding_of(label, config.shard_mode),
-        model_name=config.model_name,
-        n_layers=run["n_layers"],
-        block_size=run["block_size"],
-        micro_batch_size=config.micro_batch_size,
-        world_size=2,
-        rate_mbit=config.rate_mbit,
-        network=config.network,
-        compute_ms=calibrations[measured]["compute_ms"],
-        comm_ms=calibrations[measured]["comm_ms"],
-        result_json=str(run_dir / "runs" / f"round0_{file_label(label)}.json"),
-        comm_ms_by_bucketing={b: c["comm_ms"] for b, c in calibrations.items()},
-        concurrent_ms=calibrations[measured]["concurrent_ms"],
-    )
+    comm_ms_by_bucketing = {b: c["comm_ms"] for b, c in calibrations.items()}
+    return prediction_setting(config, label, run_dir, run, SlowLinkCalibration(**calibrations[measured]), comm_ms_by_bucketing, bucketing)
 
 
 def main() -> None:
@@ -63,7 +53,10 @@ def main() -> None:
     measured = {s["impl"]: s["median_ms"] for s in json.loads((args.run_dir / "summary.json").read_text())["implementations"]}
     report = {}
     for bucketing in bucketings:
-        setting = setting_of_run(args.run_dir, args.impl, bucketing)
+        try:
+            setting = setting_of_run(args.run_dir, args.impl, bucketing)
+        except ValueError as e:
+            parser.error(str(e))
         simulations = simulate_testbed(setting)
         if simulations is None:
             parser.error(f"--impl {args.impl}: only Thunder traces are simulated")

@@ -249,8 +249,10 @@ def test_exposure_is_simulated_with_the_calibration_the_testbed_measured():
     assert setting.bucketing == "layer" and setting.comm_ms_by_bucketing.keys() == {"none", "block"}
     assert (setting.impl, setting.shard_mode, setting.n_layers) == ("thunder_overlap", "zero3", 4)
     assert setting.network == "custom:1000:0.05:ring:2"
-    with pytest.raises(ValueError, match=r"no communication-only run for bucketing 'auto'; it has \['block', 'none'\]"):
+    with pytest.raises(ValueError, match=r"--impl .thunder_overlap@auto.: .*grad_clip measured thunder_overlap@block, "):
         setting_of_run(run_dir, "thunder_overlap@auto", "auto")
+    with pytest.raises(ValueError, match=r"--bucketings: 'blocks' is not a bucketing strategy; accepted: none, layer, block, auto"):
+        setting_of_run(run_dir, "thunder_overlap@block", "blocks")
 
 
 def test_clipped_runs_are_named_refused_where_they_cannot_run_and_compared_with_their_unclipped_run():

@@ -16,7 +16,7 @@ for this one model (the issue's slow-link target).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,12 +49,6 @@ class _Unit:
             self.gather = None
 
 
-@dataclass
-class _StepState:
-    units: list[_Unit] = field(default_factory=list)
-    callback_queued: bool = False
-
-
 def _make_unit(params: list[nn.Parameter], rank: int, world_size: int) -> _Unit:
     numel = sum(p.numel() for p in params)
     shard_numel = -(-numel // world_size)
@@ -82,30 +76,32 @@ class HandPrefetchZero2(nn.Module):
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
         rest = [p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks]
         groups = [rest] + [[p for p in block.parameters() if p.requires_grad] for block in blocks]
-        self._state = _StepState([_make_unit(params, self._rank, self._world_size) for params in groups if params])
-        self.shards = nn.ParameterList(unit.shard for unit in self._state.units)
-        for i, unit in enumerate(self._state.units):
+        self._units = [_make_unit(params, self._rank, self._world_size) for params in groups if params]
+        # Whether this backward's end-of-backward wait is queued yet.
+        self._callback_queued = False
+        self.shards = nn.ParameterList(unit.shard for unit in self._units)
+        for i, unit in enumerate(self._units):
             self.register_buffer(f"unsharded_{i}", unit.unsharded, persistent=False)
         # The wrapped model is not a submodule: its parameters are views of the buffers above.
         self._model = [model]
-        first_block = len(self._state.units) - len(blocks)
+        first_block = len(self._units) - len(blocks)
         for i, block in enumerate(blocks):
             block.register_forward_pre_hook(lambda _module, _args, unit=first_block + i: self._before_unit(unit))
-        for unit in self._state.units:
+        for unit in self._units:
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(lambda _p, unit=unit: self._grad_ready(unit))
 
     def _before_unit(self, index: int) -> None:
-        units = self._state.units
+        units = self._units
         units[index].wait_gather()
         if index + 1 < len(units):
             units[index + 1].issue_gather()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        units = self._state.units
+        units = self._units
         for unit in units:
             unit.grads_left = len(unit.params)
-        self._state.callback_queued = False
+        self._callback_queued = False
         # The parameters outside the blocks (embeddings first) and the first block go out together.
         units[0].issue_gather()
         if len(units) > 1:
@@ -114,8 +110,8 @@ class HandPrefetchZero2(nn.Module):
         return self._model[0](idx)
 
     def _grad_ready(self, unit: _Unit) -> None:
-        if not self._state.callback_queued:
-            self._state.callback_queued = True
+        if not self._callback_queued:
+            self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         unit.grads_left -= 1
         if unit.grads_left:
@@ -128,7 +124,7 @@ class HandPrefetchZero2(nn.Module):
         unit.reduction = (dist.reduce_scatter_tensor(shard_grad, flat, async_op=True), shard_grad, flat)
 
     def _finish_backward(self) -> None:
-        for unit in self._state.units:
+        for unit in self._units:
             if unit.reduction is None:
                 continue
             work, shard_grad, _ = unit.reduction
