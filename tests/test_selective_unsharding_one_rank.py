@@ -4,12 +4,15 @@ checkpoints keep working with some blocks kept unsharded, and compute what ZeRO3
 from __future__ import annotations
 
 import pytest
+import thunder
 import torch
 
 import thunder_overlap
-from thunder_overlap import OverlapConfig, checkpoint
+from thunder_overlap import BucketingTransform, OverlapConfig, checkpoint
 from thunder_overlap._transforms.zero3 import Zero3Transform
+from thunder_overlap.config import Tuning
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
+from thunder_overlap.report._schedule_view import schedule_stats
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +29,10 @@ def _model(sharding: str, budget: int | None = None):
 
 def _batch(step: int) -> torch.Tensor:
     return torch.randint(0, MODEL.vocab_size, (2, 32), generator=torch.Generator().manual_seed(step))
+
+
+def _backward_all_gathers(jm) -> int:
+    return schedule_stats(thunder.last_backward_traces(jm)[-1], layouts=BucketingTransform.of(jm).layouts).allgathers
 
 
 def _accumulate(jm) -> dict[str, torch.Tensor]:
@@ -70,3 +77,23 @@ def test_a_checkpoint_of_auto_loads_into_zero3(halfway_budget, tmp_path):
     zero3 = _model("zero3")
     checkpoint.load(tmp_path / "auto", zero3, torch.optim.AdamW(zero3.parameters(), lr=1e-2))
     torch.testing.assert_close(zero3(_batch(1)).detach(), expected, rtol=0, atol=0)
+
+
+def test_zero3_keeping_its_backwards_first_unit_computes_zero3s_gradients(one_rank_gloo_group):
+    # [Note: ZeRO3 keeps what is free]
+    torch.manual_seed(0)
+    config = OverlapConfig(_tuning=Tuning(zero3_keeps_free_units=True))
+    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3", bucketing_strategy="block", config=config)
+    plain = _model("zero3")
+    grads = []
+    for model in (jm, plain):
+        model(_batch(0)).float().pow(2).mean().backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    choice = Zero3Transform.of(jm).choice
+    # What the backward needs up to its first block, and that block: free at this batch.
+    assert choice.candidates == ("wte", "norm_f", "blocks.2", "blocks.1", "blocks.0")
+    assert choice.free and choice.kept == ("wte", "norm_f", "blocks.2") and choice.peak_bytes == choice.zero3_peak_bytes
+    for name in grads[1]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=0, msg=name)
+    # The kept buckets are the ones the backward no longer gathers.
+    assert _backward_all_gathers(jm) == _backward_all_gathers(plain) - 3

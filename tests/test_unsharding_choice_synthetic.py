@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from thunder_overlap._scheduling.unsharding import MemoryBudgetTooSmall, StepPrediction, choose_kept_units
+from thunder_overlap._scheduling.unsharding import MemoryBudgetTooSmall, StepPrediction, choose_free_units, choose_kept_units
 
 MIB = 1 << 20
 
@@ -135,3 +135,28 @@ def test_where_only_some_middle_prefixes_fit_the_longest_of_them_is_kept():
     peaks = [300 if 10 <= k <= 25 else 320 for k in range(41)]
     choice = _Step(peaks).choose(310, units)
     assert choice.kept == tuple(units[:25]) and choice.peak_bytes == 300
+
+
+# Plain ZeRO3 ([Note: ZeRO3 keeps what is free]): a head and a norm, then blocks last to first.
+FREE_CANDIDATES = ["lm_head", "norm_f", "blocks.2", "blocks.1", "blocks.0"]
+BLOCK_UNITS = {"blocks.0", "blocks.1", "blocks.2"}
+
+
+@pytest.mark.parametrize(
+    ("peaks", "kept"),
+    [
+        # Free all the way: up to the first block and that block, never the blocks its compute hides.
+        ([100, 100, 100, 100, 90, 90], ("lm_head", "norm_f", "blocks.2")),
+        # The first block would raise the peak: the head and the norm alone.
+        ([100, 100, 100, 101, 100, 100], ("lm_head", "norm_f")),
+        # A unit that is not free stops the scan, even where a longer prefix would be free again.
+        ([100, 100, 101, 100, 100, 100], ("lm_head",)),
+        ([100, 104, 100, 100, 100, 100], ()),
+    ],
+)
+def test_zero3_keeps_what_its_backward_needs_up_to_its_first_block_where_free(peaks, kept):
+    step = _Step(peaks)
+    choice = choose_free_units(FREE_CANDIDATES, dict.fromkeys(FREE_CANDIDATES, MIB), step.peak_of, BLOCK_UNITS)
+    assert choice.free and choice.kept == kept
+    assert choice.peak_bytes == choice.zero3_peak_bytes == choice.budget_bytes == 100
+    assert choice.zero2_peak_bytes == peaks[-1] and choice.regather_bytes_saved == len(kept) * MIB

@@ -109,7 +109,7 @@ _TUNING_RULES: dict[tuple[type, bool, bool], tuple[str, ...]] = {
     (int, False, True): ("chained_wait_compute_ops",),
     (float, True, False): ("bucket_eager_prefetch_blocks", "bucket_reduce_scatter_blocks", "prefetch_time_margin"),
     (float, True, True): ("per_tensor_gather_max_slowdown", "reduce_from_copy_max_slowdown"),
-    (bool, False, False): ("check_ranks_agree", "coalesce"),
+    (bool, False, False): ("check_ranks_agree", "coalesce", "zero3_keeps_free_units"),
 }
 
 
@@ -136,6 +136,9 @@ class Tuning:
     prefetch_time_margin: float | None = 1.5  # compute before first use >= margin x the collective
     check_ranks_agree: bool = True  # one exchange at the first compile [Note: rank agreement]
     coalesce: bool = True  # [Note: coalesced launches]
+    # ZeRO3 keeps what its backward needs first, up to its first block, gathered where that is
+    # free; off until the tables are rerun with it. [Note: ZeRO3 keeps what is free]
+    zero3_keeps_free_units: bool = False
     auto_bucket_latency_share: float = 0.1  # auto buckets: latency <= this share of their time
 
     def __post_init__(self) -> None:

@@ -25,7 +25,14 @@ from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
 from thunder_overlap._scheduling.limits import JUST_IN_TIME_LIMITS
 from thunder_overlap._scheduling.scheduler import OverlapScheduler
 
-__all__ = ["MemoryBudgetTooSmall", "StepPrediction", "UnshardingChoice", "choose_kept_units", "just_in_time_step_peak"]
+__all__ = [
+    "MemoryBudgetTooSmall",
+    "StepPrediction",
+    "UnshardingChoice",
+    "choose_free_units",
+    "choose_kept_units",
+    "just_in_time_step_peak",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +80,20 @@ class UnshardingChoice:
     regather_bytes_saved: int
     # What this rank would have kept alone, where another rank had less room (else None).
     kept_alone: tuple[str, ...] | None = None
+    # Plain ZeRO3's choice: the budget is its own just-in-time peak, so only units that cost no
+    # memory are kept ([Note: ZeRO3 keeps what is free]).
+    free: bool = False
+
+    @property
+    def sharding(self) -> str:
+        """The sharding strategy that made the choice."""
+        return "zero3" if self.free else "auto"
 
     def describe(self) -> str:
+        within = "at no memory" if self.free else f"within a budget of {self.budget_bytes / _MIB:.1f} MiB"
         line = (
             f"kept {len(self.kept)} of {len(self.candidates)} units unsharded to the backward "
-            f"({', '.join(self.kept) or 'none'}) within a budget of {self.budget_bytes / _MIB:.1f} MiB: predicted peak "
+            f"({', '.join(self.kept) or 'none'}) {within}: predicted peak "
             f"{self.peak_bytes / _MIB:.1f} MiB just in time "
             f"(ZeRO3 {self.zero3_peak_bytes / _MIB:.1f}, ZeRO2 {self.zero2_peak_bytes / _MIB:.1f})"
         )
@@ -163,6 +179,38 @@ def choose_kept_units(
         scheduled=scheduled,
         zero3_scheduled=zero3_scheduled,
         regather_bytes_saved=sum(unit_bytes[unit] for unit in candidates[:kept]),
+    )
+
+
+def choose_free_units(
+    candidates: Sequence[str],
+    unit_bytes: Mapping[str, int],
+    peak_of: Callable[[tuple[str, ...]], int],
+    block_units: set[str],
+) -> UnshardingChoice:
+    """Plain ZeRO3's choice ([Note: ZeRO3 keeps what is free]): the ``candidates`` the backward
+    needs up to its first block (one of ``block_units``), and that block, for as long as keeping
+    each leaves the just-in-time step peak (``peak_of``) at ZeRO3's own. Every prefix of the
+    choice is free too, so ranks may agree on the common one."""
+    zero3_peak = peak_of(())
+    kept: tuple[str, ...] = ()
+    for unit in candidates:
+        if peak_of((*kept, unit)) > zero3_peak:
+            break
+        kept = (*kept, unit)
+        if unit in block_units:
+            break
+    return UnshardingChoice(
+        budget_bytes=zero3_peak,
+        candidates=tuple(candidates),
+        kept=kept,
+        peak_bytes=peak_of(kept),
+        zero3_peak_bytes=zero3_peak,
+        zero2_peak_bytes=peak_of(tuple(candidates)),
+        scheduled=None,
+        zero3_scheduled=None,
+        regather_bytes_saved=sum(unit_bytes[unit] for unit in kept),
+        free=True,
     )
 
 

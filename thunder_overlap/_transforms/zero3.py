@@ -16,7 +16,10 @@ not a silent fallback to ZeRO2's memory.
 
 Sharding "auto" keeps some units' gathered parameters saved, as ZeRO2 does, and re-gathers the
 rest: which ones is chosen at the first compile, once both traces exist, from their memory
-estimate under the budget ([Note: selective unsharding]); later compiles keep that choice.
+estimate under the budget ([Note: selective unsharding]); later compiles keep that choice. Plain
+ZeRO3 can keep what the backward needs first, up to its first block, whose re-gathers no compute
+hides, where that costs no memory (``Tuning.zero3_keeps_free_units``;
+[Note: ZeRO3 keeps what is free]).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from thunder_overlap._scheduling.unsharding import (
     MemoryBudgetTooSmall,
     StepPrediction,
     UnshardingChoice,
+    choose_free_units,
     choose_kept_units,
     just_in_time_step_peak,
 )
@@ -203,13 +207,15 @@ def _rewrite_backward(trace: TraceCtx, plan: RegatherPlan) -> TraceCtx:
 class Zero3Transform(Transform):
     """Makes the forward save sharded parameters and the backward re-gather them; with
     ``selective``, only the parameters of the units the budget has no room for (sharding "auto").
+    With ``Tuning.zero3_keeps_free_units``, plain ZeRO3 keeps what the backward needs first, up to
+    its first block, where that costs no memory ([Note: ZeRO3 keeps what is free]).
 
     ``state`` is the model's (:class:`ModelState`): which parameter each input is (errors name
     parameters), and for ``selective`` the units (its blocks and buckets), the budget, the
     schedule that prices a choice and the ranks to agree with ([Note: rank agreement]).
     Raises when the forward would still save a gathered parameter that it cannot re-gather,
-    rather than quietly keeping ZeRO2's memory. After the first compile under ``selective``,
-    :attr:`choice` says which units were kept and why.
+    rather than quietly keeping ZeRO2's memory. After the first compile, :attr:`choice` says which
+    units were kept and why.
     """
 
     def __init__(self, state: ModelState, *, selective: bool = False) -> None:
@@ -230,10 +236,11 @@ class Zero3Transform(Transform):
         return transform_of(module, Zero3Transform)
 
     def transform_module(self, model) -> None:
-        if self.selective:
-            for prefix, block in self.state.find_blocks(model._model):
-                for name, _ in block.named_parameters():
-                    self._block_of_parameter[f"{prefix}.{name}"] = prefix
+        if not (self.selective or self.state.config.tuning.zero3_keeps_free_units):
+            return
+        for prefix, block in self.state.find_blocks(model._model):
+            for name, _ in block.named_parameters():
+                self._block_of_parameter[f"{prefix}.{name}"] = prefix
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
         self.state.record_inputs(prologue_trace, computation_trace)
@@ -247,7 +254,8 @@ class Zero3Transform(Transform):
             if plan.unreplayable:
                 raise RuntimeError(self._unreplayable_message(annotated, plan))
             self._deferred = None
-            if self.selective and self.choice is None:
+            keeps_free_unit = self.state.config.tuning.zero3_keeps_free_units and plan.replay
+            if self.choice is None and (self.selective or keeps_free_unit):
                 # [Note: selective unsharding]: this very trace is rewritten again by the backward's
                 # hook, which Thunder calls before any later transform sees the forward.
                 forward = _rewrite_forward(computation_trace, plan)
@@ -281,6 +289,11 @@ class Zero3Transform(Transform):
             return bucket.plan.label
         return self._block_of_parameter.get(parameter, parameter)
 
+    def _block_units(self) -> set[str]:
+        """The units holding a block's parameters."""
+        inputs = self.state.parameter_of_input.items()
+        return {self._unit_of_input(name) for name, parameter in inputs if parameter in self._block_of_parameter}
+
     def _units_of_saved(self, annotated: AnnotatedTrace) -> dict[str, frozenset[str]]:
         """Saved tensor name -> the units whose gathered parameters it is computed from."""
         units = {}
@@ -312,16 +325,33 @@ class Zero3Transform(Transform):
                 trace.names = set(trace.names)
             return state.bucketed(*step)
 
+        @cache
         def peak_of(kept: tuple[str, ...]) -> int:
             return just_in_time_step_peak(*step_for(kept), layouts)
 
         def predict(kept: tuple[str, ...]) -> StepPrediction:
             return predict_step(state.config, *step_for(kept), layouts, prefetch_unit_bytes=state.prefetch_unit_bytes)
 
-        budget = state.config.memory_budget_bytes
         exchange = state.config.tuning.check_ranks_agree
         group = state.agreement_group_of(annotated)
         state.agree_settings_once(group)
+        if not self.selective:
+            choice = choose_free_units(candidates, unit_bytes, peak_of, self._block_units())
+            if exchange:  # every prefix of each rank's choice is free on it
+                kept = agreed_prefix(choice.kept, group).common
+                if kept != choice.kept:
+                    choice = replace(
+                        choice,
+                        kept=kept,
+                        peak_bytes=peak_of(kept),
+                        regather_bytes_saved=sum(unit_bytes[unit] for unit in kept),
+                        kept_alone=choice.kept,
+                    )
+            self.choice = choice
+            plan = plan_for(choice.kept)
+            forward_out.bound_symbols = _rewrite_forward(annotated.trace, plan).bound_symbols
+            return plan
+        budget = state.config.memory_budget_bytes
         try:
             choice = choose_kept_units(candidates, unit_bytes, peak_of, budget, predict)
         except MemoryBudgetTooSmall:

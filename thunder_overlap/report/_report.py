@@ -86,7 +86,7 @@ class Report:
     groups: tuple[GroupNetwork, ...] = ()
     # What thunder_overlap's collectives move, by kind: ("all_gather", ("bfloat16",)), ...
     collective_dtypes: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    # Sharding "auto"'s choice of the units kept unsharded to the backward (else None).
+    # ZeRO3's or sharding "auto"'s choice of the units kept unsharded to the backward (else None).
     unsharding: UnshardingChoice | None = None
     # Bytes of this rank's trainable parameter shards: what optimizer state is sized by (None: unknown).
     trainable_shard_bytes: int | None = None
@@ -126,7 +126,7 @@ class Report:
                 f"{UNSCHEDULED}: {p.unscheduled.hidden} of {p.unscheduled.hideable})"
             )
         if self.unsharding is not None:
-            lines.append(f"sharding auto: {self.unsharding.describe()}")
+            lines.append(f"sharding {self.unsharding.sharding}: {self.unsharding.describe()}")
         if self.trainable_shard_bytes is not None:
             # What the peaks, and so a memory budget, leave out (docs/memory.md, "The budget").
             lines.append(
