@@ -57,6 +57,7 @@ from thunder_overlap import CostModel, MixedPrecision, OverlapConfig
 from thunder_overlap._analysis.network import NodeTopology
 from thunder_overlap._scheduling.limits import resolve_limits
 from thunder_overlap._transforms.zero3 import Zero3Transform
+from thunder_overlap.config import Tuning
 from thunder_overlap.report._models import BUILTIN_MODELS, trace_model
 from thunder_overlap.report._policies import PolicyComparison, compare_policies
 from thunder_overlap.report._report import BASELINE
@@ -168,10 +169,11 @@ def measure_setting(
     shard_group_size: int | None = None,
     precision: str = "bf16",
     memory_budget_bytes: int | None = None,
+    tuning: Tuning | None = None,
 ) -> list[ScalingRow]:
     """Every row of one model, world size, sharding (hybrid with ``shard_group_size``) and
     precision (a key of PRECISIONS): Thunder's own FSDP (full world only: it has no hybrid
-    sharding), then each bucketing."""
+    sharding), then each bucketing; thunder_overlap's rows under ``tuning``."""
     # The default network is the shard group's (bucket sizing reads it); each collective is
     # costed on its own group's network.
     network = TOPOLOGY.network_of_ranks(range(shard_group_size or world_size)).name
@@ -198,7 +200,7 @@ def measure_setting(
             start = time.perf_counter()
             with torch.device("meta"):
                 model = recipe.build().to(dtype)
-            config = OverlapConfig(cost_model=cost_model, memory_budget_bytes=memory_budget_bytes)
+            config = OverlapConfig(cost_model=cost_model, memory_budget_bytes=memory_budget_bytes, _tuning=tuning or Tuning())
             jm = trace_model(
                 model,
                 world_size=world_size,
@@ -354,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--precisions", nargs="+", default=["bf16"], choices=list(PRECISIONS), help="model dtypes and policies")
     parser.add_argument("--device-profile", default="h100")
+    parser.add_argument(
+        "--keep-first", action="store_true", help="ZeRO3 keeps what its backward needs first where free (thunder_overlap_keep_first)"
+    )
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     parser.add_argument("--json", default=None, help="also write every row's raw figures to this JSON file")
     args = parser.parse_args(argv)
@@ -371,7 +376,17 @@ def main(argv: list[str] | None = None) -> int:
         settings.append(("llama-2-70b", args.n_layer_70b, 1024, "zero3", None, "bf16", None))
     for model_name, n_layer, world_size, sharding, shard, precision, budget in settings:
         rows += measure_setting(
-            model_name, n_layer, args.seq_len, world_size, sharding, args.device_profile, args.bucketing, shard, precision, budget
+            model_name,
+            n_layer,
+            args.seq_len,
+            world_size,
+            sharding,
+            args.device_profile,
+            args.bucketing,
+            shard,
+            precision,
+            budget,
+            Tuning(zero3_keeps_free_units=args.keep_first),
         )
         # Written after every setting: a long run that stops keeps what it measured.
         _write(rows, args.out, args.json)
