@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import cache
 
+import torch.distributed as dist
 from thunder.core import prims
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
@@ -335,30 +336,37 @@ class Zero3Transform(Transform):
         exchange = state.config.tuning.check_ranks_agree
         group = state.agreement_group_of(annotated)
         state.agree_settings_once(group)
-        if not self.selective:
+        if self.selective:
+            choice = self._within_budget(candidates, unit_bytes, peak_of, predict, group if exchange else None)
+        else:
             choice = choose_free_units(candidates, unit_bytes, peak_of, self._block_units())
             if exchange:  # every prefix of each rank's choice is free on it
                 kept = agreed_prefix(choice.kept, group).common
                 if kept != choice.kept:
-                    choice = replace(
-                        choice,
-                        kept=kept,
-                        peak_bytes=peak_of(kept),
-                        regather_bytes_saved=sum(unit_bytes[unit] for unit in kept),
-                        kept_alone=choice.kept,
-                    )
-            self.choice = choice
-            plan = plan_for(choice.kept)
-            forward_out.bound_symbols = _rewrite_forward(annotated.trace, plan).bound_symbols
-            return plan
-        budget = state.config.memory_budget_bytes
+                    choice = _narrowed(choice, kept, peak_of(kept), unit_bytes)
+        self.choice = choice
+        plan = plan_for(choice.kept)
+        forward_out.bound_symbols = _rewrite_forward(annotated.trace, plan).bound_symbols
+        return plan
+
+    def _within_budget(
+        self,
+        candidates: list[str],
+        unit_bytes: Mapping[str, int],
+        peak_of: Callable[[tuple[str, ...]], int],
+        predict: Callable[[tuple[str, ...]], StepPrediction],
+        group: dist.ProcessGroup | None,
+    ) -> UnshardingChoice:
+        """Sharding "auto"'s choice: the units the budget has room for, agreed with the ranks of
+        ``group`` (None: this rank's own)."""
+        budget = self.state.config.memory_budget_bytes
         try:
             choice = choose_kept_units(candidates, unit_bytes, peak_of, budget, predict)
         except MemoryBudgetTooSmall:
-            if exchange:
+            if group is not None:
                 agreed_prefix(None, group)  # so that the other ranks stop too
             raise
-        if exchange:
+        if group is not None:
             agreement = agreed_prefix(choice.kept, group)
             if agreement.failed:
                 raise MemoryBudgetTooSmall(
@@ -378,18 +386,8 @@ class Zero3Transform(Transform):
                         "budget, or give the ranks batches of one shape"
                     )
                 if kept != choice.kept:
-                    choice = replace(
-                        choice,
-                        kept=kept,
-                        peak_bytes=peak,
-                        scheduled=predict(kept) if choice.scheduled is not None else None,
-                        regather_bytes_saved=sum(unit_bytes[unit] for unit in kept),
-                        kept_alone=choice.kept,
-                    )
-        self.choice = choice
-        plan = plan_for(choice.kept)
-        forward_out.bound_symbols = _rewrite_forward(annotated.trace, plan).bound_symbols
-        return plan
+                    choice = _narrowed(choice, kept, peak, unit_bytes, predict(kept) if choice.scheduled is not None else None)
+        return choice
 
     def _unreplayable_message(self, annotated: AnnotatedTrace, plan: RegatherPlan) -> str:
         problems = []
@@ -402,6 +400,14 @@ class Zero3Transform(Transform):
             f"them there, so they would stay unsharded between forward and backward (ZeRO2's memory): "
             f"{'; '.join(problems)}. Use sharding_strategy='zero2' for this model."
         )
+
+
+def _narrowed(
+    choice: UnshardingChoice, kept: tuple[str, ...], peak_bytes: int, unit_bytes: Mapping[str, int], scheduled: StepPrediction | None = None
+) -> UnshardingChoice:
+    """``choice`` cut to the prefix ``kept`` that every rank chose."""
+    saved = sum(unit_bytes[unit] for unit in kept)
+    return replace(choice, kept=kept, peak_bytes=peak_bytes, scheduled=scheduled, regather_bytes_saved=saved, kept_alone=choice.kept)
 
 
 def _keeping(units: Mapping[str, frozenset[str]], kept: tuple[str, ...]) -> Callable[[str], bool]:
