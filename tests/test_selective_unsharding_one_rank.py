@@ -79,7 +79,7 @@ def test_a_checkpoint_of_auto_loads_into_zero3(halfway_budget, tmp_path):
     torch.testing.assert_close(zero3(_batch(1)).detach(), expected, rtol=0, atol=0)
 
 
-def test_zero3_keeping_its_backwards_first_unit_computes_zero3s_gradients(one_rank_gloo_group):
+def test_zero3_keeping_what_its_backward_needs_first_computes_zero3s_gradients(one_rank_gloo_group):
     # [Note: ZeRO3 keeps what is free]
     torch.manual_seed(0)
     config = OverlapConfig(_tuning=Tuning(zero3_keeps_free_units=True))
