@@ -93,6 +93,7 @@ def test_zero3_keeping_what_its_backward_needs_first_computes_zero3s_gradients(o
     # What the backward needs up to its first block, and that block: free at this batch.
     assert choice.candidates == ("wte", "norm_f", "blocks.2", "blocks.1", "blocks.0")
     assert choice.free and choice.kept == ("wte", "norm_f", "blocks.2") and choice.peak_bytes == choice.zero3_peak_bytes
+    assert choice.sharding == "zero3" and "(wte, norm_f, blocks.2) at no memory" in choice.describe()
     for name in grads[1]:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=0, msg=name)
     # The kept buckets are the ones the backward no longer gathers.

@@ -255,10 +255,12 @@ class Zero3Transform(Transform):
             if plan.unreplayable:
                 raise RuntimeError(self._unreplayable_message(annotated, plan))
             self._deferred = None
-            keeps_free_unit = self.state.config.tuning.zero3_keeps_free_units and plan.replay
-            if self.choice is None and (self.selective or keeps_free_unit):
+            chooses = self.selective or self.state.config.tuning.zero3_keeps_free_units
+            if self.choice is None and chooses:
                 # [Note: selective unsharding]: this very trace is rewritten again by the backward's
-                # hook, which Thunder calls before any later transform sees the forward.
+                # hook, which Thunder calls before any later transform sees the forward. Chosen at
+                # the first compile, every rank there, even with nothing to keep: a later compile
+                # may be one rank's alone and cannot exchange.
                 forward = _rewrite_forward(computation_trace, plan)
                 self._deferred = (annotated, forward)
                 self._pending = plan
@@ -275,7 +277,7 @@ class Zero3Transform(Transform):
             return _rewrite_backward(computation_trace, plan) if plan.replay else computation_trace
         return computation_trace
 
-    # --- sharding "auto" ------------------------------------------------------------------------
+    # --- the units kept gathered to the backward ---------------------------------------------
 
     def _keeps(self, annotated: AnnotatedTrace) -> Callable[[str], bool] | None:
         """Which saved tensors stay saved: those of the kept units, once chosen."""
