@@ -263,6 +263,18 @@ def test_report_compares_thunder_fsdp_with_thunder_overlap(reported):
     text = str(result)
     assert "forward   thunder 0.2.6 " in text and "backward  unscheduled " in text and "backward  thunder_overlap" in text
     assert "hides" in text and text.endswith(LEGEND)
+    # Where each pass's compute waits longest: the launch it waits for most is named, with its
+    # time, and the total is the table's exposed ms.
+    for p in result.passes:
+        collectives = p.overlap.simulation.collectives
+        longest = max(collectives, key=lambda c: c.exposed_ms)
+        assert longest.exposed_ms > 0  # 1 GB/s: this tiny model's compute cannot hide everything
+        kind = longest.kind.replace("_", "-")
+        mib = longest.unsharded_bytes / 2**20
+        named = f"{kind} launch {longest.collective + 1} of {len(collectives)} ({mib:.1f} MiB) {longest.exposed_ms:.3f} ms"
+        line = next(line for line in text.splitlines() if line.startswith(f"{p.name}: thunder_overlap's compute waits"))
+        assert line.startswith(f"{p.name}: thunder_overlap's compute waits {p.overlap.exposed_ms:.3f} ms for collectives, longest at: ")
+        assert named in line and line.count(" ms") <= 4, line
     assert re.search(
         r"thunder 0\.2\.6 [0-9.]+ ms, unscheduled [0-9.]+ ms, thunder_overlap [0-9.]+ ms: thunder_overlap against "
         r"thunder 0\.2\.6: \d+\.\d\dx (faster \(\d+% less|slower \(\d+% more) time\)",

@@ -125,6 +125,7 @@ class Report:
                 f"({BASELINE}: {p.baseline.hidden} of {p.baseline.hideable}, "
                 f"{UNSCHEDULED}: {p.unscheduled.hidden} of {p.unscheduled.hideable})"
             )
+            lines.append(_longest_waits(p.name, p.overlap))
         if self.unsharding is not None:
             lines.append(f"sharding {self.unsharding.sharding}: {self.unsharding.describe()}")
         if self.trainable_shard_bytes is not None:
@@ -188,6 +189,26 @@ class Report:
         from thunder_overlap.report._plots import write_png
 
         write_png(self, Path(path))
+
+
+# Collectives named per pass where the compute waits longest: where a step loses its time to
+# communication is mostly a few launches (the first gather, the last reduce-scatters).
+_LONGEST_WAITS = 3
+
+
+def _longest_waits(pass_name: str, order: OrderReport) -> str:
+    """One line: how long ``order``'s compute stands waiting, and at which launches most (kind,
+    position among the pass's launches, a coalesced one counting once; unsharded MiB), in trace
+    order."""
+    waits = sorted((c for c in order.simulation.collectives if c.exposed_ms > 0), key=lambda c: -c.exposed_ms)[:_LONGEST_WAITS]
+    if not waits:
+        return f"{pass_name}: {OVERLAP}'s compute never waits for a collective"
+    count = len(order.simulation.collectives)
+    named = "; ".join(
+        f"{c.kind.replace('_', '-')} launch {c.collective + 1} of {count} ({c.unsharded_bytes / _MIB:.1f} MiB) {c.exposed_ms:.3f} ms"
+        for c in sorted(waits, key=lambda c: c.collective)
+    )
+    return f"{pass_name}: {OVERLAP}'s compute waits {order.exposed_ms:.3f} ms for collectives, longest at: {named}"
 
 
 def analyze_trace(
