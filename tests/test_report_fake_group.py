@@ -15,12 +15,13 @@ import thunder_overlap
 from thunder_overlap.__main__ import main as package_main
 from thunder_overlap._analysis.classify import NodeKind
 from thunder_overlap._analysis.cost_model import CostModel
+from thunder_overlap._analysis.simulator import CollectiveTiming, Simulation
 from thunder_overlap.config import OverlapConfig, Tuning
 from thunder_overlap.report import _device_choice as device_choice
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.report._cli import DEFAULT_OUT, main
 from thunder_overlap.report._models import trace_model
-from thunder_overlap.report._report import BASELINE, LEGEND, OVERLAP, UNSCHEDULED, report, speed_change
+from thunder_overlap.report._report import BASELINE, LEGEND, OVERLAP, UNSCHEDULED, longest_waits, report, speed_change
 from thunder_overlap.report._schedule_view import schedule_stats
 from thunder_overlap.report._thunder_baseline import ThunderFSDPTraces
 
@@ -139,6 +140,27 @@ def test_package_version_and_unknown_command(capsys):
     assert capsys.readouterr().out.strip() == f"thunder_overlap {thunder_overlap.__version__}"
     assert package_main(["reprot"]) == 2
     assert "unknown command 'reprot'; accepted: demo, report" in capsys.readouterr().err
+
+
+def _waited(collective: int, kind: str, mib: float, exposed_ms: float) -> CollectiveTiming:
+    return CollectiveTiming(collective, kind, 0, int(mib * 2**20), 0.0, 0.0, 1.0, 1.0, exposed_ms, True, 0.0)
+
+
+def test_longest_waits_are_the_three_longest_in_trace_order():
+    launches = [
+        _waited(0, "all_gather", 8.0, 4.0),
+        _waited(1, "all_gather", 4.0, 0.5),
+        _waited(2, "all_gather", 4.0, 0.0),
+        _waited(3, "reduce_scatter", 16.0, 1.0),
+        _waited(4, "reduce_scatter", 8.0, 2.0),
+    ]
+    simulation = Simulation(ops=[], collectives=launches, step_ms=20.0, compute_ms=12.5, communication_ms=10.0)
+    assert longest_waits("backward", simulation) == (
+        f"backward: {OVERLAP}'s compute waits 7.500 ms for collectives, longest at: all-gather launch 1 of 5 (8.0 MiB) 4.000 ms; "
+        "reduce-scatter launch 4 of 5 (16.0 MiB) 1.000 ms; reduce-scatter launch 5 of 5 (8.0 MiB) 2.000 ms"
+    )
+    hidden = Simulation(ops=[], collectives=[_waited(0, "all_gather", 8.0, 0.0)], step_ms=5.0, compute_ms=5.0, communication_ms=1.0)
+    assert longest_waits("forward", hidden) == f"forward: {OVERLAP}'s compute never waits for a collective"
 
 
 def test_speed_change_is_a_ratio_and_a_share_of_time():
@@ -263,18 +285,12 @@ def test_report_compares_thunder_fsdp_with_thunder_overlap(reported):
     text = str(result)
     assert "forward   thunder 0.2.6 " in text and "backward  unscheduled " in text and "backward  thunder_overlap" in text
     assert "hides" in text and text.endswith(LEGEND)
-    # Where each pass's compute waits longest: the launch it waits for most is named, with its
-    # time, and the total is the table's exposed ms.
+    # Each pass names where its compute waits longest (the line's content:
+    # test_longest_waits_are_the_three_longest_in_trace_order); on 1 GB/s this tiny model's
+    # compute cannot hide everything.
     for p in result.passes:
-        collectives = p.overlap.simulation.collectives
-        longest = max(collectives, key=lambda c: c.exposed_ms)
-        assert longest.exposed_ms > 0  # 1 GB/s: this tiny model's compute cannot hide everything
-        kind = longest.kind.replace("_", "-")
-        mib = longest.unsharded_bytes / 2**20
-        named = f"{kind} launch {longest.collective + 1} of {len(collectives)} ({mib:.1f} MiB) {longest.exposed_ms:.3f} ms"
-        line = next(line for line in text.splitlines() if line.startswith(f"{p.name}: thunder_overlap's compute waits"))
-        assert line.startswith(f"{p.name}: thunder_overlap's compute waits {p.overlap.exposed_ms:.3f} ms for collectives, longest at: ")
-        assert named in line and line.count(" ms") <= 4, line
+        assert p.overlap.exposed_ms > 0
+        assert longest_waits(p.name, p.overlap.simulation) in text.splitlines()
     assert re.search(
         r"thunder 0\.2\.6 [0-9.]+ ms, unscheduled [0-9.]+ ms, thunder_overlap [0-9.]+ ms: thunder_overlap against "
         r"thunder 0\.2\.6: \d+\.\d\dx (faster \(\d+% less|slower \(\d+% more) time\)",

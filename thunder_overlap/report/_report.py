@@ -31,7 +31,7 @@ from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.layout import NO_BUCKETS, BucketLayouts
 from thunder_overlap._analysis.memory_estimate import MemoryEstimate, estimate_memory
 from thunder_overlap._analysis.passes import Pass
-from thunder_overlap._analysis.simulator import simulate
+from thunder_overlap._analysis.simulator import Simulation, simulate
 from thunder_overlap._scheduling.unsharding import UnshardingChoice
 from thunder_overlap._transforms.bucketing import BucketingTransform
 from thunder_overlap._transforms.schedule import OverlapScheduleTransform
@@ -65,6 +65,7 @@ __all__ = [
     "PassTraces",
     "Report",
     "analyze_trace",
+    "longest_waits",
     "module_layouts",
     "report",
     "report_traces",
@@ -125,7 +126,7 @@ class Report:
                 f"({BASELINE}: {p.baseline.hidden} of {p.baseline.hideable}, "
                 f"{UNSCHEDULED}: {p.unscheduled.hidden} of {p.unscheduled.hideable})"
             )
-            lines.append(_longest_waits(p.name, p.overlap))
+            lines.append(longest_waits(p.name, p.overlap.simulation))
         if self.unsharding is not None:
             lines.append(f"sharding {self.unsharding.sharding}: {self.unsharding.describe()}")
         if self.trainable_shard_bytes is not None:
@@ -196,19 +197,19 @@ class Report:
 _LONGEST_WAITS = 3
 
 
-def _longest_waits(pass_name: str, order: OrderReport) -> str:
-    """One line: how long ``order``'s compute stands waiting, and at which launches most (kind,
-    position among the pass's launches, a coalesced one counting once; unsharded MiB), in trace
-    order."""
-    waits = sorted((c for c in order.simulation.collectives if c.exposed_ms > 0), key=lambda c: -c.exposed_ms)[:_LONGEST_WAITS]
+def longest_waits(pass_name: str, simulation: Simulation) -> str:
+    """One line: how long thunder_overlap's compute stands waiting in ``simulation``, and at which
+    launches most (kind, position among the pass's launches, a coalesced one counting once;
+    unsharded MiB), in trace order."""
+    waits = sorted((c for c in simulation.collectives if c.exposed_ms > 0), key=lambda c: -c.exposed_ms)[:_LONGEST_WAITS]
     if not waits:
         return f"{pass_name}: {OVERLAP}'s compute never waits for a collective"
-    count = len(order.simulation.collectives)
+    count = len(simulation.collectives)
     named = "; ".join(
         f"{c.kind.replace('_', '-')} launch {c.collective + 1} of {count} ({c.unsharded_bytes / _MIB:.1f} MiB) {c.exposed_ms:.3f} ms"
         for c in sorted(waits, key=lambda c: c.collective)
     )
-    return f"{pass_name}: {OVERLAP}'s compute waits {order.exposed_ms:.3f} ms for collectives, longest at: {named}"
+    return f"{pass_name}: {OVERLAP}'s compute waits {simulation.exposed_ms:.3f} ms for collectives, longest at: {named}"
 
 
 def analyze_trace(
