@@ -357,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precisions", nargs="+", default=["bf16"], choices=list(PRECISIONS), help="model dtypes and policies")
     parser.add_argument("--device-profile", default="h100")
     parser.add_argument(
-        "--keep-first", action="store_true", help="ZeRO3 keeps what its backward needs first where free (thunder_overlap_keep_first)"
+        "--regather-all",
+        action="store_true",
+        help="ZeRO3 re-gathers every parameter, none kept where free (thunder_overlap_regather_all)",
     )
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     parser.add_argument("--json", default=None, help="also write every row's raw figures to this JSON file")
@@ -386,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             shard,
             precision,
             budget,
-            Tuning(zero3_keeps_free_units=args.keep_first),
+            Tuning(zero3_keeps_free_units=not args.regather_all),
         )
         # Written after every setting: a long run that stops keeps what it measured.
         _write(rows, args.out, args.json)

@@ -13,7 +13,10 @@ import thunder
 import torch
 
 import thunder_overlap
+from thunder_overlap import OverlapConfig
 from thunder_overlap._analysis.classify import CollectiveKind, NodeKind, classify_trace
+from thunder_overlap._transforms.zero3 import Zero3Transform
+from thunder_overlap.config import Tuning
 from thunder_overlap.report._builtin_models import Llama, LlamaConfig, TinyGPT, TinyGPTConfig
 from thunder_overlap.testing.training import saved_unsharded
 
@@ -24,8 +27,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fake_group_4")]
 
 
 @functools.cache
-def _traces(model: str, sharding: str, bucketing: str, checkpointing: bool, hybrid: bool = False):
-    """Final (forward, backward) traces after one step; cached, compiling dominates."""
+def _stepped(model: str, sharding: str, bucketing: str, checkpointing: bool, hybrid: bool = False, keeps_free: bool = False):
+    """The model after one step; cached, compiling dominates. ZeRO3 re-gathers every parameter
+    unless ``keeps_free`` ([Note: ZeRO3 keeps what is free]), so that every block's recomputation
+    is served by a re-gather; test_zero3_keeps_what_is_free_with_checkpointing checks the default."""
     mesh = None
     if hybrid:
         from torch.distributed.device_mesh import init_device_mesh
@@ -40,15 +45,22 @@ def _traces(model: str, sharding: str, bucketing: str, checkpointing: bool, hybr
         bucketing_strategy=bucketing,
         activation_checkpointing=checkpointing,
         device_mesh=mesh,
+        config=OverlapConfig(_tuning=Tuning(zero3_keeps_free_units=keeps_free)),
     )
     jm(torch.randint(0, 64, (2, 8))).sum().backward()
+    return jm
+
+
+def _traces(*args, **kwargs):
+    """Final (forward, backward) traces of ``_stepped(*args, **kwargs)``."""
+    jm = _stepped(*args, **kwargs)
     return thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _forget_traces_with_the_group():
     yield
-    _traces.cache_clear()
+    _stepped.cache_clear()
 
 
 def _gathered(trace) -> list[tuple[str, ...]]:
@@ -103,6 +115,23 @@ def test_zero3_gathers_each_parameter_once_in_the_backward(model, bucketing, hyb
         # One per block, and one for the output head's bucket, which the backward needs first
         # (launched with the last block's where the cost model coalesces them).
         assert n_layer <= len(gathers) <= n_layer + 1
+
+
+def test_zero3_keeps_what_is_free_with_checkpointing():
+    # By default ZeRO3 keeps what its backward needs first where that is free: the same units
+    # with checkpointing as without here. Their parameters stay saved gathered, so neither the
+    # recomputation nor the gradients gather them again; every other weight the backward reads
+    # is gathered once, for both.
+    jm = _stepped("llama", "zero3", "block", True, keeps_free=True)
+    kept = Zero3Transform.of(jm).choice.kept
+    assert kept == Zero3Transform.of(_stepped("llama", "zero3", "block", False, keeps_free=True)).choice.kept
+    assert kept and f"blocks.{LLAMA.n_layer - 1}" in kept
+    kept_shards = {"t_" + name.replace(".", "_") for name in Zero3Transform.of(jm).kept_parameters()}
+    gathers = _gathered(thunder.last_backward_traces(jm)[-1])
+    gathered = [name for gather in gathers for name in gather]
+    assert len(gathered) == len(set(gathered)) and not kept_shards & set(gathered)
+    _, regather_all = _traces("llama", "zero3", "block", True)
+    assert set(gathered) == {name for gather in _gathered(regather_all) for name in gather} - kept_shards
 
 
 def test_zero2_gathers_nothing_in_the_backward():

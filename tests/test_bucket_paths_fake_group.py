@@ -118,8 +118,10 @@ def test_over_gloo_zero3_hands_the_lay_outs_that_would_grow_the_pool_to_the_back
 
 
 def test_zero3_keeps_its_lay_outs_where_the_backends_copy_is_too_slow(fake_group_2):
-    # No slowdown allowed: the backend's copy costs time, so the pool keeps its third buffer.
-    options = {"per_tensor_gather_max_slowdown": None, "reduce_from_copy_max_slowdown": 0.0}
+    # No slowdown allowed: the backend's copy costs time, so the pool keeps its third buffer. With
+    # every parameter re-gathered: the backward's first re-gathers sit beside the last block's
+    # lay-out (kept to the backward, the last block needs no third buffer).
+    options = {"per_tensor_gather_max_slowdown": None, "reduce_from_copy_max_slowdown": 0.0, "zero3_keeps_free_units": False}
     jm = _block_as_over_gloo(CostModel.named("cpu", "gloo-loopback"), "zero3", **options)
     schedule = thunder_overlap.OverlapScheduleTransform.of(jm)
     choice = schedule.bucket_paths.outcome(REDUCED_FROM_COPY)

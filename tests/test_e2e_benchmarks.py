@@ -143,7 +143,7 @@ def test_hand_prefetch_loop_trains_as_one_process_averaging_the_ranks_gradients(
 def test_bad_options_name_the_value_and_the_accepted_ones():
     accepted = (
         "thunder_overlap, thunder_overlap_uncoalesced, thunder_overlap_two_ahead, thunder_overlap_own_shards, "
-        "thunder_overlap_laid_out, thunder_overlap_two_lay_outs, thunder_overlap_keep_first, thunder, fsdp2"
+        "thunder_overlap_laid_out, thunder_overlap_two_lay_outs, thunder_overlap_regather_all, thunder, fsdp2"
     )
     with pytest.raises(ValueError, match=rf"--impl='deepspeed'.*{accepted}"):
         BenchmarkConfig(impl="deepspeed")
@@ -159,8 +159,8 @@ def test_bad_options_name_the_value_and_the_accepted_ones():
         BenchmarkConfig(impl="hand_prefetch", shard_mode="zero3")
     with pytest.raises(ValueError, match=r"--max_norm: --impl hand_prefetch's gradients are flat shards, whose norm is local"):
         BenchmarkConfig(impl="hand_prefetch", max_norm=1.0)
-    with pytest.raises(ValueError, match=r"--impl thunder_overlap_keep_first changes ZeRO3's backward; --shard_mode=zero2 has none"):
-        BenchmarkConfig(impl="thunder_overlap_keep_first", shard_mode="zero2")
+    with pytest.raises(ValueError, match=r"--impl thunder_overlap_regather_all changes ZeRO3's backward; --shard_mode=zero2 has none"):
+        BenchmarkConfig(impl="thunder_overlap_regather_all", shard_mode="zero2")
     assert parse_args(["--impl", "fsdp2", "--n_layers", "3"]) == BenchmarkConfig(impl="fsdp2", n_layers=3)
 
 
@@ -176,7 +176,8 @@ def test_benchmark_schedules_thunder_overlap_for_the_named_link():
     assert laid_out.tuning.per_tensor_gather_max_slowdown is None and laid_out.tuning.reduce_from_copy_max_slowdown is None
     two_lay_outs = overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_two_lay_outs")
     assert two_lay_outs.tuning.bucket_reduce_scatter_blocks is None
-    assert overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_keep_first").tuning.zero3_keeps_free_units
+    assert overlap_config(BenchmarkConfig(), torch.device("cpu")).tuning.zero3_keeps_free_units
+    assert not overlap_config(BenchmarkConfig(), torch.device("cpu"), "thunder_overlap_regather_all").tuning.zero3_keeps_free_units
     assert overlap_config(BenchmarkConfig(), torch.device("cpu")).cost_model is None
     # The testbed names its link to every run that traces thunder_overlap, and to no other.
     from slow_link import TestbedConfig

@@ -14,6 +14,7 @@ import thunder_overlap
 from thunder_overlap import BucketingTransform, MixedPrecision, OverlapConfig, OverlapScheduleTransform
 from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.memory_estimate import estimate_memory
+from thunder_overlap.config import Tuning
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
 from thunder_overlap.report._policies import compare_policies
 from thunder_overlap.testing.memory_check import measure_step
@@ -53,10 +54,18 @@ SLOW_LINK = CostModel.named("cpu", "custom:100:0.01")  # a block's compute hides
 
 def _on_a_slow_link(slack_blocks: float, config_policy: str = "memory_aware", **options):
     """TinyGPT, ZeRO3 with block buckets, on SLOW_LINK, one step; and the memory_aware config
-    with ``slack_blocks`` of the first block's bytes of slack (compiled with ``config_policy``)."""
+    with ``slack_blocks`` of the first block's bytes of slack (compiled with ``config_policy``).
+    ZeRO3 re-gathers every parameter: the slack is sized against each pass's own just-in-time
+    peak, and keeping what is free would budget both passes from the step's instead ([Note: ZeRO3
+    keeps what is free]; tests/test_scheduler_synthetic.py)."""
     model = TinyGPT(MODEL)
     block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
-    config = OverlapConfig(memory_slack_bytes=int(slack_blocks * block_bytes), memory_slack_ratio=0.0, cost_model=SLOW_LINK)
+    config = OverlapConfig(
+        memory_slack_bytes=int(slack_blocks * block_bytes),
+        memory_slack_ratio=0.0,
+        cost_model=SLOW_LINK,
+        _tuning=Tuning(zero3_keeps_free_units=False),
+    )
     compiled = replace(config, policy=config_policy)
     jm = thunder_overlap.fsdp(model, device="cpu", sharding_strategy="zero3", bucketing_strategy="block", config=compiled, **options)
     jm(torch.randint(0, MODEL.vocab_size, (4, 32))).float().sum().backward()

@@ -51,10 +51,10 @@ def _blocks(n_blocks: int, matmuls_per_block: int) -> list[tuple]:
     return program
 
 
-def _schedule(program, config: OverlapConfig, matmul_ms: float = 1.0):
+def _schedule(program, config: OverlapConfig, matmul_ms: float = 1.0, **scheduler_options):
     annotated = classify_trace(build_trace(program, dist.group.WORLD))
     cost_model = _cost_model(matmul_ms)
-    scheduler = OverlapScheduler(annotated, resolve_limits(config, None), cost_model)
+    scheduler = OverlapScheduler(annotated, resolve_limits(config, None), cost_model, **scheduler_options)
     order = scheduler.schedule()
     return annotated, order, scheduler.summary, simulate(annotated, order, cost_model)
 
@@ -189,6 +189,22 @@ def test_budget_forces_the_oldest_reduce_scatter_waits():
     g_annotated, g_order, _, _ = _schedule(program, OverlapConfig(policy="greedy"))
     greedy_peak = estimate_memory(apply_order(g_annotated, g_order, provenance="test")).peak_bytes
     assert greedy_peak > loose_summary.budget_bytes
+
+
+def test_a_basis_floor_budgets_the_pass_from_the_higher_peak():
+    # [Note: ZeRO3 keeps what is free]: a pass whose just-in-time peak fell because ZeRO3 kept
+    # what was free is budgeted from the peak re-gathering everything had, not from its own.
+    program = _backward_like(5)
+    tight = OverlapConfig(memory_slack_bytes=0, memory_slack_ratio=0.0, _tuning=Tuning(max_in_flight_reduce_scatter_bytes=None))
+    _, _, own, _ = _schedule(program, tight)
+    floor = own.baseline_peak_bytes + VALUE_BYTES
+    annotated, order, floored, _ = _schedule(program, tight, basis_floor_bytes=floor)
+    assert floored.baseline_peak_bytes == own.baseline_peak_bytes and floored.budget_bytes == floor
+    assert estimate_memory(apply_order(annotated, order, provenance="test")).peak_bytes <= floor
+    assert floored.forced_waits_for_memory < own.forced_waits_for_memory
+    # A floor under the pass's own just-in-time peak changes nothing.
+    _, _, under, _ = _schedule(program, tight, basis_floor_bytes=own.baseline_peak_bytes - 1)
+    assert (under.budget_bytes, under.forced_waits_for_memory) == (own.budget_bytes, own.forced_waits_for_memory)
 
 
 def test_the_summary_counts_the_forced_waits_of_the_order_kept_not_of_every_attempt(monkeypatch):

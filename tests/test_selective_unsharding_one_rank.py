@@ -8,7 +8,7 @@ import thunder
 import torch
 
 import thunder_overlap
-from thunder_overlap import BucketingTransform, OverlapConfig, checkpoint
+from thunder_overlap import BucketingTransform, OverlapConfig, OverlapScheduleTransform, checkpoint
 from thunder_overlap._transforms.zero3 import Zero3Transform
 from thunder_overlap.config import Tuning
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
@@ -79,12 +79,12 @@ def test_a_checkpoint_of_auto_loads_into_zero3(halfway_budget, tmp_path):
     torch.testing.assert_close(zero3(_batch(1)).detach(), expected, rtol=0, atol=0)
 
 
-def test_zero3_keeping_what_its_backward_needs_first_computes_zero3s_gradients(one_rank_gloo_group):
+def test_zero3_keeping_what_its_backward_needs_first_computes_the_gradients_of_regathering_all(one_rank_gloo_group):
     # [Note: ZeRO3 keeps what is free]
+    jm = _model("zero3")
     torch.manual_seed(0)
-    config = OverlapConfig(_tuning=Tuning(zero3_keeps_free_units=True))
-    jm = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3", bucketing_strategy="block", config=config)
-    plain = _model("zero3")
+    config = OverlapConfig(_tuning=Tuning(zero3_keeps_free_units=False))
+    plain = thunder_overlap.fsdp(TinyGPT(MODEL), device="cpu", sharding_strategy="zero3", bucketing_strategy="block", config=config)
     grads = []
     for model in (jm, plain):
         model(_batch(0)).float().pow(2).mean().backward()
@@ -96,5 +96,12 @@ def test_zero3_keeping_what_its_backward_needs_first_computes_zero3s_gradients(o
     assert choice.sharding == "zero3" and "(wte, norm_f, blocks.2) at no memory" in choice.describe()
     for name in grads[1]:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=0, msg=name)
-    # The kept buckets are the ones the backward no longer gathers.
+    # The kept buckets are the ones the backward no longer gathers; re-gathering every parameter
+    # keeps none.
     assert _backward_all_gathers(jm) == _backward_all_gathers(plain) - 3
+    assert Zero3Transform.of(plain).choice is None
+    # Keeping takes no room from prefetching: each pass's budget is at least re-gathering
+    # everything's (tests/test_scheduler_synthetic.py: where keeping lowers the just-in-time peak).
+    for pass_ in ("forward", "backward"):
+        kept, regather_all = (getattr(OverlapScheduleTransform.of(m).summaries, pass_) for m in (jm, plain))
+        assert kept.budget_bytes >= regather_all.budget_bytes and kept.peak_bytes <= kept.budget_bytes

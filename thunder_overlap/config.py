@@ -137,8 +137,8 @@ class Tuning:
     check_ranks_agree: bool = True  # one exchange at the first compile [Note: rank agreement]
     coalesce: bool = True  # [Note: coalesced launches]
     # ZeRO3 keeps what its backward needs first, up to its first block, gathered where that is
-    # free; off until the tables are rerun with it. [Note: ZeRO3 keeps what is free]
-    zero3_keeps_free_units: bool = False
+    # free; False re-gathers every parameter. [Note: ZeRO3 keeps what is free]
+    zero3_keeps_free_units: bool = True
     auto_bucket_latency_share: float = 0.1  # auto buckets: latency <= this share of their time
 
     def __post_init__(self) -> None:

@@ -45,9 +45,9 @@ OVERLAP_OPTIONS: dict[str, dict[str, object]] = {
     # Reduce-scatters that hold a pool buffer to their wait capped by reduce-scatter bytes alone
     # (two blocks), as before they were capped at one block: what that cap costs in time.
     "thunder_overlap_two_lay_outs": {"bucket_reduce_scatter_blocks": None},
-    # ZeRO3 keeping what its backward needs first, up to its first block, gathered where that is
-    # free, as FSDP2 keeps its root: what those re-gathers cost. [Note: ZeRO3 keeps what is free]
-    "thunder_overlap_keep_first": {"zero3_keeps_free_units": True},
+    # ZeRO3 re-gathering every parameter, as before it kept what its backward needs first where
+    # that is free: what keeping them saves. [Note: ZeRO3 keeps what is free]
+    "thunder_overlap_regather_all": {"zero3_keeps_free_units": False},
 }
 
 
@@ -177,9 +177,9 @@ class BenchmarkConfig:
                 raise ValueError("--mixed_precision: Thunder's own FSDP has no mixed precision; leave it out for --impl thunder")
         if self.impl == "hand_prefetch" and self.shard_mode != "zero2":
             raise ValueError(f"--impl hand_prefetch is a ZeRO2 loop; --shard_mode={self.shard_mode} is not wired, use zero2")
-        if self.impl == "thunder_overlap_keep_first" and self.shard_mode != "zero3":
+        if self.impl == "thunder_overlap_regather_all" and self.shard_mode != "zero3":
             raise ValueError(
-                f"--impl thunder_overlap_keep_first changes ZeRO3's backward; --shard_mode={self.shard_mode} has none, use zero3"
+                f"--impl thunder_overlap_regather_all changes ZeRO3's backward; --shard_mode={self.shard_mode} has none, use zero3"
             )
         if self.mixed_precision is not None and self.impl == "hand_prefetch":
             raise ValueError("--mixed_precision: --impl hand_prefetch computes in the parameters' dtype; leave it out")

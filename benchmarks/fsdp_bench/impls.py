@@ -17,9 +17,9 @@ Training implementations (same model, data, optimizer and initialisation scheme)
 - ``thunder_overlap_two_lay_outs``: the same with reduce-scatters that hold a pool buffer to
   their wait capped by reduce-scatter bytes alone (``OverlapConfig(_tuning=Tuning(bucket_reduce_scatter_blocks=None))``),
   to measure what capping them at one block costs.
-- ``thunder_overlap_keep_first``: ZeRO3 keeping what its backward needs first, up to its first
-  block, gathered from the forward where that costs no memory
-  (``OverlapConfig(_tuning=Tuning(zero3_keeps_free_units=True))``), to measure what those re-gathers cost.
+- ``thunder_overlap_regather_all``: ZeRO3 re-gathering every parameter in the backward, none of
+  what it needs first kept from the forward where that costs no memory
+  (``OverlapConfig(_tuning=Tuning(zero3_keeps_free_units=False))``), to measure what keeping them saves.
 - ``thunder``: Thunder's own ``thunder.distributed.fsdp(thunder.jit(model))``.
 - ``fsdp2``: PyTorch ``fully_shard`` on every transformer block, then on the root (eager);
   ZeRO3 is ``reshard_after_forward=True``, ZeRO2 ``False``.

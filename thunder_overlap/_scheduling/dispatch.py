@@ -60,6 +60,7 @@ def schedule_trace(
     memory_after: MemoryEstimate | None = None,
     budget_after: MemoryEstimate | None = None,
     step_peak_bytes: int | None = None,
+    basis_floor_bytes: int | None = None,
     caps_pool_reduce_scatters: bool = True,
 ) -> ScheduledTrace:
     """Schedules ``trace`` by ``config.policy``; limits are resolved from ``largest_block_bytes``
@@ -72,7 +73,8 @@ def schedule_trace(
     and shared inputs as the report does; ``budget_after``: its forward's
     :attr:`ScheduledTrace.budget_basis`, so that the budget is the just-in-time step's;
     ``step_peak_bytes``: for a forward, its backward's just-in-time peak, its budget where higher
-    than its own ([Note: the step's budget]).
+    than its own ([Note: the step's budget]); ``basis_floor_bytes``: the least just-in-time peak
+    the budget is relative to (plain ZeRO3's where it keeps what is free: [Note: ZeRO3 keeps what is free]).
     ``caps_pool_reduce_scatters``: see :func:`resolve_limits`."""
     annotated = trace if isinstance(trace, AnnotatedTrace) else classify_trace(trace)
     if not annotated.collectives:
@@ -95,6 +97,7 @@ def schedule_trace(
         memory_after=memory_after,
         budget_after=budget_after,
         step_peak_bytes=step_peak_bytes,
+        basis_floor_bytes=basis_floor_bytes,
     )
     order = scheduler.schedule()
     if launches is not None:

@@ -82,6 +82,7 @@ class OverlapScheduler:
         memory_after: MemoryEstimate | None = None,
         budget_after: MemoryEstimate | None = None,
         step_peak_bytes: int | None = None,
+        basis_floor_bytes: int | None = None,
     ) -> None:
         if issue_order is not None:
             issue_order.check(annotated)
@@ -99,6 +100,9 @@ class OverlapScheduler:
         # For a forward: its backward's just-in-time peak, which is its budget where higher than
         # its own ([Note: the step's budget]).
         self.step_peak_bytes = step_peak_bytes
+        # The least just-in-time peak the budget is relative to: plain ZeRO3's with nothing kept,
+        # where it keeps what is free ([Note: ZeRO3 keeps what is free]).
+        self.basis_floor_bytes = basis_floor_bytes
         # The just-in-time order's estimate, after ``budget_after``: what the budget is relative to.
         self.budget_basis: MemoryEstimate | None = None
         self.nodes = annotated.nodes
@@ -174,7 +178,7 @@ class OverlapScheduler:
         self.budget_basis = baseline_memory
         if self.budget_after is not None:
             self.budget_basis = estimate_memory(baseline_memory.trace, layouts=self.annotated.layouts, after=self.budget_after)
-        budget = self.limits.memory_budget.budget(self.budget_basis.peak_bytes)
+        budget = self.limits.memory_budget.budget(max(self.budget_basis.peak_bytes, self.basis_floor_bytes or 0))
         if (self.step_peak_bytes or 0) > budget:  # [Note: the step's budget]
             budget = self.summary.step_peak_bytes = self.step_peak_bytes
         self.summary.baseline_peak_bytes, self.summary.budget_bytes = self.budget_basis.peak_bytes, budget

@@ -80,6 +80,10 @@ class ModelState:
     settings_agreed: bool = False
     agreement: IssueOrderAgreement = field(init=False)
 
+    # Plain ZeRO3's just-in-time step peak with nothing kept, where it keeps what is free: the
+    # least its passes' budgets are relative to, so that keeping takes no room from prefetching
+    # ([Note: ZeRO3 keeps what is free]). Set by its choice at the first compile.
+    regather_all_peak_bytes: int | None = None
     # The last forward's schedule, for its backward's; None where the forward has no collective.
     forward: ForwardHandoff | None = None
     # The buckets' paths, chosen at the first backward that reduce-scatters them.

@@ -232,6 +232,7 @@ class OverlapScheduleTransform(Transform):
             memory_after=forward.memory if forward is not None else None,
             budget_after=forward.budget_basis if forward is not None else None,
             step_peak_bytes=step_peak_bytes,
+            basis_floor_bytes=self.state.regather_all_peak_bytes,
             caps_pool_reduce_scatters=caps,
         )
 

@@ -17,9 +17,8 @@ not a silent fallback to ZeRO2's memory.
 Sharding "auto" keeps some units' gathered parameters saved, as ZeRO2 does, and re-gathers the
 rest: which ones is chosen at the first compile, once both traces exist, from their memory
 estimate under the budget ([Note: selective unsharding]); later compiles keep that choice. Plain
-ZeRO3 can keep what the backward needs first, up to its first block, whose re-gathers no compute
-hides, where that costs no memory (``Tuning.zero3_keeps_free_units``;
-[Note: ZeRO3 keeps what is free]).
+ZeRO3 keeps what the backward needs first, up to its first block, whose re-gathers no compute
+hides, where that costs no memory, chosen the same way ([Note: ZeRO3 keeps what is free]).
 """
 
 from __future__ import annotations
@@ -208,8 +207,8 @@ def _rewrite_backward(trace: TraceCtx, plan: RegatherPlan) -> TraceCtx:
 class Zero3Transform(Transform):
     """Makes the forward save sharded parameters and the backward re-gather them; with
     ``selective``, only the parameters of the units the budget has no room for (sharding "auto").
-    With ``Tuning.zero3_keeps_free_units``, plain ZeRO3 keeps what the backward needs first, up to
-    its first block, where that costs no memory ([Note: ZeRO3 keeps what is free]).
+    Plain ZeRO3 keeps what the backward needs first, up to its first block, where that costs no
+    memory ([Note: ZeRO3 keeps what is free]; ``Tuning.zero3_keeps_free_units=False`` keeps none).
 
     ``state`` is the model's (:class:`ModelState`): which parameter each input is (errors name
     parameters), and for ``selective`` the units (its blocks and buckets), the budget, the
@@ -277,6 +276,14 @@ class Zero3Transform(Transform):
             return _rewrite_backward(computation_trace, plan) if plan.replay else computation_trace
         return computation_trace
 
+    def kept_parameters(self) -> frozenset[str]:
+        """The parameters the forward saves gathered for the backward, which it does not
+        re-gather: the kept units' (none before the first compile, nor when none was kept)."""
+        if self.choice is None or not self.choice.kept:
+            return frozenset()
+        kept = set(self.choice.kept)
+        return frozenset(p for name, p in self.state.parameter_of_input.items() if self._unit_of_input(name) in kept)
+
     # --- the units kept gathered to the backward ---------------------------------------------
 
     def _keeps(self, annotated: AnnotatedTrace) -> Callable[[str], bool] | None:
@@ -323,7 +330,9 @@ class Zero3Transform(Transform):
         def step_for(kept: tuple[str, ...]) -> tuple[TraceCtx, TraceCtx]:
             """The step's traces with ``kept`` as the bucketing transform will run them (the pool counts)."""
             plan = plan_for(kept)
-            step = _rewrite_forward(annotated.trace, plan), _rewrite_backward(backward, plan)
+            # As the backward's hook does: with nothing re-gathered, the backward stays as it is
+            # (it may unpack no saved tensor at all).
+            step = _rewrite_forward(annotated.trace, plan), _rewrite_backward(backward, plan) if plan.replay else backward
             for trace in step:  # names pricing makes (coalesced launches) stay out of the traces that run
                 trace.names = set(trace.names)
             return state.bucketed(*step)
@@ -346,6 +355,8 @@ class Zero3Transform(Transform):
                 kept = agreed_prefix(choice.kept, group).common
                 if kept != choice.kept:
                     choice = _narrowed(choice, kept, peak_of(kept), unit_bytes)
+            if choice.kept:
+                state.regather_all_peak_bytes = choice.zero3_peak_bytes
         self.choice = choice
         plan = plan_for(choice.kept)
         forward_out.bound_symbols = _rewrite_forward(annotated.trace, plan).bound_symbols

@@ -11,6 +11,7 @@ import torch
 from thunder_overlap import _ops as ops
 from thunder_overlap._analysis.layout import GatherPath, ReducePath
 from thunder_overlap._transforms import BucketingTransform
+from thunder_overlap._transforms.zero3 import Zero3Transform
 from thunder_overlap.testing.op_census import COPY_OPS, OpCensus
 
 __all__ = ["BucketCensus", "bucket_census"]
@@ -27,7 +28,10 @@ class BucketCensus:
     buckets: int
     frozen_buckets: int
     # Buckets of more than one parameter (only those need a copy-out after gathering).
-    multi_parameter_buckets: int
+    multi_parameter_labels: tuple[str, ...]
+    # The buckets ZeRO3 keeps gathered from the forward to the backward, which the backward does
+    # not gather again ([Note: ZeRO3 keeps what is free]); none under ZeRO2.
+    kept_buckets: tuple[str, ...]
     # Trainable buckets that lay their gradients out for the reduce-scatter: those with a
     # parameter Thunder padded, and those of several tensors where the backend runs coalesced
     # reduce-scatters one by one (gloo). The others send their gradients where they are.
@@ -91,6 +95,7 @@ def bucket_census(
     unsharded_numels: dict[str, int],
     backward,
 ) -> BucketCensus:
+    zero3 = Zero3Transform.of(jm)
     storages = bucketing.buffer_storages()
     grad_shards = bucketing.gradient_storages()
     shards = grad_shards - storages  # the gradient shards of their own, not rows of the pool
@@ -120,7 +125,8 @@ def bucket_census(
         reduce_scatters=bucketing.summaries.backward.reduce_scatters,
         buckets=len(bucketing.plans),
         frozen_buckets=sum(not p.requires_grad for p in bucketing.plans),
-        multi_parameter_buckets=sum(len(p.slots) > 1 for p in bucketing.plans),
+        multi_parameter_labels=tuple(p.label for p in bucketing.plans if len(p.slots) > 1),
+        kept_buckets=() if zero3 is None or zero3.choice is None else zero3.choice.kept,
         laid_out_buckets=len(laid_out),
         reduced_in_place=len(in_place),
         reduces_from_copy=tuple(b.plan.label for b in lone if b.layout.reduce is ReducePath.FROM_COPY),

@@ -25,6 +25,7 @@ from thunder_overlap._analysis.memory_estimate import estimate_memory
 from thunder_overlap._backends import NCCL
 from thunder_overlap._transforms import BucketingTransform
 from thunder_overlap._transforms.activation_checkpointing import checkpoint_blocks
+from thunder_overlap._transforms.zero3 import Zero3Transform
 from thunder_overlap.api import fsdp as overlap_fsdp
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import (
@@ -121,8 +122,10 @@ class RankResult:
     collectives: list[str]
     # Local shards after training (name -> tensor, padded as Thunder pads).
     shards: dict[str, torch.Tensor]
-    # Saved-for-backward tensors that are gathered parameters or views of them (ZeRO3: none).
+    # Saved-for-backward tensors that are gathered parameters or views of them (ZeRO3: those of
+    # the parameters it keeps), and the parameters ZeRO3 keeps ([Note: ZeRO3 keeps what is free]).
     saved_unsharded: list[str]
+    kept_parameters: list[str] = field(default_factory=list)
     bucket_census: BucketCensus | None = None
     # Per collective of the final forward and backward: (kind, the global ranks of its
     # process group, numel of its future).
@@ -326,6 +329,7 @@ def train_rank(rank: int, world_size: int, setup: TrainSetup) -> RankResult:
         collectives=collective_sequence(forward) + collective_sequence(backward),
         shards=step_shards[-1],
         saved_unsharded=saved_unsharded(forward),
+        kept_parameters=sorted(zero3.kept_parameters()) if (zero3 := Zero3Transform.of(jm)) is not None else [],
         bucket_census=buckets_counted,
         step_shards=step_shards,
         step_grads=step_grads,
