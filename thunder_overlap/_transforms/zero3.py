@@ -180,7 +180,10 @@ def _rewrite_forward(trace: TraceCtx, plan: RegatherPlan) -> TraceCtx:
 
 def _rewrite_backward(trace: TraceCtx, plan: RegatherPlan) -> TraceCtx:
     """Unpacks ``plan.new_saved`` instead of the old saved tensors and replays the re-gathers
-    right after that unpack; the scheduler then moves each to where it is needed."""
+    right after that unpack; the scheduler then moves each to where it is needed. With nothing to
+    replay the backward stays as it is (it may unpack no saved tensor at all)."""
+    if not plan.replay:
+        return trace
     old_names = [t.name for t in plan.old_saved]
     new_trace = from_trace(trace)
     bsyms: list[BoundSymbol] = []
@@ -273,7 +276,7 @@ class Zero3Transform(Transform):
             plan, self._pending = self._pending, None
             if self._deferred is not None:
                 plan = self._choose(computation_trace)
-            return _rewrite_backward(computation_trace, plan) if plan.replay else computation_trace
+            return _rewrite_backward(computation_trace, plan)
         return computation_trace
 
     def kept_parameters(self) -> frozenset[str]:
@@ -330,9 +333,7 @@ class Zero3Transform(Transform):
         def step_for(kept: tuple[str, ...]) -> tuple[TraceCtx, TraceCtx]:
             """The step's traces with ``kept`` as the bucketing transform will run them (the pool counts)."""
             plan = plan_for(kept)
-            # As the backward's hook does: with nothing re-gathered, the backward stays as it is
-            # (it may unpack no saved tensor at all).
-            step = _rewrite_forward(annotated.trace, plan), _rewrite_backward(backward, plan) if plan.replay else backward
+            step = _rewrite_forward(annotated.trace, plan), _rewrite_backward(backward, plan)
             for trace in step:  # names pricing makes (coalesced launches) stay out of the traces that run
                 trace.names = set(trace.names)
             return state.bucketed(*step)
