@@ -160,3 +160,29 @@ def test_zero3_keeps_what_its_backward_needs_up_to_its_first_block_where_free(pe
     assert choice.free and choice.kept == kept
     assert choice.peak_bytes == choice.zero3_peak_bytes == choice.budget_bytes == 100
     assert choice.zero2_peak_bytes == peaks[-1] and choice.regather_bytes_saved == len(kept) * MIB
+
+
+@pytest.mark.parametrize(
+    ("step_ms", "kept"),
+    [
+        # Keeping a block can hold the backward's prefetching back: the fastest free prefix is kept.
+        ([400.0, 395.0, 390.0, 450.0], ("lm_head", "norm_f")),
+        ([400.0, 410.0, 420.0, 430.0], ()),
+        # Steps predicted the same (to rounding): the longest is kept, it re-gathers least.
+        ([400.0, 390.0, 390.0 * (1 + 1e-9), 390.0], ("lm_head", "norm_f", "blocks.2")),
+    ],
+)
+def test_zero3_keeps_the_longest_free_prefix_predicted_no_slower_than_the_fastest(step_ms, kept):
+    # Every unit up to the first block is free; only the predicted steps differ.
+    step = _Step([100] * 6, step_ms + [500.0, 500.0])
+    choice = choose_free_units(FREE_CANDIDATES, dict.fromkeys(FREE_CANDIDATES, MIB), step.peak_of, BLOCK_UNITS, step.predict)
+    assert choice.free and choice.kept == kept
+    # Each free prefix predicted once; the units past the first block never.
+    assert sorted(step.predicted) == [0, 1, 2, 3]
+    assert choice.scheduled.step_ms == step_ms[len(kept)] and choice.zero3_scheduled.step_ms == step_ms[0]
+
+
+def test_zero3_predicts_nothing_where_nothing_is_free():
+    step = _Step([100, 104, 100, 100, 100, 100], [400.0] * 6)
+    choice = choose_free_units(FREE_CANDIDATES, dict.fromkeys(FREE_CANDIDATES, MIB), step.peak_of, BLOCK_UNITS, step.predict)
+    assert choice.kept == () and step.predicted == [] and choice.scheduled is None

@@ -39,10 +39,12 @@ def predict_step(
     layouts: BucketLayouts = NO_BUCKETS,
     *,
     prefetch_unit_bytes: int | None,
+    basis_floor_bytes: int | None = None,
 ) -> StepPrediction:
     """``forward`` then ``backward`` (bucketed with ``layouts``) scheduled as a first compile
     schedules them (the forward within the step's budget), less what needs the other ranks (the
-    agreed order, the bucket paths): the predicted peak and the simulated step."""
+    agreed order, the bucket paths): the predicted peak and the simulated step.
+    ``basis_floor_bytes``: see :func:`schedule_trace`."""
     # A pass without collectives is the same in every choice, and has none to find its device by.
     forward_annotated, backward_annotated = (classify_trace(trace, layouts) for trace in (forward, backward))
     step = schedule_step(
@@ -51,6 +53,7 @@ def predict_step(
         config,
         largest_block_bytes=prefetch_unit_bytes,
         cost_model=lambda trace: cost_model_of(config, trace),
+        basis_floor_bytes=basis_floor_bytes,
     )
     peak_bytes, step_ms, held_by_memory = 0, 0.0, 0
     memory_after = None

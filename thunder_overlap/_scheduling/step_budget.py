@@ -33,10 +33,12 @@ def schedule_step(
     *,
     largest_block_bytes: int | None,
     cost_model: Callable[[AnnotatedTrace], CostModel],
+    basis_floor_bytes: int | None = None,
 ) -> tuple[ScheduledTrace | None, ScheduledTrace | None]:
     """A forward and its backward (None: not scheduled) scheduled by ``config`` as a compile
     schedules them: the forward, in the memory its backward needs anyway where a budget applies
-    and that pays, then the backward after it. ``cost_model`` gives each pass's."""
+    and that pays, then the backward after it. ``cost_model`` gives each pass's;
+    ``basis_floor_bytes``: see :func:`schedule_trace`."""
 
     def schedule(trace: AnnotatedTrace, after: ScheduledTrace | None = None, step_peak_bytes: int | None = None) -> ScheduledTrace:
         return schedule_trace(
@@ -47,6 +49,7 @@ def schedule_step(
             memory_after=after.memory if after is not None else None,
             budget_after=after.budget_basis if after is not None else None,
             step_peak_bytes=step_peak_bytes,
+            basis_floor_bytes=basis_floor_bytes,
         )
 
     scheduled_forward = schedule(forward) if forward is not None else None

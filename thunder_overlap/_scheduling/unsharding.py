@@ -40,6 +40,8 @@ _MIB = 1 << 20
 # Where the budget holds back prefetching, the most prefixes scheduled and simulated before the
 # search narrows to neighbours: every one for up to this many units.
 _MOST_PROBES = 16
+# Simulated steps this close are the same step (the simulator sums the same costs in another order).
+_SAME_STEP = 1e-6
 
 
 class MemoryBudgetTooSmall(ValueError):
@@ -187,11 +189,13 @@ def choose_free_units(
     unit_bytes: Mapping[str, int],
     peak_of: Callable[[tuple[str, ...]], int],
     block_units: set[str],
+    predict: Callable[[tuple[str, ...]], StepPrediction] | None = None,
 ) -> UnshardingChoice:
     """Plain ZeRO3's choice ([Note: ZeRO3 keeps what is free]): the ``candidates`` the backward
     needs up to its first block (one of ``block_units``), and that block, for as long as keeping
-    each leaves the just-in-time step peak (``peak_of``) at ZeRO3's own. Every prefix of the
-    choice is free too, so ranks may agree on the common one."""
+    each leaves the just-in-time step peak (``peak_of``) at ZeRO3's own. With ``predict`` (the
+    step as scheduled), the longest of those prefixes that is predicted no slower than the
+    fastest. Every prefix of the choice is free too, so ranks may agree on the common one."""
     zero3_peak = peak_of(())
     kept: tuple[str, ...] = ()
     for unit in candidates:
@@ -200,6 +204,12 @@ def choose_free_units(
         kept = (*kept, unit)
         if unit in block_units:
             break
+    scheduled, zero3_scheduled = None, None
+    if predict is not None and kept:
+        predictions = [predict(kept[:count]) for count in range(len(kept) + 1)]
+        fastest_ms = min(p.step_ms for p in predictions)
+        count = max(k for k, p in enumerate(predictions) if p.step_ms <= fastest_ms * (1 + _SAME_STEP))
+        kept, scheduled, zero3_scheduled = kept[:count], predictions[count], predictions[0]
     return UnshardingChoice(
         budget_bytes=zero3_peak,
         candidates=tuple(candidates),
@@ -207,8 +217,8 @@ def choose_free_units(
         peak_bytes=peak_of(kept),
         zero3_peak_bytes=zero3_peak,
         zero2_peak_bytes=peak_of(tuple(candidates)),
-        scheduled=None,
-        zero3_scheduled=None,
+        scheduled=scheduled,
+        zero3_scheduled=zero3_scheduled,
         regather_bytes_saved=sum(unit_bytes[unit] for unit in kept),
         free=True,
     )

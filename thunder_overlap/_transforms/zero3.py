@@ -342,8 +342,16 @@ class Zero3Transform(Transform):
         def peak_of(kept: tuple[str, ...]) -> int:
             return just_in_time_step_peak(*step_for(kept), layouts)
 
-        def predict(kept: tuple[str, ...]) -> StepPrediction:
-            return predict_step(state.config, *step_for(kept), layouts, prefetch_unit_bytes=state.prefetch_unit_bytes)
+        def predict(kept: tuple[str, ...], basis_floor_bytes: int | None = None) -> StepPrediction:
+            step = step_for(kept)
+            return predict_step(
+                state.config, *step, layouts, prefetch_unit_bytes=state.prefetch_unit_bytes, basis_floor_bytes=basis_floor_bytes
+            )
+
+        def predict_free(kept: tuple[str, ...]) -> StepPrediction:
+            """The step as it runs where ``kept`` is plain ZeRO3's choice: budgets floored at its
+            peak with nothing kept."""
+            return predict(kept, peak_of(()) if kept else None)
 
         exchange = state.config.tuning.check_ranks_agree
         group = state.agreement_group_of(annotated)
@@ -351,11 +359,14 @@ class Zero3Transform(Transform):
         if self.selective:
             choice = self._within_budget(candidates, unit_bytes, peak_of, predict, group if exchange else None)
         else:
-            choice = choose_free_units(candidates, unit_bytes, peak_of, self._block_units())
+            # Keeping can still cost time where a budget reads memory: kept units hold room the
+            # backward's prefetching would have had ([Note: ZeRO3 keeps what is free]).
+            timed = predict_free if state.config.policy.reads_memory else None
+            choice = choose_free_units(candidates, unit_bytes, peak_of, self._block_units(), timed)
             if exchange:  # every prefix of each rank's choice is free on it
                 kept = agreed_prefix(choice.kept, group).common
                 if kept != choice.kept:
-                    choice = _narrowed(choice, kept, peak_of(kept), unit_bytes)
+                    choice = _narrowed(choice, kept, peak_of(kept), unit_bytes, predict_free(kept) if choice.scheduled else None)
             if choice.kept:
                 state.regather_all_peak_bytes = choice.zero3_peak_bytes
         self.choice = choice
