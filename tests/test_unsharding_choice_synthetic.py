@@ -163,22 +163,24 @@ def test_zero3_keeps_what_its_backward_needs_up_to_its_first_block_where_free(pe
 
 
 @pytest.mark.parametrize(
-    ("step_ms", "kept"),
+    ("step_ms", "kept", "predicted"),
     [
         # Keeping a block can hold the backward's prefetching back: the fastest free prefix is kept.
-        ([400.0, 395.0, 390.0, 450.0], ("lm_head", "norm_f")),
-        ([400.0, 410.0, 420.0, 430.0], ()),
-        # Steps predicted the same (to rounding): the longest is kept, it re-gathers least.
-        ([400.0, 390.0, 390.0 * (1 + 1e-9), 390.0], ("lm_head", "norm_f", "blocks.2")),
+        ([400.0, 395.0, 390.0, 450.0], ("lm_head", "norm_f"), [0, 1, 2, 3]),
+        ([400.0, 410.0, 420.0, 430.0], (), [0, 1, 2, 3]),
+        ([400.0, 390.0, 380.0, 400.0 * (1 + 1e-3)], ("lm_head", "norm_f"), [0, 1, 2, 3]),
+        # No slower than keeping none (to rounding): every free unit, the prefixes between unpriced.
+        ([400.0, 390.0, 380.0, 400.0 * (1 + 1e-9)], ("lm_head", "norm_f", "blocks.2"), [0, 3]),
+        ([400.0, 300.0, 300.0, 390.0], ("lm_head", "norm_f", "blocks.2"), [0, 3]),
     ],
 )
-def test_zero3_keeps_the_longest_free_prefix_predicted_no_slower_than_the_fastest(step_ms, kept):
+def test_zero3_keeps_every_free_unit_unless_that_step_is_predicted_slower_than_keeping_none(step_ms, kept, predicted):
     # Every unit up to the first block is free; only the predicted steps differ.
     step = _Step([100] * 6, step_ms + [500.0, 500.0])
     choice = choose_free_units(FREE_CANDIDATES, dict.fromkeys(FREE_CANDIDATES, MIB), step.peak_of, BLOCK_UNITS, step.predict)
     assert choice.free and choice.kept == kept
-    # Each free prefix predicted once; the units past the first block never.
-    assert sorted(step.predicted) == [0, 1, 2, 3]
+    # Each prefix priced at most once; the units past the first block never.
+    assert sorted(step.predicted) == predicted
     assert choice.scheduled.step_ms == step_ms[len(kept)] and choice.zero3_scheduled.step_ms == step_ms[0]
 
 

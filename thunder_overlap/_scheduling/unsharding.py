@@ -194,8 +194,9 @@ def choose_free_units(
     """Plain ZeRO3's choice ([Note: ZeRO3 keeps what is free]): the ``candidates`` the backward
     needs up to its first block (one of ``block_units``), and that block, for as long as keeping
     each leaves the just-in-time step peak (``peak_of``) at ZeRO3's own. With ``predict`` (the
-    step as scheduled), the longest of those prefixes that is predicted no slower than the
-    fastest. Every prefix of the choice is free too, so ranks may agree on the common one."""
+    step as scheduled): that prefix where it is predicted no slower than keeping none, else the
+    longest of the shorter ones predicted no slower than the fastest. Every prefix of the choice
+    is free too, so ranks may agree on the common one."""
     zero3_peak = peak_of(())
     kept: tuple[str, ...] = ()
     for unit in candidates:
@@ -206,9 +207,12 @@ def choose_free_units(
             break
     scheduled, zero3_scheduled = None, None
     if predict is not None and kept:
-        predictions = [predict(kept[:count]) for count in range(len(kept) + 1)]
-        fastest_ms = min(p.step_ms for p in predictions)
-        count = max(k for k, p in enumerate(predictions) if p.step_ms <= fastest_ms * (1 + _SAME_STEP))
+        predictions = {0: predict(()), len(kept): predict(kept)}
+        if predictions[len(kept)].step_ms > predictions[0].step_ms * (1 + _SAME_STEP):
+            # Slower than keeping none: a shorter prefix may still pay.
+            predictions.update((count, predict(kept[:count])) for count in range(1, len(kept)))
+        fastest_ms = min(p.step_ms for p in predictions.values())
+        count = max(k for k, p in predictions.items() if p.step_ms <= fastest_ms * (1 + _SAME_STEP))
         kept, scheduled, zero3_scheduled = kept[:count], predictions[count], predictions[0]
     return UnshardingChoice(
         budget_bytes=zero3_peak,
