@@ -366,7 +366,8 @@ class Zero3Transform(Transform):
             if exchange:  # every prefix of each rank's choice is free on it
                 kept = agreed_prefix(choice.kept, group).common
                 if kept != choice.kept:
-                    choice = _narrowed(choice, kept, peak_of(kept), unit_bytes, predict_free(kept) if choice.scheduled else None)
+                    scheduled = predict_free(kept) if choice.scheduled is not None else None
+                    choice = _narrowed(choice, kept, peak_of(kept), unit_bytes, scheduled)
             if choice.kept:
                 state.regather_all_peak_bytes = choice.zero3_peak_bytes
         self.choice = choice
