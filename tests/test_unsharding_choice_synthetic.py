@@ -30,7 +30,8 @@ class _Step:
 
     def predict(self, kept: tuple[str, ...]) -> StepPrediction:
         self.predicted.append(len(kept))
-        return StepPrediction(self.peaks[len(kept)], self.step_ms[len(kept)], self.held[len(kept)])
+        held = self.held[len(kept)]
+        return StepPrediction(self.peaks[len(kept)], self.step_ms[len(kept)], held, budget_bound=held > 0)
 
     def choose(self, budget: int, units: list[str]):
         predict = self.predict if self.step_ms is not None else None
@@ -182,6 +183,14 @@ def test_zero3_keeps_every_free_unit_unless_that_step_is_predicted_slower_than_k
     # Each prefix priced at most once; the units past the first block never.
     assert sorted(step.predicted) == predicted
     assert choice.scheduled.step_ms == step_ms[len(kept)] and choice.zero3_scheduled.step_ms == step_ms[0]
+
+
+def test_zero3_keeps_every_free_unit_where_the_budget_does_not_bind_that_step():
+    # A kept unit costs time only through the budget: keeping none is not even priced.
+    step = _Step([100] * 6, [400.0, 300.0, 300.0, 450.0, 500.0, 500.0], held=[1, 1, 1, 0, 1, 1])
+    choice = choose_free_units(FREE_CANDIDATES, dict.fromkeys(FREE_CANDIDATES, MIB), step.peak_of, BLOCK_UNITS, step.predict)
+    assert choice.kept == ("lm_head", "norm_f", "blocks.2") and step.predicted == [3]
+    assert choice.scheduled.step_ms == 450.0 and choice.zero3_scheduled is None
 
 
 def test_zero3_predicts_nothing_where_nothing_is_free():

@@ -57,6 +57,9 @@ class StepPrediction:
     step_ms: float
     # Collectives the budget kept from being prefetched further ahead.
     held_by_memory: int = 0
+    # Whether the budget changed the order at all: a collective held by memory, a retry after an
+    # order over the budget, or the fall-back to just in time.
+    budget_bound: bool = False
 
 
 @dataclass(frozen=True)
@@ -194,8 +197,9 @@ def choose_free_units(
     """Plain ZeRO3's choice ([Note: ZeRO3 keeps what is free]): the ``candidates`` the backward
     needs up to its first block (one of ``block_units``), and that block, for as long as keeping
     each leaves the just-in-time step peak (``peak_of``) at ZeRO3's own. With ``predict`` (the
-    step as scheduled): that prefix where it is predicted no slower than keeping none, else the
-    longest of the shorter ones predicted no slower than the fastest. Every prefix of the choice
+    step as scheduled): that prefix where the budget did not bind it or it is predicted no
+    slower than keeping none, else the longest of the shorter ones predicted no slower than the
+    fastest. Every prefix of the choice
     is free too, so ranks may agree on the common one."""
     zero3_peak = peak_of(())
     kept: tuple[str, ...] = ()
@@ -207,13 +211,16 @@ def choose_free_units(
             break
     scheduled, zero3_scheduled = None, None
     if predict is not None and kept:
-        predictions = {0: predict(()), len(kept): predict(kept)}
-        if predictions[len(kept)].step_ms > predictions[0].step_ms * (1 + _SAME_STEP):
-            # Slower than keeping none: a shorter prefix may still pay.
-            predictions.update((count, predict(kept[:count])) for count in range(1, len(kept)))
+        predictions = {len(kept): predict(kept)}
+        # A kept unit costs time only through the budget: where it did not bind, keep them all.
+        if predictions[len(kept)].budget_bound:
+            predictions[0] = predict(())
+            if predictions[len(kept)].step_ms > predictions[0].step_ms * (1 + _SAME_STEP):
+                # Slower than keeping none: a shorter prefix may still pay.
+                predictions.update((count, predict(kept[:count])) for count in range(1, len(kept)))
         fastest_ms = min(p.step_ms for p in predictions.values())
         count = max(k for k, p in predictions.items() if p.step_ms <= fastest_ms * (1 + _SAME_STEP))
-        kept, scheduled, zero3_scheduled = kept[:count], predictions[count], predictions[0]
+        kept, scheduled, zero3_scheduled = kept[:count], predictions[count], predictions.get(0)
     return UnshardingChoice(
         budget_bytes=zero3_peak,
         candidates=tuple(candidates),
