@@ -186,7 +186,12 @@ def test_every_policy_and_limit_keeps_thunders_compute_order_and_moves_each_para
     for trace, reference in zip(scheduled, stock, strict=True):
         assert _compute_outputs(trace) == _compute_outputs(reference)
     # The choice is made on the traces before scheduling: the same under every policy and limit.
-    assert _kept(_stepped("zero3", CONFIGS[name])) == KEPT
+    jm = _stepped("zero3", CONFIGS[name])
+    assert _kept(jm) == KEPT
+    # Its step is predicted as scheduled only where a budget reads memory (a kept unit can cost
+    # prefetching only there).
+    reads_memory = (CONFIGS[name] or OverlapConfig()).policy.reads_memory
+    assert (Zero3Transform.of(jm).choice.scheduled is not None) == reads_memory
     _assert_moves_each_parameter_once(*scheduled, "zero3", kept=KEPT)
 
 

@@ -199,8 +199,7 @@ def choose_free_units(
     each leaves the just-in-time step peak (``peak_of``) at ZeRO3's own. With ``predict`` (the
     step as scheduled): that prefix where the budget did not bind it or it is predicted no
     slower than keeping none, else the longest of the shorter ones predicted no slower than the
-    fastest. Every prefix of the choice
-    is free too, so ranks may agree on the common one."""
+    fastest. Every prefix of the choice is free too, so ranks may agree on the common one."""
     zero3_peak = peak_of(())
     kept: tuple[str, ...] = ()
     for unit in candidates:
