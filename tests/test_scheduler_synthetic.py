@@ -229,6 +229,10 @@ def test_the_summary_counts_the_forced_waits_of_the_order_kept_not_of_every_atte
     _, retried_order, retried, _ = _schedule(program, tight)
     assert retried.attempts == 2 and rejected == [order] and retried_order == order  # the same order, walked twice
     assert (retried.forced_waits, retried.forced_waits_for_memory) == (first_kept.forced_waits, first_kept.forced_waits_for_memory)
+    # Each is the budget binding: a wait forced by memory, with nothing held back by it, and a retry.
+    assert first_kept.held_by_memory == 0 and first_kept.budget_bound
+    retried.forced_waits_for_memory = 0
+    assert retried.held_by_memory == 0 and retried.budget_bound
 
 
 def _most_in_flight(annotated, order, kind: CollectiveKind) -> int:
@@ -302,7 +306,7 @@ def test_each_policy_says_what_it_needs():
 
 def test_heuristic_policy_has_no_budget():
     _, _, summary, _ = _schedule(_blocks(3, 1), OverlapConfig(policy="heuristic"))
-    assert summary.budget_bytes is None and summary.attempts == 0
+    assert summary.budget_bytes is None and summary.attempts == 0 and not summary.budget_bound
 
 
 def test_every_launch_pays_its_latency_however_it_is_ordered():
@@ -517,3 +521,4 @@ def test_a_gather_needed_now_first_issues_its_predecessors_in_the_issue_order(ca
     assert issue_sequence(annotated, just_in_time_order(annotated)) == {group: [0, 1]}
     _assert_valid_reordering(annotated, order)
     assert "issue collective 1 before collective 0, which follows it in the issue order" in caplog.text
+

@@ -18,9 +18,9 @@ def _units(count: int) -> list[str]:
 class _Step:
     """Peaks and step times by number of units kept; records what was priced."""
 
-    def __init__(self, peaks: list[int], step_ms: list[float] | None = None, held: list[int] | None = None) -> None:
+    def __init__(self, peaks: list[int], step_ms: list[float] | None = None, bound: list[bool] | None = None) -> None:
         self.peaks, self.step_ms = peaks, step_ms
-        self.held = held if held is not None else [1] * len(peaks)
+        self.bound = bound if bound is not None else [True] * len(peaks)
         self.peaked: list[int] = []
         self.predicted: list[int] = []
 
@@ -30,8 +30,7 @@ class _Step:
 
     def predict(self, kept: tuple[str, ...]) -> StepPrediction:
         self.predicted.append(len(kept))
-        held = self.held[len(kept)]
-        return StepPrediction(self.peaks[len(kept)], self.step_ms[len(kept)], held, budget_bound=held > 0)
+        return StepPrediction(self.peaks[len(kept)], self.step_ms[len(kept)], self.bound[len(kept)])
 
     def choose(self, budget: int, units: list[str]):
         predict = self.predict if self.step_ms is not None else None
@@ -60,11 +59,11 @@ def test_a_peak_that_falls_with_the_first_units_kept_still_gives_a_prefix_priced
 def test_where_prefetching_is_not_held_back_the_longest_prefix_is_kept_whatever_the_times():
     units = _units(6)
     # Times that would favour fewer units: the model's noise, not a trade the budget forces.
-    step = _Step([100 + 10 * k for k in range(7)], step_ms=[50, 40, 41, 42, 43, 44, 45], held=[0] * 7)
+    step = _Step([100 + 10 * k for k in range(7)], step_ms=[50, 40, 41, 42, 43, 44, 45], bound=[False] * 7)
     choice = step.choose(1000, units)
     assert choice.kept == tuple(units)
     assert sorted(set(step.predicted)) == [0, 6]  # the choice and ZeRO3, for the report
-    assert choice.scheduled == StepPrediction(160, 45, 0) and choice.zero3_scheduled == StepPrediction(100, 50, 0)
+    assert choice.scheduled == StepPrediction(160, 45) and choice.zero3_scheduled == StepPrediction(100, 50)
 
 
 def test_where_the_budget_holds_prefetching_back_the_fastest_prefix_is_kept():
@@ -187,7 +186,7 @@ def test_zero3_keeps_every_free_unit_unless_that_step_is_predicted_slower_than_k
 
 def test_zero3_keeps_every_free_unit_where_the_budget_does_not_bind_that_step():
     # A kept unit costs time only through the budget: keeping none is not even priced.
-    step = _Step([100] * 6, [400.0, 300.0, 300.0, 450.0, 500.0, 500.0], held=[1, 1, 1, 0, 1, 1])
+    step = _Step([100] * 6, [400.0, 300.0, 300.0, 450.0, 500.0, 500.0], bound=[True, True, True, False, True, True])
     choice = choose_free_units(FREE_CANDIDATES, dict.fromkeys(FREE_CANDIDATES, MIB), step.peak_of, BLOCK_UNITS, step.predict)
     assert choice.kept == ("lm_head", "norm_f", "blocks.2") and step.predicted == [3]
     assert choice.scheduled.step_ms == 450.0 and choice.zero3_scheduled is None

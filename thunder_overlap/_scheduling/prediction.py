@@ -55,7 +55,7 @@ def predict_step(
         cost_model=lambda trace: cost_model_of(config, trace),
         basis_floor_bytes=basis_floor_bytes,
     )
-    peak_bytes, step_ms, held_by_memory, budget_bound = 0, 0.0, 0, False
+    peak_bytes, step_ms, budget_bound = 0, 0.0, False
     memory_after = None
     for scheduled in step:
         if scheduled is None:
@@ -64,9 +64,6 @@ def predict_step(
         final = classify_trace(scheduled.trace, layouts)  # coalesced launches are one collective each
         step_ms += simulate(final, list(range(len(final.nodes))), cost_model_of(config, scheduled.annotated)).step_ms
         peak_bytes = max(peak_bytes, memory.peak_bytes)
-        summary = scheduled.summary
-        if summary is not None:
-            held_by_memory += summary.held_by_memory
-            budget_bound |= bool(summary.held_by_memory or summary.attempts > 1 or summary.fell_back_to_just_in_time)
+        budget_bound |= scheduled.summary is not None and scheduled.summary.budget_bound
         memory_after = memory
-    return StepPrediction(peak_bytes, step_ms, held_by_memory, budget_bound)
+    return StepPrediction(peak_bytes, step_ms, budget_bound)

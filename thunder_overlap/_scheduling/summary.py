@@ -54,6 +54,12 @@ class ScheduleSummary:
     def held_by_memory(self) -> int:
         return len(self.held.memory)
 
+    @property
+    def budget_bound(self) -> bool:
+        """Whether the budget changed the order at all: a collective held back or a wait forced by
+        memory, a retry after an order over the budget, or the fall-back to just in time."""
+        return bool(self.held_by_memory or self.forced_waits_for_memory or self.attempts > 1 or self.fell_back_to_just_in_time)
+
     def describe(self) -> str:
         """One line for the log."""
         held = self.held

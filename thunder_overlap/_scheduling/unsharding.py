@@ -55,10 +55,7 @@ class StepPrediction:
 
     peak_bytes: int
     step_ms: float
-    # Collectives the budget kept from being prefetched further ahead.
-    held_by_memory: int = 0
-    # Whether the budget changed the order at all: a collective held by memory, a retry after an
-    # order over the budget, or the fall-back to just in time.
+    # Whether the budget changed either pass's order (ScheduleSummary.budget_bound).
     budget_bound: bool = False
 
 
@@ -160,7 +157,7 @@ def choose_kept_units(
     fewest, kept = _fitting_prefixes(len(candidates), peak, fits, budget_bytes)
     scheduled, zero3_scheduled = None, None
     if predict is not None and candidates:
-        if prediction(kept).held_by_memory:
+        if prediction(kept).budget_bound:
             # [Note: selective unsharding]: what a kept unit takes, prefetching no longer has.
             # Above ZeRO3's peak the prefixes between need not all fit: each is checked.
             checked = fits if fewest > 0 else (lambda k: True)
