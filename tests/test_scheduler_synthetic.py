@@ -10,9 +10,16 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import thunder
+import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from thunder.core import prims
+from thunder.core.proxies import CollectionProxy
+from thunder.core.symbol import BoundSymbol, Symbol
+from thunder.core.trace import from_trace
+from thunder.executors.passes import del_last_used
 
 from thunder_overlap._analysis.classify import CollectiveKind, NodeKind, classify_trace, is_expensive
 from thunder_overlap._analysis.cost_model import CostModel
@@ -20,6 +27,7 @@ from thunder_overlap._analysis.memory_estimate import estimate_memory
 from thunder_overlap._analysis.simulator import simulate
 from thunder_overlap._scheduling import IssueOrder, issue_sequence, schedule_trace, stock_order
 from thunder_overlap._scheduling.limits import resolve_limits
+from thunder_overlap._scheduling.orders import with_deletions
 from thunder_overlap._scheduling.scheduler import OverlapScheduler, apply_order, just_in_time_order
 from thunder_overlap.config import SCHEDULING_POLICIES, OverlapConfig, Policy, Tuning
 
@@ -522,3 +530,36 @@ def test_a_gather_needed_now_first_issues_its_predecessors_in_the_issue_order(ca
     _assert_valid_reordering(annotated, order)
     assert "issue collective 1 before collective 0, which follows it in the issue order" in caplog.text
 
+
+def _consuming_both_collections():
+    """A trace whose one op is the last use of two collections, with an argument unpacked and
+    never used again."""
+
+    def fn(x, pair, single):
+        a, _ = pair
+        (c,) = single
+        return x + a, c
+
+    traced = thunder.trace()(fn, torch.randn(2), [torch.randn(2), torch.randn(2)], [torch.randn(2)])
+    unpacks = [b for b in traced.bound_symbols if b.sym.id in (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.UNPACK_SEQUENCE)]
+    collections = tuple(p for b in unpacks for p in b.flat_proxy_outs if isinstance(p, CollectionProxy))
+    assert len(collections) == 2
+    trace = from_trace(traced)
+    # The sum dropped: x is unpacked and never read again.
+    trace.bound_symbols = [*unpacks, BoundSymbol(Symbol("consume"), args=collections, kwargs={}, output=None), traced.bound_symbols[-1]]
+    return trace
+
+
+@pytest.mark.parametrize("clear_collections", [False, True])
+def test_regenerated_deletions_are_thunders_where_collections_die_together(clear_collections):
+    # Real final traces: tests/test_trace_order_fake_group.py::test_regenerated_deletions_are_thunders.
+    trace = _consuming_both_collections()
+
+    def named(t):
+        return [(b.sym.name, [p.name for p in b.flat_proxy_args]) for b in t.bound_symbols]
+
+    ours = named(with_deletions(trace, clear_collections=clear_collections))
+    assert ours == named(del_last_used(trace, clear_mutable_collections=clear_collections))
+    assert ("python_del", ["x"]) not in ours  # nothing is deleted after an argument's unpacking
+    cleared = [names for name, names in ours if name == "clear_mutable_collection"]
+    assert cleared == ([["single"], ["pair"]] if clear_collections else [])

@@ -12,11 +12,16 @@ import pytest
 import thunder
 import torch
 import torch.distributed as dist
+from thunder.core import prims
+from thunder.core.trace import TraceTag, from_trace
+from thunder.executors.passes import del_last_used
+from thunder.executors.pythonex import clear_mutable_collection
 
 import thunder_overlap
 from thunder_overlap import FSDPOverlap, OverlapConfig, schedule_stats
 from thunder_overlap._analysis.blocks import largest_block_bytes
 from thunder_overlap._analysis.classify import AnnotatedTrace, Collective, CollectiveKind, NodeKind, classify_trace, is_expensive
+from thunder_overlap._scheduling.orders import with_deletions
 from thunder_overlap._transforms.zero3 import Zero3Transform
 from thunder_overlap.config import Tuning
 from thunder_overlap.report._builtin_models import TinyGPT, TinyGPTConfig
@@ -177,6 +182,27 @@ def test_compute_order_is_unchanged_by_scheduling():
         after = history[-1]
         assert "memory_aware schedule" in str(after.get_provenance())
         assert _compute_outputs(after) == _compute_outputs(before)
+
+
+def _deletions_key(trace) -> list:
+    """The bound symbols, deletions and clearings by what they name (each pass builds its own),
+    every other by identity (the passes keep them)."""
+    regenerated = (prims.PrimIDs.DEL, clear_mutable_collection.id)
+    return [(b.sym.id, [p.name for p in b.flat_proxy_args]) if b.sym.id in regenerated else id(b) for b in trace.bound_symbols]
+
+
+@pytest.mark.parametrize("sharding", ["zero2", "zero3"])
+def test_regenerated_deletions_are_thunders(sharding):
+    """with_deletions places what Thunder's del_last_used places, in the same order, on final
+    traces as they are (earlier deletions and clearings in them) and stripped of deletions."""
+    for trace in _traces(sharding):
+        backward = TraceTag.BACKWARD in trace.tags
+        stripped = from_trace(trace)
+        stripped.bound_symbols = [b for b in trace.bound_symbols if b.sym.id is not prims.PrimIDs.DEL]
+        for given in (trace, stripped):
+            ours = with_deletions(given, clear_collections=backward)
+            assert _deletions_key(ours) == _deletions_key(del_last_used(given, clear_mutable_collections=backward))
+            assert any(b.sym.id is prims.PrimIDs.DEL for b in ours.bound_symbols)
 
 
 @pytest.mark.parametrize("name", CONFIGS)

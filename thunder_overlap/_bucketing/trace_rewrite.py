@@ -31,12 +31,12 @@ from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace, tracectx
 from thunder.executors import pythonex
-from thunder.executors.passes import del_last_used
 
 from thunder_overlap import _ops as ops
 from thunder_overlap._analysis.classify import AnnotatedTrace, Collective, CollectiveKind, classify_trace
 from thunder_overlap._bucketing.buffers import BucketBuffers
 from thunder_overlap._bucketing.plan import BucketPlan
+from thunder_overlap._scheduling.orders import with_deletions
 
 __all__ = ["BucketIndex", "BucketingSummary", "forward_input_names", "rewrite_bucket_collectives"]
 
@@ -334,6 +334,6 @@ def _rebuild(trace: TraceCtx, new_bsyms: dict[int, list[BoundSymbol]], removed: 
             continue
         bsyms.append(bsym)
     rebuilt.bound_symbols = bsyms
-    rebuilt = del_last_used(rebuilt, clear_mutable_collections=is_backward)
+    rebuilt = with_deletions(rebuilt, clear_collections=is_backward)
     rebuilt.set_provenance(TraceProvenance("thunder_overlap: bucketed collectives"))
     return rebuilt

@@ -26,11 +26,11 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace, tracectx
 from thunder.core.transform_common import Transform
-from thunder.executors.passes import del_last_used
 from torch.distributed.device_mesh import DeviceMesh
 
 from thunder_overlap import _ops as ops
 from thunder_overlap._analysis.classify import CollectiveKind, classify_trace
+from thunder_overlap._scheduling.orders import with_deletions
 from thunder_overlap._transforms._lookup import transform_of
 
 __all__ = ["ReplicaReduceTransform"]
@@ -84,7 +84,7 @@ class ReplicaReduceTransform(Transform):
                     per_parameter += 1
         rebuilt = from_trace(computation_trace)
         rebuilt.bound_symbols = bsyms
-        rebuilt = del_last_used(rebuilt, clear_mutable_collections=True)
+        rebuilt = with_deletions(rebuilt, clear_collections=True)
         rebuilt.set_provenance(TraceProvenance("thunder_overlap: all-reduce across replicas"))
         self.all_reduces = (per_parameter, per_bucket)
         return rebuilt

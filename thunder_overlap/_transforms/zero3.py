@@ -34,10 +34,10 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.core.transform_common import Transform
 from thunder.core.transforms import dce
-from thunder.executors.passes import del_last_used
 
 from thunder_overlap._analysis.aliasing import is_view_op
 from thunder_overlap._analysis.classify import AnnotatedTrace, CollectiveKind, NodeKind, classify_trace
+from thunder_overlap._scheduling.orders import with_deletions
 from thunder_overlap._scheduling.prediction import predict_step
 from thunder_overlap._scheduling.rank_agreement import agreed_prefix, ranks_where
 from thunder_overlap._scheduling.unsharding import (
@@ -173,7 +173,7 @@ def _rewrite_forward(trace: TraceCtx, plan: RegatherPlan) -> TraceCtx:
         bsyms.append(bsym)
     new_trace.bound_symbols = bsyms
     # Views that only fed the dropped tensors would otherwise keep their gathered parameter alive.
-    new_trace = del_last_used(dce(new_trace))
+    new_trace = with_deletions(dce(new_trace))
     new_trace.set_provenance(TraceProvenance("thunder_overlap: ZeRO3 saves sharded parameters"))
     return new_trace
 
@@ -202,7 +202,7 @@ def _rewrite_backward(trace: TraceCtx, plan: RegatherPlan) -> TraceCtx:
             f"({len(old_names)} tensors starting {old_names[:3]}); cannot re-gather parameters"
         )
     new_trace.bound_symbols = bsyms
-    new_trace = del_last_used(new_trace, clear_mutable_collections=True)
+    new_trace = with_deletions(new_trace, clear_collections=True)
     new_trace.set_provenance(TraceProvenance("thunder_overlap: ZeRO3 re-gathers parameters"))
     return new_trace
 
