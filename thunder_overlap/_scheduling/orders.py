@@ -45,8 +45,7 @@ def with_deletions(trace: TraceCtx, *, clear_collections: bool = False) -> Trace
     ``clear_collections`` (a backward) a collection is cleared just before its deletion. The
     same trace as Thunder's ``del_last_used`` gives, symbol for symbol, in a fraction of the time
     ([Note: regenerated deletions])."""
-    returned = {p.name for p in tree_flatten(trace.output)[0] if isinstance(p, Proxy)}
-    handled = set(returned)
+    handled = {p.name for p in tree_flatten(trace.output)[0] if isinstance(p, Proxy)}  # returned: never deleted
     reversed_bsyms: list[BoundSymbol] = []
     for bsym in reversed(trace.bound_symbols):
         if bsym.sym.id is prims.PrimIDs.DEL:
