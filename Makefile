@@ -12,16 +12,24 @@ PYTEST_ARGS ?=
 
 .PHONY: install demo lint test test-fast
 
+# uv, installed into .venv by pip, installs the rest: it fetches PyPI's 7 GB of torch and CUDA
+# wheels in parallel (about 30 s here where pip took 2 min 45 s, the same versions of everything).
+UV_VERSION := 0.13.9
+UV_INSTALL := $(VENV)/bin/uv pip install --quiet --python $(VENV)/bin/python
+
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(INSTALLED): pyproject.toml | $(VENV)/bin/python
-	$(VENV)/bin/pip install --quiet -e .
+$(VENV)/bin/uv: | $(VENV)/bin/python
+	$(VENV)/bin/pip install --quiet uv==$(UV_VERSION)
+
+$(INSTALLED): pyproject.toml | $(VENV)/bin/uv
+	$(UV_INSTALL) -e .
 	touch $@
 
 # The test extra includes the package, so it stands for both stamps.
-$(INSTALLED_TEST): pyproject.toml | $(VENV)/bin/python
-	$(VENV)/bin/pip install --quiet -e '.[test]'
+$(INSTALLED_TEST): pyproject.toml | $(VENV)/bin/uv
+	$(UV_INSTALL) -e '.[test]'
 	touch $@ $(INSTALLED)
 
 install: $(INSTALLED)

@@ -136,6 +136,11 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=COMMAND_TIMEOUT_S)
 
 
+# What the Makefile's install steps run (uv, put into .venv by pip).
+INSTALL = "uv pip install --quiet --python .venv/bin/python"
+INSTALL_TEST = f"{INSTALL} -e '.[test]'"
+
+
 def _check_make(words: list[str]) -> None:
     # A dry run (make -n) parses the Makefile and lists the recipe without creating .venv; -B lists
     # the install steps too where .venv is already installed (as in CI, which ran make test).
@@ -144,13 +149,13 @@ def _check_make(words: list[str]) -> None:
     recipe = done.stdout
     if words[1:] == ["demo"]:
         # The demo needs the package alone, not the test extra.
-        assert "pip install --quiet -e .\n" in recipe and "[test]" not in recipe, recipe
+        assert INSTALL + " -e .\n" in recipe and "[test]" not in recipe, recipe
         assert ".venv/bin/python -m thunder_overlap demo" in recipe, recipe
     elif words[1:] == ["test"]:
-        assert "pip install --quiet -e '.[test]'" in recipe and "ruff check" in recipe and "-m pytest" in recipe, recipe
+        assert INSTALL_TEST in recipe and "ruff check" in recipe and "-m pytest" in recipe, recipe
     elif words[1:] == ["test-fast"]:
         # The same install and lint; pytest without the tests that start rank processes or take seconds.
-        assert "pip install --quiet -e '.[test]'" in recipe and "ruff check" in recipe, recipe
+        assert INSTALL_TEST in recipe and "ruff check" in recipe, recipe
         assert "-m pytest" in recipe and '-m "not ranks and not slow"' in recipe, recipe
     else:
         pytest.fail(f"no check for the README's `{shlex.join(words)}`")
