@@ -25,10 +25,12 @@ from thunder_overlap._analysis.classify import CollectiveKind, NodeKind, classif
 from thunder_overlap._analysis.cost_model import CostModel
 from thunder_overlap._analysis.memory_estimate import estimate_memory
 from thunder_overlap._analysis.simulator import simulate
-from thunder_overlap._scheduling import IssueOrder, issue_sequence, schedule_trace, stock_order
+from thunder_overlap._scheduling import IssueOrder, issue_sequence, schedule_trace, step_budget, stock_order
+from thunder_overlap._scheduling.dispatch import ScheduledTrace
 from thunder_overlap._scheduling.limits import resolve_limits
 from thunder_overlap._scheduling.orders import with_deletions
 from thunder_overlap._scheduling.scheduler import OverlapScheduler, apply_order, just_in_time_order
+from thunder_overlap._scheduling.summary import ScheduleSummary
 from thunder_overlap.config import SCHEDULING_POLICIES, OverlapConfig, Policy, Tuning
 
 from synthetic_traces import VALUE_BYTES, build_trace, valid_program
@@ -241,6 +243,40 @@ def test_the_summary_counts_the_forced_waits_of_the_order_kept_not_of_every_atte
     assert first_kept.held_by_memory == 0 and first_kept.budget_bound
     retried.forced_waits_for_memory = 0
     assert retried.held_by_memory == 0 and retried.budget_bound
+
+
+@pytest.mark.parametrize("bound_by", ["held", "forced wait", "retry", "fall-back", None])
+def test_a_forward_is_offered_the_steps_budget_wherever_its_own_bound(monkeypatch, bound_by):
+    """A forward whose own budget changed its order in any way (ScheduleSummary.budget_bound:
+    a forced wait or a retry with nothing held back too) is scheduled again in the memory its
+    backward needs anyway, and kept where predicted faster; one its budget did not bind is not."""
+    summary = ScheduleSummary(budget_bytes=100, attempts=1)
+    if bound_by == "held":
+        summary.held.memory.add(0)
+    elif bound_by == "forced wait":
+        summary.forced_waits_for_memory = 1
+    elif bound_by == "retry":
+        summary.attempts = 2
+    elif bound_by == "fall-back":
+        summary.fell_back_to_just_in_time = True
+    basis, memory = SimpleNamespace(name="basis"), SimpleNamespace(name="forward's")
+    forward = ScheduledTrace(trace=None, annotated=None, order=[], summary=summary, memory=memory, budget_basis=basis)
+    widened = ScheduledTrace(trace=None, annotated=None, order=[], summary=None, memory=SimpleNamespace(name="widened"))
+    # The backward's just-in-time peak: 150 after the basis, the same after either forward.
+    monkeypatch.setattr(step_budget, "_just_in_time_memory", lambda backward, *, after: SimpleNamespace(peak_bytes=150))
+    monkeypatch.setattr(step_budget, "_step_ms", lambda scheduled, cost_model: 1.0 if scheduled is widened else 2.0)
+    asked: list[int] = []
+
+    def reschedule(step_peak_bytes: int) -> ScheduledTrace:
+        asked.append(step_peak_bytes)
+        return widened
+
+    kept = step_budget.forward_within_step_budget(forward, backward=None, reschedule=reschedule, cost_model=None)
+    assert summary.budget_bound == (bound_by is not None) and summary.held_by_memory == (bound_by == "held")
+    if bound_by is None:
+        assert kept is None and asked == []
+    else:
+        assert kept is widened and asked == [150]
 
 
 def _most_in_flight(annotated, order, kind: CollectiveKind) -> int:

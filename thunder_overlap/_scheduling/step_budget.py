@@ -4,10 +4,10 @@ docs/design.md).
 The budget bounds each pass's predicted peak by its just-in-time order's plus the slack. Thunder
 compiles a forward before its backward, so the forward is first scheduled against its own. Where
 the backward's just-in-time order peaks higher than that budget, memory up to the backward's peak
-is memory the step needs anyway: a forward whose prefetching its own budget held back is
-scheduled again with that peak as its budget, and kept where it is faster and the backward's
-just-in-time order needs no more after it (the pool buffers a forward adds are held through the
-backward), so that the step's peak does not grow.
+is memory the step needs anyway: a forward whose order its own budget changed (a prefetch held
+back, a wait forced, a retry, the fall-back) is scheduled again with that peak as its budget, and
+kept where it is faster and the backward's just-in-time order needs no more after it (the pool
+buffers a forward adds are held through the backward), so that the step's peak does not grow.
 """
 
 from __future__ import annotations
@@ -70,13 +70,13 @@ def forward_within_step_budget(
 ) -> ScheduledTrace | None:
     """``forward`` scheduled again by ``reschedule(step_peak_bytes)`` with ``backward``'s
     just-in-time peak (after the forward's just-in-time order) as its budget, where its own
-    budget held its prefetching back and is lower; None where there is nothing to gain, the
-    result is not predicted faster, or ``backward``'s just-in-time order would need more memory
-    after it than after ``forward``."""
+    budget bound (``ScheduleSummary.budget_bound``) and is lower; None where there is nothing to
+    gain, the result is not predicted faster, or ``backward``'s just-in-time order would need more
+    memory after it than after ``forward``."""
     summary, basis = forward.summary, forward.budget_basis
     if summary is None or summary.budget_bytes is None or basis is None or forward.memory is None:
         return None
-    if not (summary.held_by_memory or summary.fell_back_to_just_in_time):
+    if not summary.budget_bound:
         return None
     step_peak = _just_in_time_memory(backward, after=basis).peak_bytes
     if step_peak <= summary.budget_bytes:
