@@ -18,12 +18,12 @@ pytestmark = pytest.mark.ranks
 
 WORLD_SIZE = 2
 # Activations dominate the step (sequence 128 against 64 channels), as in real training.
-MODEL = TinyGPTConfig(n_layer=4, n_embd=64, block_size=128)
+MODEL = TinyGPTConfig(n_layer=3, n_embd=64, block_size=128)
 SEQ_LEN = 128
-# Six blocks at sequence 32: the parameters dominate, so that keeping them to the backward (ZeRO2) costs
-# clearly more than re-gathering them (ZeRO3), and a budget between the two makes "auto" choose (with
-# four, it kept every block).
-SHORT = TinyGPTConfig(n_layer=6, n_embd=64)
+# Four blocks of 128 channels at sequence 32: the parameters dominate, so that keeping them to the
+# backward (ZeRO2) costs clearly more than re-gathering them (ZeRO3), and a budget between the two
+# makes "auto" choose (at 64 channels it took six blocks; with four, it kept every block).
+SHORT = TinyGPTConfig(n_layer=4, n_embd=128)
 LLAMA = LlamaConfig(vocab_size=101, n_embd=64, n_head=4, n_layer=2, intermediate_size=128, block_size=32)
 
 
