@@ -174,11 +174,13 @@ def test_steady_state_step_allocates_only_gradient_shards_and_copies_at_most_onc
     assert census.grads_are_bucket_views
 
 
+DEEP = TinyGPTConfig(n_layer=3)
+
+
 @pytest.fixture(scope="module")
 def deep_runs(local_ranks):
     """Block buckets on a model deeper than the prefetch window (2 blocks)."""
-    deep = TinyGPTConfig(n_layer=4)
-    setups = {s: TrainSetup(sharding=s, bucketing="block", model=deep, steps=2, measure_memory=False) for s in ("zero2", "zero3")}
+    setups = {s: TrainSetup(sharding=s, bucketing="block", model=DEEP, steps=2, measure_memory=False) for s in ("zero2", "zero3")}
     # ZeRO3 with every bucket copied out over gloo (none gathered per parameter): how gathers,
     # copy-outs and lay-outs share the pool's buffers (those that would grow the pool handed to
     # gloo's copy at the launch).
@@ -199,7 +201,7 @@ def _split_use(use: str) -> tuple[str, str]:
 
 
 def test_zero3_pool_holds_only_what_is_alive_at_once(deep_runs):
-    n_blocks = 4
+    n_blocks = DEEP.n_layer
     block_numel = max(deep_runs["zero3"].bucket_numels)
     assert deep_runs["zero3"].bucket_numels.count(block_numel) == n_blocks
     # The pool says what used each buffer: the block buffers serve gathers, copy-outs and
