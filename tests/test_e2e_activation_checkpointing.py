@@ -22,7 +22,7 @@ MODEL = TinyGPTConfig(n_layer=3, n_embd=64, block_size=128)
 SEQ_LEN = 128
 # Four blocks of 128 channels at sequence 32: the parameters dominate, so that keeping them to the
 # backward (ZeRO2) costs clearly more than re-gathering them (ZeRO3), and a budget between the two
-# makes "auto" choose (at 64 channels it took six blocks; with four, it kept every block).
+# makes "auto" choose (at 64 channels four blocks were too few: it kept every one; six were needed).
 SHORT = TinyGPTConfig(n_layer=4, n_embd=128)
 LLAMA = LlamaConfig(vocab_size=101, n_embd=64, n_head=4, n_layer=2, intermediate_size=128, block_size=32)
 
