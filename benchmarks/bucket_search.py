@@ -54,7 +54,7 @@ from thunder_overlap.report._thunder_baseline import fake_process_group
 sys.path.insert(0, str(Path(__file__).parent))
 from scaling_table import PRECISIONS, TOPOLOGY  # noqa: E402
 
-# The issue's target: a step within this share of its own max(compute, communication).
+# The predicted rows' target (benchmarks/README.md): a step within this share of its own max(compute, communication).
 GAP_TARGET = 0.05
 _GIB = 2**30
 
