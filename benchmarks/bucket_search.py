@@ -46,6 +46,7 @@ from thunder_overlap._bucketing.trace_rewrite import BucketIndex, forward_input_
 from thunder_overlap._ops import BUCKETED_ISSUES
 from thunder_overlap._scheduling.step_budget import schedule_step
 from thunder_overlap._transforms.bucketing import BucketingTransform
+from thunder_overlap._transforms.replicate import ReplicaReduceTransform
 from thunder_overlap.options import BucketingStrategy
 from thunder_overlap.report._models import BUILTIN_MODELS, trace_model
 from thunder_overlap.report._report import analyze_trace
@@ -81,6 +82,8 @@ class Search:
         self, jm, original: nn.Module, units: str, policy: MixedPrecision | None, config: OverlapConfig, cost_model: CostModel
     ) -> None:
         self.state = BucketingTransform.of(jm).state
+        # Hybrid sharding: each bucketed reduce-scatter is all-reduced across the replicas after it.
+        self.replicas = ReplicaReduceTransform.of(jm)
         self.config, self.cost_model, self.policy = config, cost_model, policy
         self.forward = _before_bucketing(thunder.last_traces(jm))
         self.backward = _before_bucketing(thunder.last_backward_traces(jm))
@@ -129,6 +132,8 @@ class Search:
         index = BucketIndex(buckets, state.bucket_group, slot_of_input)
         forward, _ = rewrite_bucket_collectives(self.forward, index)
         backward, _ = rewrite_bucket_collectives(self.backward, index, forward_inputs=forward_input_names(self.forward))
+        if self.replicas is not None:
+            backward = self.replicas.transform_trace_post_optimization(backward)
         layouts = {bucket: bucket.layout for bucket in buckets}
         # The prefetch limits' unit as a compile resolves it: the largest block, or bucket where larger.
         largest_bucket = max(b.gathered_numel() * b.gather_dtype.itemsize for b in buckets)
@@ -233,7 +238,8 @@ class Outcome:
 
 def search_setting(args: argparse.Namespace) -> Outcome:
     """Traces ``args``' setting with ``auto`` buckets and searches its bucketings (see the module's docstring)."""
-    network = TOPOLOGY.network_of_ranks(range(args.world_size)).name
+    # The shard group's network sizes the buckets; each collective is costed on its own group's.
+    network = TOPOLOGY.network_of_ranks(range(args.shard_group_size or args.world_size)).name
     cost_model = CostModel.named(args.device_profile, network, topology=TOPOLOGY)
     dtype_name, policy_names = PRECISIONS[args.precision]
     policy = MixedPrecision(*(getattr(torch, n) for n in policy_names)) if policy_names else None
@@ -244,7 +250,7 @@ def search_setting(args: argparse.Namespace) -> Outcome:
             model = BUILTIN_MODELS[args.model](args.n_layer).build().to(getattr(torch, dtype_name))
         jm = trace_model(
             model, world_size=args.world_size, sharding=args.sharding, bucketing="auto", idx_shape=(1, args.seq_len),
-            config=config, mixed_precision=policy,
+            config=config, mixed_precision=policy, shard_group_size=args.shard_group_size,
         )  # fmt: skip
         with torch.device("meta"):
             original = BUILTIN_MODELS[args.model](args.n_layer).build()
@@ -270,6 +276,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--world-size", type=int, default=1024)
     parser.add_argument("--sharding", default="zero2", choices=["zero2", "zero3"])
+    parser.add_argument("--shard-group-size", type=int, default=None, help="hybrid sharding (HSDP) in shard groups of this many ranks")
     parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
     parser.add_argument("--device-profile", default="h100")
     parser.add_argument("--units", default="block", choices=["block", "layer"], help="what a bucket holds whole")
@@ -284,7 +291,8 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     outcome = search_setting(args)
     fastest, within = outcome.fastest, outcome.fastest_within_target
-    setting = f"{args.model} x{args.n_layer} {args.precision}, {args.world_size} ranks, {args.sharding}"
+    hybrid = f" HSDP {args.world_size // args.shard_group_size}x{args.shard_group_size}" if args.shard_group_size else ""
+    setting = f"{args.model} x{args.n_layer} {args.precision}, {args.world_size} ranks, {args.sharding}{hybrid}"
     print(f"{setting}: {len(outcome.evaluated)} bucketings of {outcome.units} {args.units} units evaluated in {outcome.seconds:.0f} s")
     print(f"  auto's plan as compiled (its bucket paths), the scaling table's row: {_described(outcome.auto_as_compiled)}")
     for name, candidate in (("auto's plan", outcome.auto), ("fastest", fastest)):
