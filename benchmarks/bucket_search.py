@@ -8,7 +8,8 @@ candidate is laid out in buckets, both traces' collectives rewritten into them, 
 compile schedules them (``memory_aware``, within the step's budget) and the step simulated, as the
 scaling table's rows are. ``--search all`` tries every bucketing (2^(units - 1)); ``--search climb``
 starts from ``auto``'s plan (or ``--start``) and takes the fastest of the plans one boundary away
-(moved by one unit, added or removed) until none is faster.
+(moved by one unit, added or removed) until none is faster. Where ``auto``'s plan cuts inside the
+units (a fast network splits blocks), it is compared as compiled and a climb needs ``--start``.
 
 It answers two questions a row over its bound raises: how much faster than ``auto``'s plan any
 bucketing of these units is predicted to be, and whether any bucketing brings the step within 5%
@@ -30,7 +31,7 @@ import itertools
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import thunder
@@ -42,7 +43,6 @@ from thunder_overlap._analysis.classify import classify_trace
 from thunder_overlap._bucketing.module_plan import make_buckets, unsharded_numel
 from thunder_overlap._bucketing.path_choice import choose_bucket_paths
 from thunder_overlap._bucketing.plan import bucket_owner, make_plan
-from thunder_overlap._bucketing.trace_rewrite import BucketIndex, forward_input_names, rewrite_bucket_collectives
 from thunder_overlap._ops import BUCKETED_ISSUES
 from thunder_overlap._scheduling.step_budget import schedule_step
 from thunder_overlap._transforms.bucketing import BucketingTransform
@@ -58,6 +58,8 @@ from scaling_table import PRECISIONS, TOPOLOGY  # noqa: E402
 # The predicted rows' target (benchmarks/README.md): a step within this share of its own max(compute, communication).
 GAP_TARGET = 0.05
 _GIB = 2**30
+# Most bucketings --search all evaluates: 2^14 at about a second each is already hours.
+MOST_BUCKETINGS = 2**14
 
 
 @dataclass(frozen=True)
@@ -106,9 +108,21 @@ class Search:
         self.aliases = jm._get_shared_names()
         self.evaluated: dict[tuple[int, ...], Candidate] = {}
 
+    def cuts_between_units(self, first_parameters: list[str]) -> bool:
+        """Whether buckets starting at these parameters hold whole units."""
+        return {p for p in first_parameters} <= {names[0] for _, names in self.units}
+
     def starts_of(self, first_parameters: list[str]) -> tuple[int, ...]:
-        """The bucketing whose buckets start at these parameters."""
-        return tuple(next(i for i, (_, names) in enumerate(self.units) if names[0] == p) for p in first_parameters)
+        """The bucketing whose buckets start at these parameters (the first unit's among them)."""
+        firsts = [names[0] for _, names in self.units]
+        unknown = [p for p in first_parameters if p not in firsts]
+        if unknown or not first_parameters or first_parameters[0] != firsts[0]:
+            raise ValueError(
+                f"a bucketing starts with {firsts[0]!r} and cuts before units' first parameters only; got {first_parameters} "
+                f"({'not first parameters: ' + str(unknown) if unknown else 'not starting with ' + repr(firsts[0])}); "
+                f"accepted: {firsts}"
+            )
+        return tuple(sorted(firsts.index(p) for p in set(first_parameters)))
 
     def evaluate(self, starts: tuple[int, ...]) -> Candidate:
         if starts in self.evaluated:
@@ -124,14 +138,8 @@ class Search:
         if buckets[0].layout.backend.has_bucket_path_choices:
             raise ValueError(f"the search chooses no bucket paths of backend {buckets[0].layout.backend.name!r}; it runs on the fake group")
         slots = {alias: (i, s) for i, b in enumerate(buckets) for s, slot in enumerate(b.plan.slots) for alias in self.aliases[slot.name]}
-
-        def slot_of_input(name: str) -> tuple[int, int] | None:
-            parameter = state.parameter_of_input.get(name)
-            return slots.get(parameter) if parameter is not None else None
-
-        index = BucketIndex(buckets, state.bucket_group, slot_of_input)
-        forward, _ = rewrite_bucket_collectives(self.forward, index)
-        backward, _ = rewrite_bucket_collectives(self.backward, index, forward_inputs=forward_input_names(self.forward))
+        # The compile's model state with these buckets: its rewrite, as sharding "auto" prices a step.
+        forward, backward = replace(state, buckets=buckets, bucket_slots=slots).bucketed(self.forward, self.backward)
         if self.replicas is not None:
             backward = self.replicas.transform_trace_post_optimization(backward)
         layouts = {bucket: bucket.layout for bucket in buckets}
@@ -158,28 +166,23 @@ class Search:
             agree=list,
             reschedule=None,
         )
-        step_ms = bound_ms = 0.0
-        peak, after = 0, None
-        for trace in (forward_scheduled.trace, paths.backward.trace):
-            report = analyze_trace(trace, self.cost_model, order="candidate", after=after, layouts=paths.layouts)
-            after = report.memory
-            step_ms, bound_ms, peak = step_ms + report.predicted_ms, bound_ms + report.bound_ms, max(peak, report.peak_bytes)
-        candidate = Candidate(starts, tuple(p.label for p in plans), step_ms, bound_ms, peak)
+        traces = (forward_scheduled.trace, paths.backward.trace)
+        candidate = _predicted(starts, tuple(p.label for p in plans), traces, paths.layouts, self.cost_model)
         self.evaluated[starts] = candidate
         return candidate
 
     def as_compiled(self, jm) -> Candidate:
         """``auto``'s plan as the compile ran it (its chosen bucket paths): the scaling table's row."""
-        layouts = self.state.layouts
-        step_ms = bound_ms = 0.0
-        peak, after = 0, None
-        for trace in (thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]):
-            report = analyze_trace(trace, self.cost_model, order="compiled", after=after, layouts=layouts)
-            after = report.memory
-            step_ms, bound_ms, peak = step_ms + report.predicted_ms, bound_ms + report.bound_ms, max(peak, report.peak_bytes)
-        return Candidate((), tuple(b.plan.label for b in self.state.buckets), step_ms, bound_ms, peak)
+        traces = (thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1])
+        return _predicted((), tuple(b.plan.label for b in self.state.buckets), traces, self.state.layouts, self.cost_model)
 
     def every_bucketing(self) -> None:
+        count = 2 ** (len(self.units) - 1)
+        if count > MOST_BUCKETINGS:
+            raise ValueError(
+                f"--search all would evaluate {count} bucketings of {len(self.units)} units (about a second each); at most "
+                f"{MOST_BUCKETINGS} are tried: use --search climb, or --units block"
+            )
         for cuts in itertools.product((False, True), repeat=len(self.units) - 1):
             self.evaluate((0, *(i + 1 for i, cut in enumerate(cuts) if cut)))
 
@@ -203,6 +206,17 @@ class Search:
         return nearby
 
 
+def _predicted(starts, labels, traces, layouts, cost_model: CostModel) -> Candidate:
+    """The step of a forward and backward execution trace, simulated as the report simulates them."""
+    step_ms = bound_ms = 0.0
+    peak, after = 0, None
+    for trace in traces:
+        report = analyze_trace(trace, cost_model, order="candidate", after=after, layouts=layouts)
+        after = report.memory
+        step_ms, bound_ms, peak = step_ms + report.predicted_ms, bound_ms + report.bound_ms, max(peak, report.peak_bytes)
+    return Candidate(starts, labels, step_ms, bound_ms, peak)
+
+
 def _described(candidate: Candidate) -> str:
     return (
         f"{candidate.step_ms:.1f} ms, {candidate.gap:.1%} over its max(C, M) {candidate.bound_ms:.1f} ms, "
@@ -218,12 +232,12 @@ def _before_bucketing(history: list) -> object:
 
 @dataclass(frozen=True)
 class Outcome:
-    """One setting's search: ``auto``'s plan as the search evaluates it and as the compile ran it,
-    and every bucketing evaluated, fastest first."""
+    """One setting's search: ``auto``'s plan as the search evaluates it (None where it cuts inside
+    the units) and as the compile ran it, and every bucketing evaluated, fastest first."""
 
     units: int
     seconds: float
-    auto: Candidate
+    auto: Candidate | None
     auto_as_compiled: Candidate
     evaluated: list[Candidate]
 
@@ -255,14 +269,18 @@ def search_setting(args: argparse.Namespace) -> Outcome:
         with torch.device("meta"):
             original = BUILTIN_MODELS[args.model](args.n_layer).build()
         search = Search(jm, original, args.units, policy, config, cost_model)
-        auto_starts = search.starts_of([b.plan.slots[0].name for b in search.state.buckets])
-        auto = search.evaluate(auto_starts)
         compiled = search.as_compiled(jm)
+        # auto's plan among the candidates, where it cuts only between these units.
+        auto_firsts = [b.plan.slots[0].name for b in search.state.buckets]
+        auto_starts = search.starts_of(auto_firsts) if search.cuts_between_units(auto_firsts) else None
+        auto = search.evaluate(auto_starts) if auto_starts is not None else None
         started = time.perf_counter()
         if args.search == "all":
             search.every_bucketing()
         else:
             start = search.starts_of(args.start.split(",")) if args.start else auto_starts
+            if start is None:
+                raise ValueError(f"auto's plan cuts inside {args.units} units ({auto_firsts}): give --start, or --units layer")
             search.climb(start, args.rounds)
         took = time.perf_counter() - started
     evaluated = sorted(search.evaluated.values(), key=lambda c: c.step_ms)
@@ -295,9 +313,13 @@ def main(argv: list[str]) -> int:
     setting = f"{args.model} x{args.n_layer} {args.precision}, {args.world_size} ranks, {args.sharding}{hybrid}"
     print(f"{setting}: {len(outcome.evaluated)} bucketings of {outcome.units} {args.units} units evaluated in {outcome.seconds:.0f} s")
     print(f"  auto's plan as compiled (its bucket paths), the scaling table's row: {_described(outcome.auto_as_compiled)}")
-    for name, candidate in (("auto's plan", outcome.auto), ("fastest", fastest)):
-        print(f"  {name + ':':13} {_described(candidate)}")
-    print(f"  auto's plan is {outcome.auto.step_ms / fastest.step_ms - 1:.1%} slower than the fastest found")
+    auto = outcome.auto if outcome.auto is not None else outcome.auto_as_compiled
+    if outcome.auto is not None:
+        print(f"  auto's plan:  {_described(outcome.auto)}")
+    else:
+        print(f"  auto's plan cuts inside {args.units} units: it is compared as compiled")
+    print(f"  fastest:      {_described(fastest)}")
+    print(f"  auto's plan is {auto.step_ms / fastest.step_ms - 1:.1%} slower than the fastest found")
     if within is not None:
         print(
             f"  fastest within {GAP_TARGET:.0%} of its own max(C, M): {within.step_ms:.1f} ms ({within.gap:.1%}), "
@@ -310,7 +332,7 @@ def main(argv: list[str]) -> int:
         record = {
             "setting": vars(args),
             "seconds": outcome.seconds,
-            "auto": asdict(outcome.auto),
+            "auto": asdict(outcome.auto) if outcome.auto is not None else None,
             "auto_as_compiled": asdict(outcome.auto_as_compiled),
             "fastest": asdict(fastest),
             "fastest_within_target": asdict(within) if within is not None else None,

@@ -31,3 +31,14 @@ def test_auto_plan_is_predicted_as_compiled_and_every_bucketing_is_tried():
     # latency per pass, the second five.
     by_starts = {c.starts: c for c in outcome.evaluated}
     assert by_starts[(0,)].bound_ms < by_starts[(0, 1, 2, 3, 4)].bound_ms
+
+
+@pytest.mark.slow
+def test_a_start_that_is_no_bucketing_is_refused_naming_what_is_accepted():
+    # At 8 ranks over NVLink auto cuts inside blocks: its plan is no candidate of whole blocks, and
+    # the climb starts where it is told.
+    options = ["--n-layer", "2", "--seq-len", "64", "--world-size", "8", "--search", "climb"]
+    args = _parser().parse_args([*options, "--start", "blocks.1.qkv.weight"])
+    accepted = r"accepted: \['wte.weight', 'blocks.0.norm_1.weight', 'blocks.1.norm_1.weight', 'norm_f.weight', 'lm_head.weight'\]"
+    with pytest.raises(ValueError, match=r"not first parameters: \['blocks.1.qkv.weight'\]\); " + accepted):
+        search_setting(args)
