@@ -44,8 +44,9 @@ lint: $(INSTALLED_TEST)
 # Lint first: it takes a second, the tests minutes. pytest's exit status is make's, so a run
 # that collects no test (exit 5) fails: CI cannot pass having run nothing.
 # One pytest worker per core (pytest-xdist); tests/conftest.py groups the tests so the shared rank
-# sessions and each module's fixtures are set up once.
-XDIST := -n auto --dist loadgroup
+# sessions and each module's fixtures are set up once, and puts the longest groups first (handed
+# out in that order: --no-loadscope-reorder).
+XDIST := -n auto --dist loadgroup --no-loadscope-reorder
 # --durations: the slowest tests, where keeping the suite short starts.
 test: lint
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) --durations=15 $(PYTEST_ARGS)

@@ -141,9 +141,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # With pytest-xdist's --dist loadgroup (make test): every test on the shared rank sessions runs
     # in one worker, which starts them once; any other test runs in the worker that runs the rest
     # of its module, which sets the module's fixtures (compiled models) up once.
+    group_of = []
     for item in items:
         shares_ranks = "local_ranks" in item.fixturenames  # directly or through a fixture
-        item.add_marker(pytest.mark.xdist_group("local_ranks" if shares_ranks else item.nodeid.split("::")[0]))
+        group_of.append("local_ranks" if shares_ranks else item.nodeid.split("::")[0])
+        item.add_marker(pytest.mark.xdist_group(group_of[-1]))
+    # The longest groups first. With --no-loadscope-reorder (make test) xdist hands the groups out
+    # in this order, one at a time to whichever worker runs low; its default order, by number of
+    # tests, left the modules of a few minutes-long scripts (examples, demo) to the end, where
+    # one worker ran them alone after the other had finished (about 200 s of a 20-minute run).
+    # The shared rank sessions' group (the longest by far), then the groups that start processes,
+    # then the slow ones, then the rest, each in the order collected.
+    order_of_group: dict[str, int] = {}
+    for item, group in zip(items, group_of, strict=True):
+        order = 0 if group == "local_ranks" else 1 if item.get_closest_marker(RANKS) else 2 if item.get_closest_marker(SLOW) else 3
+        order_of_group[group] = min(order, order_of_group.get(group, order))
+    ordered = sorted(zip(items, group_of, strict=True), key=lambda pair: order_of_group[pair[1]])
+    items[:] = [item for item, _ in ordered]
 
 
 @pytest.hookimpl(hookwrapper=True)
