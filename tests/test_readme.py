@@ -137,7 +137,7 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 # What the Makefile's install steps run (uv, put into .venv by pip).
-INSTALL = "uv pip install --quiet --python .venv/bin/python"
+INSTALL = "uv pip install --quiet --compile-bytecode --python .venv/bin/python"
 INSTALL_TEST = f"{INSTALL} -e '.[test]'"
 
 
