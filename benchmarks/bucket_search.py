@@ -108,13 +108,18 @@ class Search:
         self.aliases = jm._get_shared_names()
         self.evaluated: dict[tuple[int, ...], Candidate] = {}
 
+    @property
+    def unit_firsts(self) -> list[str]:
+        """Each unit's first parameter: where a bucketing of whole units may cut."""
+        return [names[0] for _, names in self.units]
+
     def cuts_between_units(self, first_parameters: list[str]) -> bool:
         """Whether buckets starting at these parameters hold whole units."""
-        return {p for p in first_parameters} <= {names[0] for _, names in self.units}
+        return set(first_parameters) <= set(self.unit_firsts)
 
     def starts_of(self, first_parameters: list[str]) -> tuple[int, ...]:
         """The bucketing whose buckets start at these parameters (the first unit's among them)."""
-        firsts = [names[0] for _, names in self.units]
+        firsts = self.unit_firsts
         unknown = [p for p in first_parameters if p not in firsts]
         if unknown or not first_parameters or first_parameters[0] != firsts[0]:
             raise ValueError(
