@@ -46,7 +46,6 @@ from thunder_overlap._bucketing.plan import bucket_owner, make_plan
 from thunder_overlap._ops import BUCKETED_ISSUES
 from thunder_overlap._scheduling.step_budget import schedule_step
 from thunder_overlap._transforms.bucketing import BucketingTransform
-from thunder_overlap._transforms.replicate import ReplicaReduceTransform
 from thunder_overlap.options import BucketingStrategy
 from thunder_overlap.report._models import BUILTIN_MODELS, trace_model
 from thunder_overlap.report._report import analyze_trace
@@ -84,8 +83,6 @@ class Search:
         self, jm, original: nn.Module, units: str, policy: MixedPrecision | None, config: OverlapConfig, cost_model: CostModel
     ) -> None:
         self.state = BucketingTransform.of(jm).state
-        # Hybrid sharding: each bucketed reduce-scatter is all-reduced across the replicas after it.
-        self.replicas = ReplicaReduceTransform.of(jm)
         self.config, self.cost_model, self.policy = config, cost_model, policy
         self.forward = _before_bucketing(thunder.last_traces(jm))
         self.backward = _before_bucketing(thunder.last_backward_traces(jm))
@@ -143,10 +140,9 @@ class Search:
         if buckets[0].layout.backend.has_bucket_path_choices:
             raise ValueError(f"the search chooses no bucket paths of backend {buckets[0].layout.backend.name!r}; it runs on the fake group")
         slots = {alias: (i, s) for i, b in enumerate(buckets) for s, slot in enumerate(b.plan.slots) for alias in self.aliases[slot.name]}
-        # The compile's model state with these buckets: its rewrite, as sharding "auto" prices a step.
+        # The compile's model state with these buckets: its rewrite (hybrid sharding's all-reduces
+        # across the replicas included), as a compile prices a step.
         forward, backward = replace(state, buckets=buckets, bucket_slots=slots).bucketed(self.forward, self.backward)
-        if self.replicas is not None:
-            backward = self.replicas.transform_trace_post_optimization(backward)
         layouts = {bucket: bucket.layout for bucket in buckets}
         # The prefetch limits' unit as a compile resolves it: the largest block, or bucket where larger.
         largest_bucket = max(b.gathered_numel() * b.gather_dtype.itemsize for b in buckets)

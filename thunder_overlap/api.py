@@ -79,6 +79,7 @@ def _model_state(options: FSDPOptions) -> ModelState:
         # The ranks' first exchange compares these settings, the configuration's and the bucket plans.
         settings=options.agreed_fields(),
         agreement_group=options.world_group if options.hybrid_mesh is not None else None,
+        replicate_group=options.replicate_group,
     )
 
 

@@ -109,7 +109,7 @@ _TUNING_RULES: dict[tuple[type, bool, bool], tuple[str, ...]] = {
     (int, False, True): ("chained_wait_compute_ops",),
     (float, True, False): ("bucket_eager_prefetch_blocks", "bucket_reduce_scatter_blocks", "prefetch_time_margin"),
     (float, True, True): ("per_tensor_gather_max_slowdown", "reduce_from_copy_max_slowdown"),
-    (bool, False, False): ("check_ranks_agree", "coalesce", "zero3_keeps_free_units"),
+    (bool, False, False): ("check_ranks_agree", "coalesce", "zero3_keeps_free_units", "auto_weighs_block_buckets"),
 }
 
 
@@ -140,6 +140,9 @@ class Tuning:
     # free; False re-gathers every parameter. [Note: ZeRO3 keeps what is free]
     zero3_keeps_free_units: bool = True
     auto_bucket_latency_share: float = 0.1  # auto buckets: latency <= this share of their time
+    # auto buckets: the first compile runs block buckets instead where it predicts them faster;
+    # False keeps auto's plan. [Note: auto against block]
+    auto_weighs_block_buckets: bool = True
 
     def __post_init__(self) -> None:
         for (kind, optional, zero), names in _TUNING_RULES.items():

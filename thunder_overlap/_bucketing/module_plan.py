@@ -116,16 +116,20 @@ def make_buckets(
     unsharded_numels: dict[str, int],
     process_group: dist.ProcessGroup,
     mixed_precision: MixedPrecision | None = None,
+    *,
+    priced_only: bool = False,
 ) -> tuple[list[BucketBuffers], BufferPool]:
     """One :class:`BucketBuffers` per plan, the shards copied into its flat buffer, all on one
     pool; ``unsharded_numels`` (by parameter name, before padding) tell which buckets pad, and
-    ``mixed_precision`` which dtype each bucket gathers in."""
+    ``mixed_precision`` which dtype each bucket gathers in. ``priced_only``: buckets that only
+    price a step, their buffers on the meta device (no memory, nothing copied), laid out for the
+    shards' device."""
     pool = BufferPool()
     buckets = []
     world_size = process_group.size()
     for plan in plans:
         first = shards[plan.slots[0].name]
-        flat = torch.empty(plan.shard_numel, dtype=plan.dtype, device=first.device)
+        flat = torch.empty(plan.shard_numel, dtype=plan.dtype, device="meta" if priced_only else first.device)
         gather_dtype = gather_dtype_of(plan.dtype, mixed_precision)
         layout = BucketLayout.default(
             plan.label,
@@ -134,15 +138,16 @@ def make_buckets(
             itemsize=flat.element_size(),
             tensors=len(plan.slots),
             world_size=world_size,
-            backend=backend_of(process_group, flat.device),
+            backend=backend_of(process_group, first.device),
             padded=sum(unsharded_numels[s.name] for s in plan.slots) != world_size * plan.shard_numel,
             gather_dtype=str(gather_dtype),
             gather_itemsize=gather_dtype.itemsize,
         )
         bucket = BucketBuffers(plan, flat, process_group, pool, layout, gather_dtype)
         for index, slot in enumerate(plan.slots):
-            with torch.no_grad():
-                bucket.shard_view(index).copy_(shards[slot.name])
+            if not priced_only:
+                with torch.no_grad():
+                    bucket.shard_view(index).copy_(shards[slot.name])
         buckets.append(bucket)
     return buckets, pool
 

@@ -50,6 +50,7 @@ __all__ = [
     "IssueOrderAgreement",
     "PrefixAgreement",
     "agree_settings",
+    "agreed_fastest",
     "agreed_prefix",
     "agreed_subset",
     "collective_keys",
@@ -143,6 +144,18 @@ def ranks_where(condition: bool, group: dist.ProcessGroup | None) -> list[int]:
     gathered: list[bool | None] = [None] * group.size()
     dist.all_gather_object(gathered, bool(condition), group=group)
     return [rank for rank, holds in enumerate(gathered) if holds]
+
+
+def agreed_fastest(step_ms: Sequence[float], group: dist.ProcessGroup | None) -> tuple[int, list[float]]:
+    """The index of the option with the least time summed over the ranks of ``group`` (the
+    first of equals) and each option's sum, the same on every rank; this rank's own where there
+    is nobody to ask (one object all-gather). An option a rank cannot run is ``inf`` there."""
+    totals = list(step_ms)
+    if exchange_is_possible(group):
+        gathered: list[list[float] | None] = [None] * group.size()
+        dist.all_gather_object(gathered, totals, group=group)
+        totals = [sum(times) for times in zip(*gathered, strict=True)]
+    return min(range(len(totals)), key=lambda i: (totals[i], i)), totals
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,12 @@ rank agreement, and what the forward's schedule leaves for its backward's.
 
 from __future__ import annotations
 
+import logging
 import weakref
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from thunder.core.trace import TraceCtx
@@ -21,14 +23,20 @@ from thunder_overlap._analysis.classify import AnnotatedTrace, parameter_names_o
 from thunder_overlap._analysis.layout import BucketLayout
 from thunder_overlap._analysis.memory_estimate import MemoryEstimate
 from thunder_overlap._bucketing.buffers import BucketBuffers
+from thunder_overlap._bucketing.module_plan import make_buckets
 from thunder_overlap._bucketing.path_choice import PathChoice
 from thunder_overlap._bucketing.plan import BucketPlanSummary
+from thunder_overlap._bucketing.plan_choice import BucketPlanChoice, PlanCandidate
+from thunder_overlap._bucketing.pool import BufferPool
 from thunder_overlap._bucketing.trace_rewrite import BucketIndex, forward_input_names, rewrite_bucket_collectives
 from thunder_overlap._scheduling.dispatch import ScheduledTrace
-from thunder_overlap._scheduling.rank_agreement import IssueOrderAgreement, agree_settings
+from thunder_overlap._scheduling.rank_agreement import IssueOrderAgreement, agree_settings, agreed_fastest
+from thunder_overlap._transforms.replicate import with_replica_all_reduces
 from thunder_overlap.config import OverlapConfig
 
 __all__ = ["ForwardHandoff", "ModelState"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,15 +57,17 @@ class ModelState:
     """What the transforms of one model share, each piece written by one of them.
 
     Set when made: the scheduler's ``config``, the ``block_types`` blocks are found by, the
-    ``settings`` ranks compare at the first compile (with the configuration's) and the
+    ``settings`` ranks compare at the first compile (with the configuration's), the
     ``agreement_group`` they agree over (None: the group of the traces' collectives; hybrid
-    sharding's is the world).
+    sharding's is the world) and hybrid sharding's ``replicate_group``, across which a step's
+    predictions all-reduce each reduced shard as the compile does.
     """
 
     config: OverlapConfig = field(default_factory=OverlapConfig)
     block_types: BlockTypes | None = None
     settings: Mapping[str, object] = field(default_factory=dict)
     agreement_group: dist.ProcessGroup | None = None
+    replicate_group: dist.ProcessGroup | None = None
 
     # The blocks, found once (find_blocks), and the largest one's unsharded bytes, measured then:
     # once the shards are placed in the module its parameters are sharded.
@@ -71,6 +81,14 @@ class ModelState:
     bucket_group: dist.ProcessGroup | None = None
     bucket_plan: BucketPlanSummary | None = None
     bucket_slots: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # The pool the buckets' unsharded buffers come from, and the module's parameters by name (the
+    # mapping the module reads them from), which are views of the buckets' flat shards.
+    pool: BufferPool = field(default_factory=BufferPool)
+    module_parameters: Mapping[str, nn.Parameter] = field(default_factory=dict)
+    # "auto"'s other plan, block buckets, until the first compile chooses between them ([Note:
+    # auto against block]), and that choice.
+    plan_alternative: PlanCandidate | None = None
+    plan_choice: BucketPlanChoice | None = None
 
     # Computation-trace input name -> parameter name, from every prologue seen.
     parameter_of_input: dict[str, str] = field(default_factory=dict)
@@ -164,7 +182,54 @@ class ModelState:
         index = self.bucket_index()
         bucketed_forward, _ = rewrite_bucket_collectives(forward, index)
         bucketed_backward, _ = rewrite_bucket_collectives(backward, index, forward_inputs=forward_input_names(forward))
+        if self.replicate_group is not None:
+            bucketed_backward, _ = with_replica_all_reduces(bucketed_backward, self.replicate_group)
         return bucketed_forward, bucketed_backward
+
+    # --- auto's plan against block's ([Note: auto against block]) ---------------------------------
+
+    def choose_plan(self, step_ms_of: Callable[[ModelState], float], group: dist.ProcessGroup | None) -> bool:
+        """Prices the step with the buckets laid out and with :attr:`plan_alternative`'s
+        (``step_ms_of`` a state with those buckets: ``inf`` where it cannot run), agrees with the
+        ranks of ``group`` (None: this rank alone) on the faster and adopts it. True where the
+        alternative was adopted; once per model, at its first compile with a backward."""
+        alternative, self.plan_alternative = self.plan_alternative, None
+        current = self.bucket_plan.strategy if self.bucket_plan is not None else "current"
+        step_ms = [step_ms_of(self), step_ms_of(self.priced_with(alternative))]
+        fastest, totals = agreed_fastest(step_ms, group if self.config.tuning.check_ranks_agree else None)
+        self.plan_choice = BucketPlanChoice(
+            {current: totals[0], alternative.summary.strategy: totals[1]},
+            (current, alternative.summary.strategy)[fastest],
+            (alternative.summary, self.bucket_plan)[fastest],
+        )
+        logger.info("%s", self.plan_choice)
+        if fastest == 1:
+            self.adopt(alternative)
+        return fastest == 1
+
+    def priced_with(self, candidate: PlanCandidate) -> ModelState:
+        """A copy of this state with ``candidate``'s buckets, on the meta device: for pricing a
+        step (:meth:`bucketed`, :attr:`layouts`), never to run one."""
+        buckets, pool = make_buckets(
+            candidate.plans, self._shards(), candidate.unsharded_numels, self.bucket_group, candidate.mixed_precision, priced_only=True
+        )
+        return replace(self, buckets=buckets, pool=pool, bucket_plan=candidate.summary, bucket_slots=_slots(buckets, candidate))
+
+    def adopt(self, candidate: PlanCandidate) -> None:
+        """Lays ``candidate``'s buckets out in new flat buffers, with the values the parameters
+        hold now, and points each parameter (the same object: an optimizer made before keeps it)
+        at its new shard. Before any trace with the old buckets has run."""
+        buckets, pool = make_buckets(
+            candidate.plans, self._shards(), candidate.unsharded_numels, self.bucket_group, candidate.mixed_precision
+        )
+        slots = _slots(buckets, candidate)
+        for name, (index, slot) in slots.items():
+            self.module_parameters[name].data = buckets[index].shard_view(slot)
+        self.buckets, self.pool, self.bucket_plan, self.bucket_slots = buckets, pool, candidate.summary, slots
+
+    def _shards(self) -> dict[str, torch.Tensor]:
+        """Each bucketed parameter's shard as it is now, by name."""
+        return {slot.name: bucket.shard_view(i) for bucket in self.buckets for i, slot in enumerate(bucket.plan.slots)}
 
     # --- rank agreement -------------------------------------------------------------------------
 
@@ -178,3 +243,13 @@ class ModelState:
         if not self.settings_agreed:
             agree_settings(self.settings, self.plan_digest(), group)
             self.settings_agreed = True
+
+
+def _slots(buckets: list[BucketBuffers], candidate: PlanCandidate) -> dict[str, tuple[int, int]]:
+    """Each parameter's (every alias's) (index into ``buckets``, slot)."""
+    return {
+        alias: (index, slot_index)
+        for index, bucket in enumerate(buckets)
+        for slot_index, slot in enumerate(bucket.plan.slots)
+        for alias in candidate.aliases[slot.name]
+    }

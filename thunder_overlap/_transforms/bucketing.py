@@ -13,8 +13,9 @@ Thunder's FSDP gathers and reduce-scatters every parameter on its own. This tran
   which sums the gradients locally; the bucket's next reduce-scatter sends the sum.
 
 Which parameters share a bucket is planned in ``transform_module``: by layer, by block, or
-(``"auto"``) sized by the cost model (:mod:`~thunder_overlap._bucketing.auto_plan`);
-``summaries.plan`` says which buckets were formed and why. This transform owns the buckets' state:
+(``"auto"``) sized by the cost model (:mod:`~thunder_overlap._bucketing.auto_plan`), whose plan
+the first compile replaces with block buckets where it predicts those faster ([Note: auto against
+block]); ``summaries.plan`` says which buckets were formed and why. This transform owns the buckets' state:
 their buffers and the pool, kept in the model's state (:class:`ModelState`) with the layout each
 runs with, which the bucket path choice sets at the first compile.
 
@@ -38,7 +39,7 @@ import thunder
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from thunder.core.trace import TraceCtx
+from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 from thunder.distributed import get_skip_data_parallel_grad_sync
 
@@ -49,8 +50,10 @@ from thunder_overlap._analysis.pool_slots import SlotPlan
 from thunder_overlap._bucketing.buffers import BucketBuffers
 from thunder_overlap._bucketing.module_plan import ModuleBuckets, make_buckets, plan_module_buckets, unsharded_numel
 from thunder_overlap._bucketing.plan import BucketPlan, BucketPlanSummary, bucket_owner
+from thunder_overlap._bucketing.plan_choice import BucketPlanChoice, PlanCandidate, same_grouping
 from thunder_overlap._bucketing.pool import BufferPool
 from thunder_overlap._bucketing.trace_rewrite import BucketingSummary, forward_input_names, rewrite_bucket_collectives
+from thunder_overlap._scheduling.prediction import predict_step
 from thunder_overlap._transforms._lookup import transform_of
 from thunder_overlap._transforms._model_state import ModelState
 from thunder_overlap.options import BucketingStrategy, MixedPrecision
@@ -65,6 +68,8 @@ class BucketingSummaries:
     """Which buckets were formed, and what the last rewrite of each pass did."""
 
     plan: BucketPlanSummary | None = None
+    # "auto"'s plan against block buckets at the first compile ([Note: auto against block]).
+    plan_choice: BucketPlanChoice | None = None
     forward: BucketingSummary | None = None
     backward: BucketingSummary | None = None
     # The last backward compiled under no_sync.
@@ -110,9 +115,11 @@ class BucketingTransform(Transform):
         self.cap_bytes = cap_bytes
         self.replicate_group = replicate_group
         self.mixed_precision = mixed_precision
-        self.pool = BufferPool()
         self.summaries = BucketingSummaries()
         self._forward_inputs: list[str | None] | None = None
+        # The first forward with a backward, before and after its rewrite, until the backward's
+        # hook has chosen the plan ([Note: auto against block]).
+        self._first_forward: tuple[TraceCtx, TraceCtx] | None = None
 
     @staticmethod
     def of(module) -> BucketingTransform | None:
@@ -124,6 +131,11 @@ class BucketingTransform(Transform):
     @property
     def buckets(self) -> list[BucketBuffers]:
         return self.state.buckets
+
+    @property
+    def pool(self) -> BufferPool:
+        """Where the buckets' unsharded buffers come from."""
+        return self.state.pool
 
     @property
     def plans(self) -> list[BucketPlan]:
@@ -187,9 +199,16 @@ class BucketingTransform(Transform):
         plans, self.summaries.plan = plan_module_buckets(module, self.strategy, self.cap_bytes, state.config)
         logger.info("%s", self.summaries.plan)
         numels = {name: unsharded_numel(model._model, name) for name, _ in shards}
-        buckets, self.pool = make_buckets(plans, dict(shards), numels, self.process_group, self.mixed_precision)
+        buckets, state.pool = make_buckets(plans, dict(shards), numels, self.process_group, self.mixed_precision)
         state.buckets, state.bucket_group, state.bucket_plan = buckets, self.process_group, self.summaries.plan
         shared = model._get_shared_names()
+        if self.strategy is BucketingStrategy.AUTO and state.config.tuning.auto_weighs_block_buckets:
+            block_plans, block_summary = plan_module_buckets(module, BucketingStrategy.BLOCK, self.cap_bytes, state.config)
+            if not same_grouping(plans, block_plans):
+                state.plan_alternative = PlanCandidate(block_plans, block_summary, numels, shared, self.mixed_precision)
+        # The mapping the module reads its parameters from: ShardsInPlaceTransform puts the
+        # original parameters there later, pointed at the same shards.
+        state.module_parameters = model._overrides_parameters
         for index, bucket in enumerate(buckets):
             for slot_index, slot in enumerate(bucket.plan.slots):
                 parameter = nn.Parameter(bucket.shard_view(slot_index), requires_grad=bucket.plan.requires_grad)
@@ -203,9 +222,45 @@ class BucketingTransform(Transform):
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         pass_ = Pass.of(computation_trace)
+        state = self.state
         if pass_ is Pass.FORWARD:
             self._forward_inputs = forward_input_names(computation_trace)
+            if state.plan_alternative is not None and TraceTag.AUGMENTED_FORWARD not in computation_trace.tags:
+                state.plan_alternative = None  # an inference compile runs the buckets laid out: they stay
         unsynced = pass_ is Pass.BACKWARD and get_skip_data_parallel_grad_sync()
+        if pass_ is Pass.BACKWARD and self._first_forward is not None:
+            forward_in, forward_out = self._first_forward
+            self._first_forward = None
+            if state.plan_alternative is not None and self._choose_plan(forward_in, computation_trace):
+                redone = self._rewrite(forward_in, Pass.FORWARD, unsynced=False)
+                forward_out.bound_symbols, forward_out.names = redone.bound_symbols, forward_out.names | redone.names
+        rewritten = self._rewrite(computation_trace, pass_, unsynced)
+        if pass_ is Pass.FORWARD and state.plan_alternative is not None:
+            self._first_forward = (computation_trace, rewritten)
+        return rewritten
+
+    def _choose_plan(self, forward: TraceCtx, backward: TraceCtx) -> bool:
+        """[Note: auto against block] where ZeRO3 did not choose it: both plans' steps predicted
+        as the schedule will run them. True where block buckets replaced ``"auto"``'s."""
+        state = self.state
+
+        def step_ms_of(priced: ModelState) -> float:
+            step = priced.bucketed(forward, backward)
+            return predict_step(
+                priced.config,
+                *step,
+                priced.layouts,
+                prefetch_unit_bytes=priced.prefetch_unit_bytes,
+                basis_floor_bytes=priced.regather_all_peak_bytes,
+            ).step_ms
+
+        group = state.agreement_group if state.agreement_group is not None else self.process_group
+        state.agree_settings_once(group)
+        return state.choose_plan(step_ms_of, group)
+
+    def _rewrite(self, computation_trace: TraceCtx, pass_: Pass, unsynced: bool) -> TraceCtx:
+        """``computation_trace`` with its collectives bucketed, recorded in :attr:`summaries`."""
+        self.summaries.plan, self.summaries.plan_choice = self.state.bucket_plan, self.state.plan_choice
         rewritten, summary = rewrite_bucket_collectives(
             computation_trace, self.state.bucket_index(), forward_inputs=self._forward_inputs, accumulate=unsynced
         )

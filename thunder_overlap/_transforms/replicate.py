@@ -33,7 +33,7 @@ from thunder_overlap._analysis.classify import CollectiveKind, classify_trace
 from thunder_overlap._scheduling.orders import with_deletions
 from thunder_overlap._transforms._lookup import transform_of
 
-__all__ = ["ReplicaReduceTransform"]
+__all__ = ["ReplicaReduceTransform", "with_replica_all_reduces"]
 
 _BUCKET_WAIT = "bucket_reduce_scatter_wait"
 
@@ -59,57 +59,62 @@ class ReplicaReduceTransform(Transform):
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         if TraceTag.BACKWARD not in computation_trace.tags:
             return computation_trace
-        annotated = classify_trace(computation_trace, roles_only=True)
-        waits = {
-            id(annotated.nodes[c.wait].bsym)
-            for c in annotated.collectives
-            if c.kind is CollectiveKind.REDUCE_SCATTER and c.wait is not None
-        }
-        if not waits:
-            return computation_trace
-        bsyms: list[BoundSymbol] = []
-        per_parameter = per_bucket = 0
-        with tracectx(computation_trace):
-            for bsym in computation_trace.bound_symbols:
-                # Deletions are regenerated below: the renamed outputs die elsewhere.
-                if bsym.sym.id is prims.PrimIDs.DEL or bsym.sym.name == "clear_mutable_collection":
-                    continue
-                if id(bsym) not in waits:
-                    bsyms.append(bsym)
-                elif bsym.sym.name == _BUCKET_WAIT:
-                    bsyms += self._bucket_all_reduce(bsym)
-                    per_bucket += 1
-                else:
-                    bsyms += self._all_reduce(bsym)
-                    per_parameter += 1
-        rebuilt = from_trace(computation_trace)
-        rebuilt.bound_symbols = bsyms
-        rebuilt = with_deletions(rebuilt, clear_collections=True)
-        rebuilt.set_provenance(TraceProvenance("thunder_overlap: all-reduce across replicas"))
-        self.all_reduces = (per_parameter, per_bucket)
-        return rebuilt
+        rewritten, all_reduces = with_replica_all_reduces(computation_trace, self.replicate_group)
+        if rewritten is not computation_trace:
+            self.all_reduces = all_reduces
+        return rewritten
 
-    @property
-    def _replicas(self) -> float:
-        return float(self.replicate_group.size())
 
-    def _all_reduce(self, wait: BoundSymbol) -> list[BoundSymbol]:
-        reduced = wait.output
-        shard = TensorProxy(like=reduced)
-        future = ops.replica_all_reduce.meta(shard, self.replicate_group, self._replicas)
-        return [
-            wait.from_bsym(output=shard),
-            ops.replica_all_reduce.bind(shard, self.replicate_group, self._replicas, output=future),
-            ops.replica_all_reduce_wait.bind(future, output=reduced),
-        ]
+def with_replica_all_reduces(backward: TraceCtx, replicate_group: dist.ProcessGroup) -> tuple[TraceCtx, tuple[int, int]]:
+    """``backward`` with an all-reduce across ``replicate_group`` after each reduce-scatter's wait
+    (the same trace where it has none), and how many it got (per parameter, per bucket)."""
+    annotated = classify_trace(backward, roles_only=True)
+    waits = {
+        id(annotated.nodes[c.wait].bsym) for c in annotated.collectives if c.kind is CollectiveKind.REDUCE_SCATTER and c.wait is not None
+    }
+    if not waits:
+        return backward, (0, 0)
+    replicas = float(replicate_group.size())
+    bsyms: list[BoundSymbol] = []
+    per_parameter = per_bucket = 0
+    with tracectx(backward):
+        for bsym in backward.bound_symbols:
+            # Deletions are regenerated below: the renamed outputs die elsewhere.
+            if bsym.sym.id is prims.PrimIDs.DEL or bsym.sym.name == "clear_mutable_collection":
+                continue
+            if id(bsym) not in waits:
+                bsyms.append(bsym)
+            elif bsym.sym.name == _BUCKET_WAIT:
+                bsyms += _bucket_all_reduce(bsym, replicate_group, replicas)
+                per_bucket += 1
+            else:
+                bsyms += _all_reduce(bsym, replicate_group, replicas)
+                per_parameter += 1
+    rebuilt = from_trace(backward)
+    rebuilt.bound_symbols = bsyms
+    rebuilt = with_deletions(rebuilt, clear_collections=True)
+    rebuilt.set_provenance(TraceProvenance("thunder_overlap: all-reduce across replicas"))
+    return rebuilt, (per_parameter, per_bucket)
 
-    def _bucket_all_reduce(self, wait: BoundSymbol) -> list[BoundSymbol]:
-        _, bucket, slots = wait.args
-        reduced = tuple(wait.output)
-        shards = [TensorProxy(like=t) for t in reduced]
-        future = ops.bucket_all_reduce.meta(bucket, self.replicate_group, shards, self._replicas)
-        return [
-            wait.from_bsym(output=tuple(shards)),
-            ops.bucket_all_reduce.bind(bucket, self.replicate_group, shards, self._replicas, output=future),
-            ops.bucket_all_reduce_wait.bind(future, bucket, slots, output=reduced),
-        ]
+
+def _all_reduce(wait: BoundSymbol, group: dist.ProcessGroup, replicas: float) -> list[BoundSymbol]:
+    reduced = wait.output
+    shard = TensorProxy(like=reduced)
+    future = ops.replica_all_reduce.meta(shard, group, replicas)
+    return [
+        wait.from_bsym(output=shard),
+        ops.replica_all_reduce.bind(shard, group, replicas, output=future),
+        ops.replica_all_reduce_wait.bind(future, output=reduced),
+    ]
+
+
+def _bucket_all_reduce(wait: BoundSymbol, group: dist.ProcessGroup, replicas: float) -> list[BoundSymbol]:
+    _, bucket, slots = wait.args
+    reduced = tuple(wait.output)
+    shards = [TensorProxy(like=t) for t in reduced]
+    future = ops.bucket_all_reduce.meta(bucket, group, shards, replicas)
+    return [
+        wait.from_bsym(output=tuple(shards)),
+        ops.bucket_all_reduce.bind(bucket, group, shards, replicas, output=future),
+        ops.bucket_all_reduce_wait.bind(future, bucket, slots, output=reduced),
+    ]

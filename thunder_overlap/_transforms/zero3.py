@@ -23,9 +23,9 @@ hides, where that costs no memory, chosen the same way ([Note: ZeRO3 keeps what 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from functools import cache
 
 import torch.distributed as dist
 from thunder.core import prims
@@ -291,128 +291,115 @@ class Zero3Transform(Transform):
 
     def _keeps(self, annotated: AnnotatedTrace) -> Callable[[str], bool] | None:
         """Which saved tensors stay saved: those of the kept units, once chosen."""
-        return None if self.choice is None else _keeping(self._units_of_saved(annotated), self.choice.kept)
+        return None if self.choice is None else _keeping(self._units_of_saved(annotated, self.state), self.choice.kept)
 
-    def _unit_of_input(self, name: str) -> str:
-        """The unit input ``name`` belongs to: its bucket (a bucket is gathered whole), else its
-        block, else the parameter itself."""
-        parameter = self.state.parameter_of_input.get(name, name)
-        bucket = self.state.bucket_of_parameter(parameter)
+    def _unit_of_input(self, name: str, state: ModelState | None = None) -> str:
+        """The unit input ``name`` belongs to under ``state``'s buckets (default: the model's):
+        its bucket (a bucket is gathered whole), else its block, else the parameter itself."""
+        state = state or self.state
+        parameter = state.parameter_of_input.get(name, name)
+        bucket = state.bucket_of_parameter(parameter)
         if bucket is not None:
             return bucket.plan.label
         return self._block_of_parameter.get(parameter, parameter)
 
-    def _block_units(self) -> set[str]:
-        """The units holding a block's parameters."""
-        inputs = self.state.parameter_of_input.items()
-        return {self._unit_of_input(name) for name, parameter in inputs if parameter in self._block_of_parameter}
-
-    def _units_of_saved(self, annotated: AnnotatedTrace) -> dict[str, frozenset[str]]:
+    def _units_of_saved(self, annotated: AnnotatedTrace, state: ModelState) -> dict[str, frozenset[str]]:
         """Saved tensor name -> the units whose gathered parameters it is computed from."""
         units = {}
         for tensor in saved_tensors_of(annotated):
             replayable = _recompute_slice(annotated, tensor.name)[0] is not None
             if replayable or _is_gathered_parameter(annotated, tensor.name):
-                units[tensor.name] = frozenset(self._unit_of_input(s) for s in gathered_shards(annotated, tensor.name))
+                units[tensor.name] = frozenset(self._unit_of_input(s, state) for s in gathered_shards(annotated, tensor.name))
         return units
 
+    def _pricing(self, state: ModelState, annotated: AnnotatedTrace, backward: TraceCtx) -> _Pricing:
+        inputs = state.parameter_of_input.items()
+        block_units = {self._unit_of_input(name, state) for name, parameter in inputs if parameter in self._block_of_parameter}
+        return _Pricing(state, annotated, backward, self._units_of_saved(annotated, state), block_units)
+
+    def _local_choice(self, pricing: _Pricing) -> UnshardingChoice:
+        """This rank's choice under ``pricing``'s buckets, before any agreement."""
+        config = self.state.config
+        if self.selective:
+            return choose_kept_units(pricing.candidates, pricing.unit_bytes, pricing.peak_of, config.memory_budget_bytes, pricing.predict)
+        # Keeping can still cost time where a budget reads memory: kept units hold room the
+        # backward's prefetching would have had ([Note: ZeRO3 keeps what is free]).
+        timed = pricing.predict_free if config.policy.reads_memory else None
+        return choose_free_units(pricing.candidates, pricing.unit_bytes, pricing.peak_of, pricing.block_units, timed)
+
     def _choose(self, backward: TraceCtx) -> RegatherPlan:
-        """Chooses the kept units from both traces' estimates, agrees on them with the other
-        ranks, rewrites the deferred forward in place and returns the backward's plan."""
+        """Chooses the kept units from both traces' estimates (and, for ``"auto"`` buckets, the
+        faster of its plan and block buckets, each with its own choice: [Note: auto against
+        block]), agrees on them with the other ranks, rewrites the deferred forward in place and
+        returns the backward's plan."""
         annotated, forward_out = self._deferred
         self._deferred = None
         state = self.state
-        units = self._units_of_saved(annotated)
-        candidates, unit_bytes = _candidates(annotated, classify_trace(backward), units)
-        layouts = state.layouts
-
-        def plan_for(kept: tuple[str, ...]) -> RegatherPlan:
-            return plan_regather(annotated, _keeping(units, kept))
-
-        @cache
-        def step_for(kept: tuple[str, ...]) -> tuple[TraceCtx, TraceCtx]:
-            """The step's traces with ``kept`` as the bucketing transform will run them (the pool counts)."""
-            plan = plan_for(kept)
-            step = _rewrite_forward(annotated.trace, plan), _rewrite_backward(backward, plan)
-            for trace in step:  # names pricing makes (coalesced launches) stay out of the traces that run
-                trace.names = set(trace.names)
-            return state.bucketed(*step)
-
-        @cache
-        def peak_of(kept: tuple[str, ...]) -> int:
-            return just_in_time_step_peak(*step_for(kept), layouts)
-
-        def predict(kept: tuple[str, ...], basis_floor_bytes: int | None = None) -> StepPrediction:
-            step = step_for(kept)
-            return predict_step(
-                state.config, *step, layouts, prefetch_unit_bytes=state.prefetch_unit_bytes, basis_floor_bytes=basis_floor_bytes
-            )
-
-        def predict_free(kept: tuple[str, ...]) -> StepPrediction:
-            """The step as it runs where ``kept`` is plain ZeRO3's choice: budgets floored at its
-            peak with nothing kept."""
-            return predict(kept, peak_of(()) if kept else None)
-
         exchange = state.config.tuning.check_ranks_agree
         group = state.agreement_group_of(annotated)
         state.agree_settings_once(group)
-        if self.selective:
-            choice = self._within_budget(candidates, unit_bytes, peak_of, predict, group if exchange else None)
+        priced: list[tuple[_Pricing, UnshardingChoice | MemoryBudgetTooSmall]] = []
+
+        def step_ms_of(candidate: ModelState) -> float:
+            pricing = self._pricing(candidate, annotated, backward)
+            try:
+                choice = self._local_choice(pricing)
+            except MemoryBudgetTooSmall as error:
+                priced.append((pricing, error))
+                return math.inf
+            priced.append((pricing, choice))
+            return pricing.step_ms(choice, floored=not self.selective)
+
+        if state.plan_alternative is not None:
+            pricing, choice = priced[1] if state.choose_plan(step_ms_of, group) else priced[0]
         else:
-            # Keeping can still cost time where a budget reads memory: kept units hold room the
-            # backward's prefetching would have had ([Note: ZeRO3 keeps what is free]).
-            timed = predict_free if state.config.policy.reads_memory else None
-            choice = choose_free_units(candidates, unit_bytes, peak_of, self._block_units(), timed)
+            step_ms_of(state)
+            pricing, choice = priced[0]
+        if isinstance(choice, MemoryBudgetTooSmall):
+            if exchange:
+                agreed_prefix(None, group)  # so that the other ranks stop too
+            raise choice
+        if self.selective:
+            choice = self._agreed_within_budget(choice, pricing, group if exchange else None)
+        else:
             if exchange:  # every prefix of each rank's choice is free on it
                 kept = agreed_prefix(choice.kept, group).common
                 if kept != choice.kept:
-                    scheduled = predict_free(kept) if choice.scheduled is not None else None
-                    choice = _narrowed(choice, kept, peak_of(kept), unit_bytes, scheduled)
+                    scheduled = pricing.predict_free(kept) if choice.scheduled is not None else None
+                    choice = _narrowed(choice, kept, pricing.peak_of(kept), pricing.unit_bytes, scheduled)
             if choice.kept:
                 state.regather_all_peak_bytes = choice.zero3_peak_bytes
         self.choice = choice
-        plan = plan_for(choice.kept)
+        plan = pricing.plan_for(choice.kept)
         forward_out.bound_symbols = _rewrite_forward(annotated.trace, plan).bound_symbols
         return plan
 
-    def _within_budget(
-        self,
-        candidates: list[str],
-        unit_bytes: Mapping[str, int],
-        peak_of: Callable[[tuple[str, ...]], int],
-        predict: Callable[[tuple[str, ...]], StepPrediction],
-        group: dist.ProcessGroup | None,
-    ) -> UnshardingChoice:
-        """Sharding "auto"'s choice: the units the budget has room for, agreed with the ranks of
-        ``group`` (None: this rank's own)."""
+    def _agreed_within_budget(self, choice: UnshardingChoice, pricing: _Pricing, group: dist.ProcessGroup | None) -> UnshardingChoice:
+        """Sharding "auto"'s choice, agreed with the ranks of ``group`` (None: this rank's own)."""
+        if group is None:
+            return choice
         budget = self.state.config.memory_budget_bytes
-        try:
-            choice = choose_kept_units(candidates, unit_bytes, peak_of, budget, predict)
-        except MemoryBudgetTooSmall:
-            if group is not None:
-                agreed_prefix(None, group)  # so that the other ranks stop too
-            raise
-        if group is not None:
-            agreement = agreed_prefix(choice.kept, group)
-            if agreement.failed:
+        agreement = agreed_prefix(choice.kept, group)
+        if agreement.failed:
+            raise MemoryBudgetTooSmall(
+                f"thunder_overlap sharding 'auto': ranks {agreement.failed} have no room for ZeRO3 itself, nor for "
+                f"keeping units, under memory_budget_bytes={budget} (their own error names their predicted peaks); "
+                "every rank stops"
+            )
+        if not agreement.unanimous:  # another rank has less room (its own batch shape)
+            kept = agreement.common
+            peak = pricing.peak_of(kept)
+            # Keeping fewer units mostly needs less memory, not always (fewer kept, more re-gathered).
+            over = ranks_where(peak > budget, group)
+            if over:
                 raise MemoryBudgetTooSmall(
-                    f"thunder_overlap sharding 'auto': ranks {agreement.failed} have no room for ZeRO3 itself, nor for "
-                    f"keeping units, under memory_budget_bytes={budget} (their own error names their predicted peaks); "
-                    "every rank stops"
+                    f"thunder_overlap sharding 'auto': the {len(kept)} units every rank has room for are predicted over "
+                    f"memory_budget_bytes={budget} on ranks {over} (this rank: {peak} B); every rank stops. Raise the "
+                    "budget, or give the ranks batches of one shape"
                 )
-            if not agreement.unanimous:  # another rank has less room (its own batch shape)
-                kept = agreement.common
-                peak = peak_of(kept)
-                # Keeping fewer units mostly needs less memory, not always (fewer kept, more re-gathered).
-                over = ranks_where(peak > budget, group)
-                if over:
-                    raise MemoryBudgetTooSmall(
-                        f"thunder_overlap sharding 'auto': the {len(kept)} units every rank has room for are predicted over "
-                        f"memory_budget_bytes={budget} on ranks {over} (this rank: {peak} B); every rank stops. Raise the "
-                        "budget, or give the ranks batches of one shape"
-                    )
-                if kept != choice.kept:
-                    choice = _narrowed(choice, kept, peak, unit_bytes, predict(kept) if choice.scheduled is not None else None)
+            if kept != choice.kept:
+                scheduled = pricing.predict(kept) if choice.scheduled is not None else None
+                choice = _narrowed(choice, kept, peak, pricing.unit_bytes, scheduled)
         return choice
 
     def _unreplayable_message(self, annotated: AnnotatedTrace, plan: RegatherPlan) -> str:
@@ -426,6 +413,58 @@ class Zero3Transform(Transform):
             f"them there, so they would stay unsharded between forward and backward (ZeRO2's memory): "
             f"{'; '.join(problems)}. Use sharding_strategy='zero2' for this model."
         )
+
+
+class _Pricing:
+    """The units of one bucketing (the model's, or a candidate's: [Note: auto against block]) and
+    the step each choice of kept units makes, as the bucketing transform will run it (the pool
+    counts), each peak and step computed once."""
+
+    def __init__(
+        self, state: ModelState, annotated: AnnotatedTrace, backward: TraceCtx, units: dict[str, frozenset[str]], block_units: set[str]
+    ) -> None:
+        self.state, self.annotated, self.backward, self.units, self.block_units = state, annotated, backward, units, block_units
+        self.candidates, self.unit_bytes = _candidates(annotated, classify_trace(backward), units)
+        self._steps: dict[tuple[str, ...], tuple[TraceCtx, TraceCtx]] = {}
+        self._peaks: dict[tuple[str, ...], int] = {}
+
+    def plan_for(self, kept: tuple[str, ...]) -> RegatherPlan:
+        return plan_regather(self.annotated, _keeping(self.units, kept))
+
+    def step_for(self, kept: tuple[str, ...]) -> tuple[TraceCtx, TraceCtx]:
+        if kept not in self._steps:
+            plan = self.plan_for(kept)
+            step = _rewrite_forward(self.annotated.trace, plan), _rewrite_backward(self.backward, plan)
+            for trace in step:  # names pricing makes (coalesced launches) stay out of the traces that run
+                trace.names = set(trace.names)
+            self._steps[kept] = self.state.bucketed(*step)
+        return self._steps[kept]
+
+    def peak_of(self, kept: tuple[str, ...]) -> int:
+        if kept not in self._peaks:
+            self._peaks[kept] = just_in_time_step_peak(*self.step_for(kept), self.state.layouts)
+        return self._peaks[kept]
+
+    def predict(self, kept: tuple[str, ...], basis_floor_bytes: int | None = None) -> StepPrediction:
+        state = self.state
+        return predict_step(
+            state.config,
+            *self.step_for(kept),
+            state.layouts,
+            prefetch_unit_bytes=state.prefetch_unit_bytes,
+            basis_floor_bytes=basis_floor_bytes,
+        )
+
+    def predict_free(self, kept: tuple[str, ...]) -> StepPrediction:
+        """The step as it runs where ``kept`` is plain ZeRO3's choice: budgets floored at its
+        peak with nothing kept."""
+        return self.predict(kept, self.peak_of(()) if kept else None)
+
+    def step_ms(self, choice: UnshardingChoice, *, floored: bool) -> float:
+        """The predicted step of ``choice`` (``floored``: plain ZeRO3's, see :meth:`predict_free`)."""
+        if choice.scheduled is not None:
+            return choice.scheduled.step_ms
+        return (self.predict_free(choice.kept) if floored else self.predict(choice.kept)).step_ms
 
 
 def _narrowed(

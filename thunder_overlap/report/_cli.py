@@ -377,8 +377,12 @@ def _write(args: argparse.Namespace, jm, result, comparison) -> None:
     if args.bucketing is BucketingStrategy.AUTO:
         from thunder_overlap._transforms import BucketingTransform
 
-        # Which buckets the cost model chose for this world size and network, and why.
-        print(BucketingTransform.of(jm).summaries.plan)
+        # Which buckets the cost model chose for this world size and network, and why; and
+        # whether the first compile ran block buckets instead ([Note: auto against block]).
+        summaries = BucketingTransform.of(jm).summaries
+        print(summaries.plan)
+        if summaries.plan_choice is not None:
+            print(summaries.plan_choice)
     if args.steps:
         print(result["forward"].step_table(max_rows=args.steps))
     out = Path(args.out)

@@ -10,6 +10,7 @@ import torch
 
 from thunder_overlap import _ops as ops
 from thunder_overlap._analysis.layout import GatherPath, ReducePath
+from thunder_overlap._bucketing.plan_choice import BucketPlanChoice
 from thunder_overlap._transforms import BucketingTransform
 from thunder_overlap._transforms.zero3 import Zero3Transform
 from thunder_overlap.testing.op_census import COPY_OPS, OpCensus
@@ -77,6 +78,9 @@ class BucketCensus:
     bucket_numels: list[int]
     # Whether every .grad after the step is a view of its bucket's gradient shard.
     grads_are_bucket_views: bool
+    # "auto"'s plan against block buckets at the first compile, where they differed ([Note: auto
+    # against block]).
+    plan_choice: BucketPlanChoice | None = None
 
 
 def _backend_copies_per_reduce_scatter(group) -> int:
@@ -146,4 +150,5 @@ def bucket_census(
         planned_pool_users=[slot.users for slot in planned.slots],
         bucket_numels=[b.gathered_numel() for b in bucketing.buckets],
         grads_are_bucket_views=all(g is not None and g.untyped_storage().data_ptr() in grad_shards for g in grads),
+        plan_choice=bucketing.summaries.plan_choice,
     )
