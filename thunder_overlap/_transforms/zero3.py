@@ -338,23 +338,26 @@ class Zero3Transform(Transform):
         exchange = state.config.tuning.check_ranks_agree
         group = state.agreement_group_of(annotated)
         state.agree_settings_once(group)
+        def local_choice(candidate: ModelState) -> tuple[_Pricing, UnshardingChoice | MemoryBudgetTooSmall]:
+            pricing = self._pricing(candidate, annotated, backward)
+            try:
+                return pricing, self._local_choice(pricing)
+            except MemoryBudgetTooSmall as error:
+                return pricing, error
+
         priced: list[tuple[_Pricing, UnshardingChoice | MemoryBudgetTooSmall]] = []
 
         def step_ms_of(candidate: ModelState) -> float:
-            pricing = self._pricing(candidate, annotated, backward)
-            try:
-                choice = self._local_choice(pricing)
-            except MemoryBudgetTooSmall as error:
-                priced.append((pricing, error))
-                return math.inf
+            pricing, choice = local_choice(candidate)
             priced.append((pricing, choice))
+            if isinstance(choice, MemoryBudgetTooSmall):
+                return math.inf
             return pricing.step_ms(choice, floored=not self.selective)
 
         if state.plan_alternative is not None:
             pricing, choice = priced[1] if state.choose_plan(step_ms_of, group) else priced[0]
         else:
-            step_ms_of(state)
-            pricing, choice = priced[0]
+            pricing, choice = local_choice(state)
         if isinstance(choice, MemoryBudgetTooSmall):
             if exchange:
                 agreed_prefix(None, group)  # so that the other ranks stop too
