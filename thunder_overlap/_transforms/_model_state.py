@@ -26,7 +26,7 @@ from thunder_overlap._bucketing.buffers import BucketBuffers
 from thunder_overlap._bucketing.module_plan import make_buckets
 from thunder_overlap._bucketing.path_choice import PathChoice
 from thunder_overlap._bucketing.plan import BucketPlanSummary
-from thunder_overlap._bucketing.plan_choice import BucketPlanChoice, PlanCandidate
+from thunder_overlap._bucketing.plan_choice import PLANS_TIED, BucketPlanChoice, PlanCandidate
 from thunder_overlap._bucketing.pool import BufferPool
 from thunder_overlap._bucketing.trace_rewrite import BucketIndex, forward_input_names, rewrite_bucket_collectives
 from thunder_overlap._scheduling.dispatch import ScheduledTrace
@@ -197,6 +197,8 @@ class ModelState:
         current = self.bucket_plan.strategy if self.bucket_plan is not None else "current"
         step_ms = [step_ms_of(self), step_ms_of(self.priced_with(alternative))]
         fastest, totals = agreed_fastest(step_ms, group if self.config.tuning.check_ranks_agree else None)
+        if fastest == 0 and totals[0] > totals[1] * (1 - PLANS_TIED):
+            fastest = 1  # a tie within the prediction's error: block buckets, the fewer launches
         self.plan_choice = BucketPlanChoice(
             {current: totals[0], alternative.summary.strategy: totals[1]},
             (current, alternative.summary.strategy)[fastest],

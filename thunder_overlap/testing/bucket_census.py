@@ -10,7 +10,7 @@ import torch
 
 from thunder_overlap import _ops as ops
 from thunder_overlap._analysis.layout import GatherPath, ReducePath
-from thunder_overlap._bucketing.plan_choice import BucketPlanChoice
+from thunder_overlap._bucketing.plan_choice import PLANS_TIED, BucketPlanChoice
 from thunder_overlap._transforms import BucketingTransform
 from thunder_overlap._transforms.zero3 import Zero3Transform
 from thunder_overlap.testing.op_census import COPY_OPS, OpCensus
@@ -152,3 +152,9 @@ def bucket_census(
         grads_are_bucket_views=all(g is not None and g.untyped_storage().data_ptr() in grad_shards for g in grads),
         plan_choice=bucketing.summaries.plan_choice,
     )
+
+
+def expected_plan(choice: BucketPlanChoice) -> str:
+    """The plan a choice between ``"auto"``'s and block buckets must have run, by its predictions:
+    ``"auto"``'s only where faster beyond a tie ([Note: auto against block])."""
+    return "auto" if choice.step_ms["auto"] < choice.step_ms["block"] * (1 - PLANS_TIED) else "block"
