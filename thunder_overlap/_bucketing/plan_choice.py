@@ -17,9 +17,10 @@ from thunder_overlap.options import MixedPrecision
 
 __all__ = ["PLANS_TIED", "BucketPlanChoice", "PlanCandidate", "same_grouping"]
 
-# Predicted steps of the two plans this close are the same step, and block buckets (the fewer
-# launches) run: a compile's prediction leaves out what needs the other ranks, and differed from
-# the step as scheduled by 0.8% (Llama-2-7B x8 at 8 ranks) where the plans were 0.03% apart.
+# Predicted steps of the two plans this close are the same step, and block buckets (the plan
+# "auto" must not lose to) run: a compile's prediction leaves out what needs the other ranks, and
+# differed from the step as scheduled by 0.8% (Llama-2-7B x8 at 8 ranks) where the plans were
+# 0.03% apart.
 PLANS_TIED = 1e-3
 
 

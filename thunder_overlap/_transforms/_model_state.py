@@ -198,7 +198,7 @@ class ModelState:
         step_ms = [step_ms_of(self), step_ms_of(self.priced_with(alternative))]
         fastest, totals = agreed_fastest(step_ms, group if self.config.tuning.check_ranks_agree else None)
         if fastest == 0 and totals[0] > totals[1] * (1 - PLANS_TIED):
-            fastest = 1  # a tie within the prediction's error: block buckets, the fewer launches
+            fastest = 1  # a tie within the prediction's error goes to block buckets, the plan auto must not lose to
         self.plan_choice = BucketPlanChoice(
             {current: totals[0], alternative.summary.strategy: totals[1]},
             (current, alternative.summary.strategy)[fastest],
