@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from thunder_overlap import CostModel, MixedPrecision, OverlapConfig
 from thunder_overlap._analysis.classify import classify_trace
-from thunder_overlap._bucketing.module_plan import make_buckets, unsharded_numel
+from thunder_overlap._bucketing.module_plan import bucket_slots, make_buckets, unsharded_numel
 from thunder_overlap._bucketing.path_choice import choose_bucket_paths
 from thunder_overlap._bucketing.plan import bucket_owner, make_plan
 from thunder_overlap._ops import BUCKETED_ISSUES
@@ -139,7 +139,7 @@ class Search:
         buckets, _ = make_buckets(plans, shard_of, self.numels, state.bucket_group, self.policy)
         if buckets[0].layout.backend.has_bucket_path_choices:
             raise ValueError(f"the search chooses no bucket paths of backend {buckets[0].layout.backend.name!r}; it runs on the fake group")
-        slots = {alias: (i, s) for i, b in enumerate(buckets) for s, slot in enumerate(b.plan.slots) for alias in self.aliases[slot.name]}
+        slots = bucket_slots(buckets, self.aliases)
         # The compile's model state with these buckets: its rewrite (hybrid sharding's all-reduces
         # across the replicas included), as a compile prices a step.
         forward, backward = replace(state, buckets=buckets, bucket_slots=slots).bucketed(self.forward, self.backward)

@@ -76,7 +76,7 @@ def test_the_first_compile_runs_the_plan_it_predicts_faster(sharding, network, c
     assert _simulated_step_ms(jm, cost_model) == pytest.approx(choice.step_ms[chosen], rel=1e-3)
 
 
-def test_tuning_can_keep_autos_plan_and_other_strategies_weigh_nothing():
+def test_tuning_can_keep_autos_plan():
     jm, _ = _traced("zero3", INFINIBAND, auto_weighs_block_buckets=False)
     bucketing = BucketingTransform.of(jm)
     assert bucketing.summaries.plan_choice is None and bucketing.summaries.plan.strategy == "auto"

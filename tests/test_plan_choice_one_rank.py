@@ -19,14 +19,15 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def block_predicted_faster(monkeypatch) -> list[list[float]]:
-    """Every plan choice takes block buckets (the second option); records each one's prices."""
+    """Every plan choice finds block buckets (the second plan priced) twice as fast as it was
+    predicted; records each one's own predictions."""
     priced: list[list[float]] = []
 
-    def block_wins(step_ms, group):
+    def halved_block(step_ms, group):
         priced.append(list(step_ms))
-        return 1, list(step_ms)
+        return [step_ms[0], step_ms[0] / 2]
 
-    monkeypatch.setattr(_model_state, "agreed_fastest", block_wins)
+    monkeypatch.setattr(_model_state, "summed_over_ranks", halved_block)
     return priced
 
 

@@ -32,7 +32,7 @@ from thunder_overlap._scheduling.limits import resolve_limits
 from thunder_overlap.config import OverlapConfig
 from thunder_overlap.options import BucketingStrategy, MixedPrecision
 
-__all__ = ["ModuleBuckets", "make_buckets", "plan_module_buckets"]
+__all__ = ["ModuleBuckets", "bucket_slots", "make_buckets", "plan_module_buckets"]
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,16 @@ def make_buckets(
                     bucket.shard_view(index).copy_(shards[slot.name])
         buckets.append(bucket)
     return buckets, pool
+
+
+def bucket_slots(buckets: list[BucketBuffers], aliases: dict[str, list[str]]) -> dict[str, tuple[int, int]]:
+    """Each parameter's (every one of its ``aliases``') (index into ``buckets``, slot)."""
+    return {
+        alias: (index, slot_index)
+        for index, bucket in enumerate(buckets)
+        for slot_index, slot in enumerate(bucket.plan.slots)
+        for alias in aliases[slot.name]
+    }
 
 
 def unsharded_numel(model: nn.Module, name: str) -> int:

@@ -50,13 +50,13 @@ __all__ = [
     "IssueOrderAgreement",
     "PrefixAgreement",
     "agree_settings",
-    "agreed_fastest",
     "agreed_prefix",
     "agreed_subset",
     "collective_keys",
     "exchange_is_possible",
     "first_differing_value",
     "ranks_where",
+    "summed_over_ranks",
 ]
 
 logger = logging.getLogger(__name__)
@@ -146,16 +146,14 @@ def ranks_where(condition: bool, group: dist.ProcessGroup | None) -> list[int]:
     return [rank for rank, holds in enumerate(gathered) if holds]
 
 
-def agreed_fastest(step_ms: Sequence[float], group: dist.ProcessGroup | None) -> tuple[int, list[float]]:
-    """The index of the option with the least time summed over the ranks of ``group`` (the
-    first of equals) and each option's sum, the same on every rank; this rank's own where there
-    is nobody to ask (one object all-gather). An option a rank cannot run is ``inf`` there."""
-    totals = list(step_ms)
-    if exchange_is_possible(group):
-        gathered: list[list[float] | None] = [None] * group.size()
-        dist.all_gather_object(gathered, totals, group=group)
-        totals = [sum(times) for times in zip(*gathered, strict=True)]
-    return min(range(len(totals)), key=lambda i: (totals[i], i)), totals
+def summed_over_ranks(values: Sequence[float], group: dist.ProcessGroup | None) -> list[float]:
+    """Each of ``values`` summed over the ranks of ``group``, the same on every rank (one object
+    all-gather); this rank's own where there is nobody to ask."""
+    if not exchange_is_possible(group):
+        return list(values)
+    gathered: list[list[float] | None] = [None] * group.size()
+    dist.all_gather_object(gathered, list(values), group=group)
+    return [sum(each) for each in zip(*gathered, strict=True)]
 
 
 @dataclass(frozen=True)

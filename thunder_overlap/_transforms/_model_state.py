@@ -9,6 +9,7 @@ rank agreement, and what the forward's schedule leaves for its backward's.
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -23,14 +24,14 @@ from thunder_overlap._analysis.classify import AnnotatedTrace, parameter_names_o
 from thunder_overlap._analysis.layout import BucketLayout
 from thunder_overlap._analysis.memory_estimate import MemoryEstimate
 from thunder_overlap._bucketing.buffers import BucketBuffers
-from thunder_overlap._bucketing.module_plan import make_buckets
+from thunder_overlap._bucketing.module_plan import bucket_slots, make_buckets
 from thunder_overlap._bucketing.path_choice import PathChoice
 from thunder_overlap._bucketing.plan import BucketPlanSummary
 from thunder_overlap._bucketing.plan_choice import PLANS_TIED, BucketPlanChoice, PlanCandidate
 from thunder_overlap._bucketing.pool import BufferPool
 from thunder_overlap._bucketing.trace_rewrite import BucketIndex, forward_input_names, rewrite_bucket_collectives
 from thunder_overlap._scheduling.dispatch import ScheduledTrace
-from thunder_overlap._scheduling.rank_agreement import IssueOrderAgreement, agree_settings, agreed_fastest
+from thunder_overlap._scheduling.rank_agreement import IssueOrderAgreement, agree_settings, summed_over_ranks
 from thunder_overlap._transforms.replicate import with_replica_all_reduces
 from thunder_overlap.config import OverlapConfig
 
@@ -194,20 +195,20 @@ class ModelState:
         ranks of ``group`` (None: this rank alone) on the faster and adopts it. True where the
         alternative was adopted; once per model, at its first compile with a backward."""
         alternative, self.plan_alternative = self.plan_alternative, None
-        current = self.bucket_plan.strategy if self.bucket_plan is not None else "current"
         step_ms = [step_ms_of(self), step_ms_of(self.priced_with(alternative))]
-        fastest, totals = agreed_fastest(step_ms, group if self.config.tuning.check_ranks_agree else None)
-        if fastest == 0 and totals[0] > totals[1] * (1 - PLANS_TIED):
-            fastest = 1  # a tie within the prediction's error goes to block buckets, the plan auto must not lose to
+        planned_ms, alternative_ms = summed_over_ranks(step_ms, group if self.config.tuning.check_ranks_agree else None)
+        # A tie within the prediction's error goes to block buckets, the plan "auto" must not lose to.
+        adopted = math.isfinite(alternative_ms) and not planned_ms < alternative_ms * (1 - PLANS_TIED)
+        planned, other = self.bucket_plan, alternative.summary
         self.plan_choice = BucketPlanChoice(
-            {current: totals[0], alternative.summary.strategy: totals[1]},
-            (current, alternative.summary.strategy)[fastest],
-            (alternative.summary, self.bucket_plan)[fastest],
+            {planned.strategy: planned_ms, other.strategy: alternative_ms},
+            other.strategy if adopted else planned.strategy,
+            planned if adopted else other,
         )
         logger.info("%s", self.plan_choice)
-        if fastest == 1:
+        if adopted:
             self.adopt(alternative)
-        return fastest == 1
+        return adopted
 
     def priced_with(self, candidate: PlanCandidate) -> ModelState:
         """A copy of this state with ``candidate``'s buckets, on the meta device: for pricing a
@@ -215,7 +216,8 @@ class ModelState:
         buckets, pool = make_buckets(
             candidate.plans, self._shards(), candidate.unsharded_numels, self.bucket_group, candidate.mixed_precision, priced_only=True
         )
-        return replace(self, buckets=buckets, pool=pool, bucket_plan=candidate.summary, bucket_slots=_slots(buckets, candidate))
+        slots = bucket_slots(buckets, candidate.aliases)
+        return replace(self, buckets=buckets, pool=pool, bucket_plan=candidate.summary, bucket_slots=slots)
 
     def adopt(self, candidate: PlanCandidate) -> None:
         """Lays ``candidate``'s buckets out in new flat buffers, with the values the parameters
@@ -224,7 +226,7 @@ class ModelState:
         buckets, pool = make_buckets(
             candidate.plans, self._shards(), candidate.unsharded_numels, self.bucket_group, candidate.mixed_precision
         )
-        slots = _slots(buckets, candidate)
+        slots = bucket_slots(buckets, candidate.aliases)
         for name, (index, slot) in slots.items():
             self.module_parameters[name].data = buckets[index].shard_view(slot)
         self.buckets, self.pool, self.bucket_plan, self.bucket_slots = buckets, pool, candidate.summary, slots
@@ -246,12 +248,3 @@ class ModelState:
             agree_settings(self.settings, self.plan_digest(), group)
             self.settings_agreed = True
 
-
-def _slots(buckets: list[BucketBuffers], candidate: PlanCandidate) -> dict[str, tuple[int, int]]:
-    """Each parameter's (every alias's) (index into ``buckets``, slot)."""
-    return {
-        alias: (index, slot_index)
-        for index, bucket in enumerate(buckets)
-        for slot_index, slot in enumerate(bucket.plan.slots)
-        for alias in candidate.aliases[slot.name]
-    }

@@ -48,7 +48,7 @@ from thunder_overlap._analysis.memory_estimate import estimate_memory
 from thunder_overlap._analysis.passes import Pass
 from thunder_overlap._analysis.pool_slots import SlotPlan
 from thunder_overlap._bucketing.buffers import BucketBuffers
-from thunder_overlap._bucketing.module_plan import ModuleBuckets, make_buckets, plan_module_buckets, unsharded_numel
+from thunder_overlap._bucketing.module_plan import ModuleBuckets, bucket_slots, make_buckets, plan_module_buckets, unsharded_numel
 from thunder_overlap._bucketing.plan import BucketPlan, BucketPlanSummary, bucket_owner
 from thunder_overlap._bucketing.plan_choice import BucketPlanChoice, PlanCandidate, same_grouping
 from thunder_overlap._bucketing.pool import BufferPool
@@ -209,12 +209,12 @@ class BucketingTransform(Transform):
         # The mapping the module reads its parameters from: ShardsInPlaceTransform puts the
         # original parameters there later, pointed at the same shards.
         state.module_parameters = model._overrides_parameters
-        for index, bucket in enumerate(buckets):
+        state.bucket_slots = bucket_slots(buckets, shared)
+        for bucket in buckets:
             for slot_index, slot in enumerate(bucket.plan.slots):
                 parameter = nn.Parameter(bucket.shard_view(slot_index), requires_grad=bucket.plan.requires_grad)
                 for alias in shared[slot.name]:
                     model._overrides_parameters[alias] = parameter
-                    state.bucket_slots[alias] = (index, slot_index)
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
         self.state.record_inputs(prologue_trace, computation_trace)
